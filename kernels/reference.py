@@ -1,0 +1,142 @@
+"""Plain-PyTorch references of every kernel in `pagoda.kernels`.
+
+They define what each kernel computes (the Triton versions are tested against them) and they are
+the engine's CPU path, so they avoid per-token Python loops: attention loops over sequences only
+for prefill rows and handles all decode rows in one batched computation.
+
+Layouts shared by every attention function:
+- KV cache: `[num_blocks, block_size, num_kv_heads, head_dim]`, one tensor for K and one for V.
+- A slot is `block_id * block_size + offset`.
+- The flattened batch: the query tokens of sequence `s` are `q[query_start_loc[s]:query_start_loc[s+1]]`
+  and are the *last* tokens of its context of `seq_lens[s]` tokens (cached prefix + new tokens), so
+  a decode row has one query token and a chunked-prefill row many; attention is causal.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; a negative slot is skipped (graph padding)
+) -> None:
+    """Scatter the new tokens' K and V into their cache slots."""
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[valid].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[valid].to(v_cache.dtype)
+
+
+def _gather_context(
+    cache: torch.Tensor, block_tables: torch.Tensor, num_ctx: int
+) -> torch.Tensor:  # [num_seqs, num_ctx, num_kv_heads, head_dim]
+    block_size = cache.shape[1]
+    num_blocks = math.ceil(num_ctx / block_size)
+    blocks = cache[block_tables[:, :num_blocks].long()]  # [num_seqs, num_blocks, block_size, H, D]
+    return blocks.flatten(1, 2)[:, :num_ctx]
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length including this step's tokens
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, cumulative query lengths
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Causal attention of each sequence's query tokens over its paged context (GQA aware)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+    lens = seq_lens.tolist()
+    starts = query_start_loc.tolist()
+
+    decode_rows = [s for s, n in enumerate(query_lens) if n == 1]
+    if decode_rows:
+        rows = torch.tensor(decode_rows, device=q.device)
+        num_ctx = max(lens[s] for s in decode_rows)
+        k = _gather_context(k_cache, block_tables[rows], num_ctx).float()  # [B, T, Hkv, D]
+        v = _gather_context(v_cache, block_tables[rows], num_ctx).float()
+        token_idx = query_start_loc[rows].long()
+        qd = q[token_idx].float().view(len(decode_rows), num_kv_heads, group, head_dim)
+        scores = torch.einsum("bhgd,bthd->bhgt", qd, k) * scale
+        ctx_len = seq_lens[rows].view(-1, 1, 1, 1)
+        positions = torch.arange(num_ctx, device=q.device).view(1, 1, 1, -1)
+        scores = scores.masked_fill(positions >= ctx_len, float("-inf"))
+        probs = scores.softmax(dim=-1)
+        o = torch.einsum("bhgt,bthd->bhgd", probs, v)
+        out[token_idx] = o.reshape(len(decode_rows), num_heads, head_dim).to(q.dtype)
+
+    for s, n in enumerate(query_lens):
+        if n <= 1:
+            continue
+        ctx = lens[s]
+        k = _gather_context(k_cache, block_tables[s : s + 1], ctx)[0]  # [T, Hkv, D]
+        v = _gather_context(v_cache, block_tables[s : s + 1], ctx)[0]
+        qs = q[starts[s] : starts[s] + n]  # [n, H, D]
+        # Query i sits at position ctx - n + i and sees positions <= that.
+        q_pos = torch.arange(ctx - n, ctx, device=q.device).view(-1, 1)
+        mask = torch.arange(ctx, device=q.device).view(1, -1) <= q_pos  # [n, T]
+        o = F.scaled_dot_product_attention(
+            qs.transpose(0, 1).float(),
+            k.transpose(0, 1).float().repeat_interleave(group, dim=0),
+            v.transpose(0, 1).float().repeat_interleave(group, dim=0),
+            attn_mask=mask,
+            scale=scale,
+        )
+        out[starts[s] : starts[s] + n] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [num_tokens, hidden]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm, with the residual add fused in front when `residual` is given.
+
+    Returns `(normed, x + residual)`; the sum is rounded to x's dtype before the norm, which is
+    computed in float32 (Hugging Face Llama's order of operations, so greedy outputs match).
+    """
+    if residual is not None:
+        x = x + residual
+        residual = x
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype), residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * d] -> [num_tokens, d]
+    """SwiGLU's gate: `silu(x[:, :d]) * x[:, d:]`."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [num_tokens] int64
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated in place
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim] float32: cos in the first half, sin in the second
+) -> None:
+    """Rotary position embedding in the rotate-half (GPT-NeoX / Hugging Face Llama) layout."""
+    half = q.shape[-1] // 2
+    cos_sin = cos_sin_cache[positions]
+    cos = cos_sin[:, :half].unsqueeze(1)
+    sin = cos_sin[:, half:].unsqueeze(1)
+    for x in (q, k):
+        x1, x2 = x[..., :half].float(), x[..., half:].float()
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        x.copy_(rotated.to(x.dtype))

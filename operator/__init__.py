@@ -1,0 +1,1 @@
+"""The Kubernetes operator: InferenceService CRD handlers, GPU discovery, profile selection."""

@@ -1,0 +1,3 @@
+"""Pagoda: GPU-aware LLM inference services on Kubernetes."""
+
+__version__ = "0.1.0"

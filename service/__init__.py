@@ -1,0 +1,1 @@
+"""The serving process: engine, model loading, HTTP and gRPC APIs, metrics."""
