@@ -1,0 +1,1 @@
+"""The engine: requests, KV block manager, scheduler, model runner, sampler, step loop."""

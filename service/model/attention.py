@@ -1,0 +1,55 @@
+"""Paged attention as a model layer: writes this step's K/V into the cache, then attends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagoda import kernels
+
+
+@dataclass
+class AttentionMetadata:
+    """The flattened batch's layout, built once per step by the model runner (tensors on the device)."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64, cache slot of each new token (-1: padding)
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32, context length including this step's tokens
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    max_query_len: int
+    max_seq_len: int
+
+
+class PagedAttention(nn.Module):
+    """Holds no weights; the model runner binds `k_cache`/`v_cache` after allocating the cache."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.k_cache = torch.empty(0)  # [num_blocks, block_size, num_kv_heads, head_dim]
+        self.v_cache = torch.empty(0)
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        kernels.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return kernels.paged_attention(
+            q,
+            self.k_cache,
+            self.v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            self.scale,
+            meta.max_query_len,
+            meta.max_seq_len,
+        )
