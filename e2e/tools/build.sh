@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# Builds the pinned Kubernetes control plane (kube-apiserver, kube-controller-manager, kube-scheduler,
+# kubectl), etcd, kwok and helm from the Go module proxy into a cache outside the clone:
+#   ${PAGODA_CACHE:-~/.cache/pagoda}/k8s/<k8s version>-<hash of the inputs>/bin
+# The `.done` stamp is written last; a second run finds it and builds nothing. The last line of stdout is
+# always the bin directory.
+#
+# PAGODA_K8S_BIN (or KUBEBUILDER_ASSETS, envtest's convention) pointing at a directory that already holds
+# the binaries skips the build: that directory is printed instead.
+set -euo pipefail
+
+K8S_VERSION=v1.36.3
+ETCD_VERSION=v3.6.16 # pinned in etcd/go.mod; here for the cache key and the README
+KWOK_VERSION=v0.8.0
+HELM_VERSION=v3.22.0
+NEEDED=(kube-apiserver kube-controller-manager kube-scheduler kubectl etcd kwok helm)
+
+here=$(cd "$(dirname "$0")" && pwd)
+log() { echo "build.sh: $*" >&2; }
+
+# A user-provided set of binaries wins. KUBEBUILDER_ASSETS (envtest) usually holds only etcd,
+# kube-apiserver and kubectl: accept it only when the whole set is there.
+for var in PAGODA_K8S_BIN KUBEBUILDER_ASSETS; do
+    dir=${!var:-}
+    [[ -n "$dir" ]] || continue
+    missing=()
+    for b in "${NEEDED[@]}"; do [[ -x "$dir/$b" ]] || missing+=("$b"); done
+    if ((${#missing[@]} == 0)); then
+        log "using $var=$dir"
+        echo "$dir"
+        exit 0
+    fi
+    if [[ $var == PAGODA_K8S_BIN ]]; then
+        log "PAGODA_K8S_BIN=$dir lacks: ${missing[*]}"
+        exit 1
+    fi
+    log "KUBEBUILDER_ASSETS=$dir lacks ${missing[*]}; building the full set instead"
+done
+
+key=$(cat "$0" "$here"/kube/go.mod "$here"/kube/go.sum "$here"/etcd/go.mod "$here"/etcd/go.sum \
+    "$here"/etcd/main.go | sha256sum | cut -c1-12)
+cache=${PAGODA_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pagoda}/k8s/$K8S_VERSION-$key
+if [[ -f $cache/.done ]]; then
+    log "cached: $cache"
+    echo "$cache/bin"
+    exit 0
+fi
+
+avail_kb=$(df -Pk "$(go env GOCACHE 2>/dev/null || echo "$HOME")" 2>/dev/null | awk 'NR==2{print $4}' || echo 0)
+if ((avail_kb > 0 && avail_kb < 6 * 1024 * 1024)); then
+    log "only $((avail_kb / 1024)) MiB free: the first build needs about 6 GiB (module and build caches)"
+    exit 1
+fi
+
+export GOTOOLCHAIN=local GOWORK=off CGO_ENABLED=0
+export GOFLAGS=${PAGODA_GOFLAGS:--p=2}
+rm -rf "$cache"
+mkdir -p "$cache/bin.partial"
+out=$cache/bin.partial
+start=$SECONDS
+
+minor=$(echo "$K8S_VERSION" | cut -d. -f2)
+ldf="-s -w"
+for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ldf+=" -X $p.gitVersion=$K8S_VERSION -X $p.gitMajor=1 -X $p.gitMinor=$minor"
+    ldf+=" -X $p.gitTreeState=clean -X $p.buildDate=1970-01-01T00:00:00Z"
+done
+log "kube-apiserver, kube-controller-manager, kube-scheduler, kubectl $K8S_VERSION (one go build)"
+(cd "$here/kube" && go build -mod=readonly -trimpath -ldflags "$ldf" -o "$out/" \
+    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
+    k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl)
+log "  done after $((SECONDS - start))s"
+
+log "etcd $ETCD_VERSION"
+(cd "$here/etcd" && go build -mod=readonly -trimpath -ldflags "-s -w" -o "$out/etcd" .)
+log "  done after $((SECONDS - start))s"
+
+log "kwok $KWOK_VERSION"
+kv=${K8S_VERSION#v}
+GOBIN=$out go install -trimpath \
+    -ldflags "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=${KWOK_VERSION#v} -X sigs.k8s.io/kwok/pkg/consts.KubeVersion=$kv" \
+    "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
+# The bare kwok binary has no built-in stages (kwokctl embeds them): keep kwok's own default stages next
+# to the binaries, read from the module that was just downloaded.
+kwok_src=$(go mod download -json "sigs.k8s.io/kwok@$KWOK_VERSION" |
+    python3 -c 'import json,sys;print(json.load(sys.stdin)["Dir"])')
+mkdir -p "$cache/kwok-stages"
+for s in node/fast node/heartbeat-with-lease pod/fast; do
+    for f in "$kwok_src/kustomize/stage/$s"/*.yaml; do
+        [[ $(basename "$f") == kustomization.yaml ]] && continue
+        cp "$f" "$cache/kwok-stages/${s//\//-}-$(basename "$f")"
+    done
+done
+chmod -R u+w "$cache/kwok-stages"
+log "  done after $((SECONDS - start))s"
+
+log "helm $HELM_VERSION"
+hl="-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION -X helm.sh/helm/v3/internal/version.gitTreeState=clean"
+for p in helm.sh/helm/v3/pkg/lint/rules helm.sh/helm/v3/pkg/chartutil; do
+    hl+=" -X $p.k8sVersionMajor=1 -X $p.k8sVersionMinor=$minor"
+done
+GOBIN=$out go install -trimpath -ldflags "$hl" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+log "  done after $((SECONDS - start))s"
+
+"$out/kube-apiserver" --version >&2
+"$out/etcd" --version | head -1 >&2
+"$out/helm" version --short >&2
+mv "$out" "$cache/bin"
+echo "k8s=$K8S_VERSION etcd=$ETCD_VERSION kwok=$KWOK_VERSION helm=$HELM_VERSION seconds=$((SECONDS - start))" \
+    >"$cache/.done"
+log "built in $((SECONDS - start))s: $cache/bin ($(du -sh "$cache/bin" | cut -f1))"
+echo "$cache/bin"
