@@ -1,0 +1,42 @@
+"""The engine's one frozen configuration, built by the CLI (or the offline `LLM`) and validated there."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Dtype = Literal["auto", "float32", "float16", "bfloat16"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # checkpoint folder or .gguf file; None: the embedded SmolLM2-135M-Instruct
+    served_model_name: str | None = None
+    dtype: Dtype = "auto"  # auto: bf16 on GPUs that have it, else the checkpoint's; float32 on the CPU
+    device: str = "auto"  # auto: cuda if available, else cpu
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048  # the per-step token budget (chunked prefill beyond it)
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9  # fraction of free device memory after the weights for the KV cache
+    kv_cache_memory_bytes: int | None = None  # overrides the fraction; the CPU default is 512 MiB
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        positive = {
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "block_size": self.block_size,
+        }
+        for name, value in positive.items():
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")

@@ -1,0 +1,68 @@
+"""One sequence being generated: its tokens, how many have KV in the cache, and its blocks."""
+
+from __future__ import annotations
+
+import enum
+
+from pagoda.service.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()  # back in the waiting queue, its KV freed; recomputed when rescheduled
+    FINISHED = enum.auto()
+
+
+class Request:
+    """A single sequence. A client request with n > 1 becomes n of these that share the prompt.
+
+    The one scheduling rule: each step computes `num_tokens - num_computed_tokens` more tokens (capped
+    by the token budget); prefill, chunked prefill, decode and recompute after preemption are all that.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        index: int = 0,
+    ) -> None:
+        self.request_id = request_id  # unique per sequence: "<client id>" or "<client id>#<index>"
+        self.index = index  # which of the client's n completions
+        self.params = params
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first schedule
+        self.block_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.arrival_time = arrival_time
+        self.num_preemptions = 0
+        # Siblings (n > 1) wait for this leader to compute the shared prompt, then fork from it.
+        self.pending_forks: list[Request] = []
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def fork_point(self) -> int:
+        """Siblings fork once the leader has computed all prompt tokens but the last, whose logits
+        each sibling computes itself (so each samples its own first token)."""
+        return self.num_prompt_tokens - 1
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, {self.status.name})"
+        )

@@ -1,0 +1,154 @@
+"""Continuous batching: every step, fill a token budget from running requests first, then waiting ones.
+
+One rule for everything: a scheduled request computes `min(num_tokens - num_computed_tokens, budget)`
+tokens. A decode row is 1 token, a prefill row is the prompt, a long prompt is split across steps,
+and a preempted request simply recomputes. When blocks run out, the newest running request is
+preempted (its blocks freed, put back at the head of the queue). No torch here.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagoda.service.engine.block_manager import BlockManager
+from pagoda.service.engine.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """What the model runner computes this step, in batch order."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    copy_ops: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks, before the step
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+    def needs_sample(self, i: int) -> bool:
+        """Whether row `i` reaches the end of its tokens this step, so its next token is sampled."""
+        req = self.requests[i]
+        return req.num_computed_tokens + self.num_scheduled_tokens[i] == req.num_tokens
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def _budget_for(self, req: Request, budget: int) -> int:
+        num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+        if req.pending_forks:
+            num_new = min(num_new, req.fork_point - req.num_computed_tokens)
+        return num_new
+
+    def _fork(self, leader: Request, position: int) -> None:
+        """Siblings join right after the leader, sharing its blocks (copy on write later)."""
+        for offset, child in enumerate(leader.pending_forks, start=1):
+            self.block_manager.fork(leader, child)
+            child.status = RequestStatus.RUNNING
+            self.running.insert(position + offset, child)
+        leader.pending_forks = []
+
+    def _preempt(self, req: Request) -> None:
+        self.block_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            if req.pending_forks and req.num_computed_tokens == req.fork_point:
+                self._fork(req, i)
+            num_new = self._budget_for(req, budget)
+            while not bm.can_allocate(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                out.copy_ops += bm.allocate(req, num_new)
+                out.requests.append(req)
+                out.num_scheduled_tokens.append(num_new)
+                budget -= num_new
+                i += 1
+                continue
+            break  # `req` itself was preempted: nothing newer is left to schedule
+
+        # Admit waiting requests unless this step had to preempt (memory is tight).
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            req = self.waiting[0]
+            num_cached = bm.num_cached_prefix_tokens(req)
+            num_new = min(req.num_tokens - num_cached, budget)
+            if req.pending_forks:
+                num_new = min(num_new, req.fork_point - num_cached)
+            if not bm.can_allocate(req, num_new):
+                break
+            self.waiting.popleft()
+            out.copy_ops += bm.allocate(req, num_new)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            if num_new == 0:  # the cache holds everything up to the fork point
+                self._fork(req, len(self.running) - 1)
+                continue  # the leader and its siblings are scheduled from the next step on
+            out.requests.append(req)
+            out.num_scheduled_tokens.append(num_new)
+            budget -= num_new
+        return out
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance the computed counts after the runner ran `out`; append each sampled token.
+
+        Returns the requests that received a new token, in batch order.
+        """
+        grew = []
+        for req, num_new in zip(out.requests, out.num_scheduled_tokens, strict=True):
+            if req.status is not RequestStatus.RUNNING:
+                continue  # finished (aborted) while the step ran
+            req.num_computed_tokens += num_new
+            self.block_manager.cache_computed_blocks(req)
+            token = sampled.get(req.request_id)
+            if token is not None:
+                req.token_ids.append(token)
+                grew.append(req)
+        return grew
+
+    def finish(self, req: Request) -> None:
+        """Remove `req` wherever it is and free its blocks (done, stopped or aborted)."""
+        if req.status is RequestStatus.FINISHED:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        for child in req.pending_forks:
+            child.status = RequestStatus.FINISHED
+        req.pending_forks = []
+        self.block_manager.free(req)
+        req.status = RequestStatus.FINISHED
