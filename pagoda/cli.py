@@ -11,7 +11,9 @@ import importlib
 import sys
 
 # name -> module implementing it. Listed here only once the subcommand does its job.
-SUBCOMMANDS: dict[str, str] = {}
+SUBCOMMANDS: dict[str, str] = {
+    "profile": "pagoda.operator.cmd_profile",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,255 @@
+"""Profile selection: which GPU, precision and tensor-parallel degree a model runs with. Pure.
+
+The rules, in order:
+- precision `auto` is fp8 where compute capability >= 8.9 (Ada, Hopper, Blackwell), bf16 on 8.x
+  (Ampere), fp16 below; an explicit precision the GPU cannot run rejects that GPU.
+- tensor parallelism stays inside one node: the smallest degree in 1, 2, 4, 8 (at most the node's
+  GPUs, dividing the attention heads) whose GPUs hold the weights, a per-GPU runtime overhead, and a
+  KV reserve: room for 32768 tokens of KV cache (or one `max_model_len` sequence if longer), and never
+  less than 10% of the weight bytes, so a model that only just fits is not chosen with a KV cache too
+  small to batch (70B bf16 on 2 x 80 GB would leave ~10 GiB).
+- with a preference list, the first entry that fits wins; without one, the fitting candidate with the
+  fewest GPUs, then the newest compute capability, then the most memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Literal
+
+from pagoda.operator.catalogue import ModelShape
+from pagoda.operator.gpus import GpuGroup, matches_product
+
+Precision = Literal["auto", "bf16", "fp16", "fp8", "int8"]
+PRECISIONS: tuple[str, ...] = ("auto", "bf16", "fp16", "fp8", "int8")
+TP_DEGREES = (1, 2, 4, 8)
+GIB = 1024**3
+OVERHEAD_BYTES = GIB  # per GPU: CUDA context, activations, CUDA graphs
+KV_RESERVE_TOKENS = 32768
+KV_RESERVE_WEIGHT_FRACTION = 0.10
+DEFAULT_KV_CACHE_FRACTION = 0.9
+
+_WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+# The lowest compute capability that runs each precision's kernels.
+_MIN_CC = {"fp8": (8, 9), "bf16": (8, 0), "fp16": (7, 0), "int8": (7, 5)}
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuPreference:
+    product: str  # matched token-wise: "H100" matches NVIDIA-H100-80GB-HBM3
+    precision: Precision | None = None
+    tensor_parallel_size: int | None = None
+
+    def describe(self) -> str:
+        extra = [
+            x for x in (self.precision, self.tensor_parallel_size and f"TP {self.tensor_parallel_size}") if x
+        ]
+        return self.product + (f" ({', '.join(extra)})" if extra else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileRequest:
+    model: ModelShape
+    precision: Precision = "auto"
+    tensor_parallel_size: int | None = None  # None: the smallest that fits
+    preferences: tuple[GpuPreference, ...] = ()
+    kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION
+    max_model_len: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejection:
+    candidate: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    is_selected: bool
+    reason: str
+    gpu: GpuGroup | None = None
+    precision: str | None = None
+    tensor_parallel_size: int | None = None
+    kv_cache_dtype: str | None = None
+    rejected: tuple[Rejection, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The shape of `status.profile` in the CRD (and of `pagoda profile --output json`)."""
+        out: dict[str, Any] = {"selected": self.is_selected, "reason": self.reason}
+        if self.gpu is not None:
+            out["gpu"] = {
+                "product": self.gpu.product,
+                "computeCapability": self.gpu.cc,
+                "memoryMiB": self.gpu.memory_mib,
+                "count": self.gpu.num_gpus,
+                "nodes": list(self.gpu.node_names),
+            }
+            out |= {
+                "precision": self.precision,
+                "tensorParallelSize": self.tensor_parallel_size,
+                "kvCacheDtype": self.kv_cache_dtype,
+            }
+        out["rejected"] = [{"candidate": r.candidate, "reason": r.reason} for r in self.rejected]
+        return out
+
+
+def auto_precision(cc: tuple[int, int]) -> str:
+    if cc >= (8, 9):
+        return "fp8"
+    return "bf16" if cc >= (8, 0) else "fp16"
+
+
+def kv_cache_dtype(precision: str, cc: tuple[int, int]) -> str:
+    if precision == "fp8":
+        return "fp8"
+    return "bf16" if precision == "bf16" or (precision == "int8" and cc >= (8, 0)) else "fp16"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Need:
+    weight_bytes: int
+    kv_reserve_bytes: int
+
+
+def _need(request: ProfileRequest, precision: str, cc: tuple[int, int]) -> _Need:
+    model = request.model
+    weight_bytes = model.num_params * _WEIGHT_BYTES[precision]
+    kv_dtype_bytes = 1 if kv_cache_dtype(precision, cc) == "fp8" else 2
+    tokens = max(KV_RESERVE_TOKENS, request.max_model_len or 0)
+    kv = max(model.kv_bytes_per_token(kv_dtype_bytes) * tokens, KV_RESERVE_WEIGHT_FRACTION * weight_bytes)
+    return _Need(weight_bytes, int(kv))
+
+
+def _fits(request: ProfileRequest, need: _Need, memory_mib: int, tp: int) -> bool:
+    usable_per_gpu = memory_mib * 1024**2 * request.kv_cache_fraction
+    kv_room = tp * (usable_per_gpu - need.weight_bytes / tp - OVERHEAD_BYTES)
+    return kv_room >= need.kv_reserve_bytes
+
+
+def _smallest_tp(request: ProfileRequest, need: _Need, memory_mib: int, max_gpus: int) -> int | None:
+    for tp in TP_DEGREES:
+        if tp <= max_gpus and request.model.can_split(tp) and _fits(request, need, memory_mib, tp):
+            return tp
+    return None
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / GIB:.1f} GiB"
+
+
+def _evaluate(request: ProfileRequest, group: GpuGroup, pref: GpuPreference | None) -> Decision:
+    """Does the model run on this group, and how; a Decision with is_selected False says why not."""
+    model = request.model
+    wanted = (pref.precision if pref and pref.precision else None) or request.precision
+    precision = auto_precision(group.compute_capability) if wanted == "auto" else wanted
+    if group.compute_capability < _MIN_CC[precision]:
+        need_cc = ".".join(map(str, _MIN_CC[precision]))
+        return Decision(
+            False, f"{precision} needs compute capability >= {need_cc}; {group.product} is {group.cc}"
+        )
+    need = _need(request, precision, group.compute_capability)
+    fixed_tp = (pref.tensor_parallel_size if pref else None) or request.tensor_parallel_size
+    if fixed_tp is not None:
+        if fixed_tp > group.num_gpus:
+            return Decision(
+                False, f"TP {fixed_tp} needs {fixed_tp} GPUs in one node; these have {group.num_gpus}"
+            )
+        if not model.can_split(fixed_tp):
+            heads = model.num_attention_heads
+            return Decision(False, f"TP {fixed_tp} does not divide the model's {heads} attention heads")
+        tp: int | None = fixed_tp if _fits(request, need, group.memory_mib, fixed_tp) else None
+    else:
+        tp = _smallest_tp(request, need, group.memory_mib, group.num_gpus)
+    sizes = f"{_gib(need.weight_bytes)} weights + {_gib(need.kv_reserve_bytes)} KV reserve"
+    if tp is None:
+        at_most = fixed_tp or max(t for t in TP_DEGREES if t <= group.num_gpus)
+        fits = f"{at_most} x {group.product} ({group.memory_gib:.0f} GiB)"
+        return Decision(False, f"{model.size_label} {precision} ({sizes}) does not fit {fits}")
+    why = f"{precision} " + (f"(auto: compute capability {group.cc})" if wanted == "auto" else "(requested)")
+    reason = (
+        f"{model.size_label} {why}, TP {tp}: {sizes} fits {tp} x {group.product} ({group.memory_gib:.0f} GiB)"
+    )
+    return Decision(
+        True,
+        reason,
+        gpu=group,
+        precision=precision,
+        tensor_parallel_size=tp,
+        kv_cache_dtype=kv_cache_dtype(precision, group.compute_capability),
+    )
+
+
+def _rank(decision: Decision) -> tuple[int, tuple[int, int], int]:
+    gpu = decision.gpu
+    assert gpu is not None and decision.tensor_parallel_size is not None  # only fitting decisions
+    return (
+        decision.tensor_parallel_size,
+        (-gpu.compute_capability[0], -gpu.compute_capability[1]),
+        -gpu.memory_mib,
+    )
+
+
+def _nothing_fits(request: ProfileRequest, groups: list[GpuGroup], rejected: list[Rejection]) -> Decision:
+    if not groups:
+        return Decision(
+            False, "no schedulable GPU nodes (none has the nvidia.com/gpu.product label)", rejected=()
+        )
+    largest = max(groups, key=lambda g: (g.num_gpus * g.memory_mib, g.memory_mib))
+    precision = request.precision
+    if precision == "auto":
+        precision = auto_precision(largest.compute_capability)
+    able = [g for g in groups if g.compute_capability >= _MIN_CC[precision]]
+    if not able:
+        newest = max(groups, key=lambda g: g.compute_capability)
+        need_cc = ".".join(map(str, _MIN_CC[precision]))
+        newest_gpu = f"{newest.product} ({newest.cc})"
+        reason = f"{precision} needs compute capability >= {need_cc}; the newest GPU is {newest_gpu}"
+        return Decision(False, reason, rejected=tuple(rejected))
+    widest = max(able, key=lambda g: g.memory_mib)
+    need = _need(request, precision, widest.compute_capability)
+    tp = _smallest_tp(request, need, widest.memory_mib, max(TP_DEGREES))
+    if tp is not None:
+        needs = f"{tp} x {widest.memory_gib:.0f} GiB"
+    else:
+        total = need.weight_bytes + need.kv_reserve_bytes
+        needs = f"{math.ceil(total / GIB)} GiB, more than 8 x {widest.memory_gib:.0f} GiB"
+    reason = (
+        f"{request.model.size_label} {precision} needs {needs}; "
+        f"largest node has {largest.num_gpus} x {largest.memory_gib:.0f} GiB ({largest.product})"
+    )
+    return Decision(False, reason, rejected=tuple(rejected))
+
+
+def select_profile(request: ProfileRequest, groups: list[GpuGroup]) -> Decision:
+    """Choose the GPU group, precision and TP for a model; explain the choice and every rejection."""
+    rejected: list[Rejection] = []
+    if not request.preferences:
+        outcomes = [(g, _evaluate(request, g, None)) for g in groups]
+        fitting = sorted((d for _, d in outcomes if d.is_selected), key=_rank)
+        for group, d in outcomes:
+            if not d.is_selected:
+                rejected.append(Rejection(group.describe(), d.reason))
+        if fitting:
+            best = fitting[0]
+            for other in fitting[1:]:
+                assert other.gpu is not None
+                rejected.append(
+                    Rejection(other.gpu.describe(), f"fits at TP {other.tensor_parallel_size}, ranked lower")
+                )
+            return dataclasses.replace(best, rejected=tuple(rejected))
+        return _nothing_fits(request, groups, rejected)
+
+    for pref in request.preferences:
+        matching = [g for g in groups if matches_product(g.product, pref.product)]
+        if not matching:
+            rejected.append(Rejection(pref.describe(), "no schedulable node has this GPU"))
+            continue
+        outcomes = [(g, _evaluate(request, g, pref)) for g in matching]
+        fitting = sorted((d for _, d in outcomes if d.is_selected), key=_rank)
+        if fitting:
+            best = fitting[0]
+            reason = f"{best.reason}; preference {request.preferences.index(pref) + 1}: {pref.describe()}"
+            return dataclasses.replace(best, reason=reason, rejected=tuple(rejected))
+        rejected.extend(Rejection(g.describe(), d.reason) for g, d in outcomes)
+    return _nothing_fits(request, groups, rejected)

@@ -1,0 +1,231 @@
+"""Profile selection as a table: model x GPUs -> precision, TP, or the reason nothing fits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pagoda.operator.catalogue import catalogue_key, parse_num_params, resolve
+from pagoda.operator.gpus import base_product, gpu_groups, is_schedulable, matches_product
+from pagoda.operator.profile import GpuPreference, ProfileRequest, select_profile
+
+from pagoda.cli import main
+
+# product label, compute capability, memory MiB, GPUs per node: what GPU Feature Discovery reports.
+CATALOGUE = {
+    "H200": ("NVIDIA-H200", (9, 0), 143771, 8),
+    "H100": ("NVIDIA-H100-80GB-HBM3", (9, 0), 81559, 8),
+    "A100-80": ("NVIDIA-A100-SXM4-80GB", (8, 0), 81920, 4),
+    "A100-40": ("NVIDIA-A100-SXM4-40GB", (8, 0), 40960, 8),
+    "L40S": ("NVIDIA-L40S", (8, 9), 46068, 4),
+    "L4": ("NVIDIA-L4", (8, 9), 23034, 1),
+    "T4": ("Tesla-T4", (7, 5), 15360, 1),
+    "B200": ("NVIDIA-B200", (10, 0), 183359, 8),
+}
+
+
+def node(
+    kind: str,
+    name: str | None = None,
+    *,
+    product: str | None = None,
+    allocatable: int | None = None,
+    taints: list | None = None,
+    labels: dict | None = None,
+) -> dict:
+    default_product, (major, minor), memory, count = CATALOGUE[kind]
+    return {
+        "metadata": {
+            "name": name or f"gpu-{kind.lower()}",
+            "labels": {
+                "nvidia.com/gpu.product": product or default_product,
+                "nvidia.com/gpu.family": "whatever",  # never read: cc is the key
+                "nvidia.com/gpu.compute.major": str(major),
+                "nvidia.com/gpu.compute.minor": str(minor),
+                "nvidia.com/gpu.memory": str(memory),
+                "nvidia.com/gpu.count": str(count),
+                **(labels or {}),
+            },
+        },
+        "spec": {"taints": taints or []},
+        "status": {
+            "allocatable": {"nvidia.com/gpu": str(count if allocatable is None else allocatable)},
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }
+
+
+CPU_NODE = {"metadata": {"name": "cpu", "labels": {}}, "status": {"allocatable": {"cpu": "8"}}}
+ALL = [node(kind) for kind in CATALOGUE if kind != "B200"] + [CPU_NODE]
+
+
+def decide(model: str, nodes: list[dict], **kwargs):
+    return select_profile(ProfileRequest(resolve(model), **kwargs), gpu_groups(nodes))
+
+
+@pytest.mark.parametrize(
+    ("model", "kinds", "precision", "want"),
+    [
+        # Llama-3.1-8B: fp8 TP 1 where cc >= 8.9, bf16 on Ampere, does not fit one T4 at fp16.
+        ("llama-3.1-8b", ["H200"], "auto", ("NVIDIA-H200", "fp8", 1)),
+        ("llama-3.1-8b", ["H100"], "auto", ("NVIDIA-H100-80GB-HBM3", "fp8", 1)),
+        ("llama-3.1-8b", ["A100-80"], "auto", ("NVIDIA-A100-SXM4-80GB", "bf16", 1)),
+        ("llama-3.1-8b", ["A100-40"], "auto", ("NVIDIA-A100-SXM4-40GB", "bf16", 1)),
+        ("llama-3.1-8b", ["L40S"], "auto", ("NVIDIA-L40S", "fp8", 1)),
+        ("llama-3.1-8b", ["L4"], "auto", ("NVIDIA-L4", "fp8", 1)),
+        ("llama-3.1-8b", ["B200"], "auto", ("NVIDIA-B200", "fp8", 1)),
+        ("llama-3.1-8b", ["T4"], "auto", "8B fp16 needs 2 x 15 GiB; largest node has 1 x 15 GiB"),
+        ("llama-3.1-8b", ["H100"], "bf16", ("NVIDIA-H100-80GB-HBM3", "bf16", 1)),
+        # Small models fit a T4 in fp16.
+        ("llama-3.2-3b", ["T4"], "auto", ("Tesla-T4", "fp16", 1)),
+        ("llama-3.2-1b", ["T4"], "auto", ("Tesla-T4", "fp16", 1)),
+        ("llama-3.2-1b", ["T4"], "bf16", "bf16 needs compute capability >= 8.0; the newest GPU is Tesla-T4"),
+        # 70B: bf16 needs TP 4 on 80 GB parts, fp8 TP 2; one H200 holds it in fp8.
+        ("llama-3.1-70b", ["H100"], "bf16", ("NVIDIA-H100-80GB-HBM3", "bf16", 4)),
+        ("llama-3.1-70b", ["H100"], "auto", ("NVIDIA-H100-80GB-HBM3", "fp8", 2)),
+        ("llama-3.1-70b", ["H200"], "bf16", ("NVIDIA-H200", "bf16", 2)),
+        ("llama-3.1-70b", ["H200"], "auto", ("NVIDIA-H200", "fp8", 1)),
+        ("llama-3.1-70b", ["A100-80"], "auto", ("NVIDIA-A100-SXM4-80GB", "bf16", 4)),
+        ("llama-3.1-70b", ["A100-40"], "auto", ("NVIDIA-A100-SXM4-40GB", "bf16", 8)),
+        ("llama-3.1-70b", ["L4"], "bf16", "70B bf16 needs 8 x 22 GiB; largest node has 1 x 22 GiB"),
+        ("llama-3.1-70b", ["L4", "T4"], "auto", "70B fp8 needs 4 x 22 GiB; largest node has 1 x 22 GiB"),
+        ("llama-3.1-405b", ["H100"], "bf16", "405B bf16 needs 832 GiB, more than 8 x 80 GiB"),
+        ("llama-3.1-405b", ["H100"], "auto", ("NVIDIA-H100-80GB-HBM3", "fp8", 8)),
+        # No preference: fewest GPUs, then newest compute capability, then most memory.
+        ("llama-3.1-8b", list(CATALOGUE)[:-1], "auto", ("NVIDIA-H200", "fp8", 1)),
+        ("llama-3.1-70b", ["H100", "A100-80", "L40S"], "bf16", ("NVIDIA-H100-80GB-HBM3", "bf16", 4)),
+        ("llama-3.1-8b", [], "auto", "no schedulable GPU nodes"),
+        ("llama-3.1-8b", ["T4"], "fp8", "fp8 needs compute capability >= 8.9; the newest GPU is Tesla-T4"),
+    ],
+)
+def test_profile_table(model: str, kinds: list[str], precision: str, want: tuple | str) -> None:
+    decision = decide(model, [node(k) for k in kinds] + [CPU_NODE], precision=precision)
+    if isinstance(want, str):
+        assert not decision.is_selected
+        assert want in decision.reason
+        return
+    assert decision.is_selected, decision.reason
+    assert decision.gpu is not None
+    assert (decision.gpu.product, decision.precision, decision.tensor_parallel_size) == want
+
+
+def test_preferences_are_followed_in_order() -> None:
+    prefs = (
+        GpuPreference("B200"),  # none in this cluster
+        GpuPreference("A100", tensor_parallel_size=2),
+        GpuPreference("L40S", precision="fp8"),
+    )
+    decision = decide("llama-3.1-8b", ALL, preferences=prefs)
+    assert decision.gpu is not None
+    # Both A100 groups fit at TP 2; the one with more memory wins the tie.
+    assert (decision.gpu.product, decision.precision, decision.tensor_parallel_size) == (
+        "NVIDIA-A100-SXM4-80GB",
+        "bf16",
+        2,
+    )
+    assert "preference 2" in decision.reason
+    assert [r.candidate for r in decision.rejected] == ["B200"]
+
+
+def test_preference_skips_what_does_not_fit_and_explains() -> None:
+    prefs = (GpuPreference("L4"), GpuPreference("T4"), GpuPreference("L40S", precision="fp8"))
+    decision = decide("llama-3.1-70b", ALL, preferences=prefs)
+    assert decision.gpu is not None
+    assert (decision.gpu.product, decision.precision, decision.tensor_parallel_size) == (
+        "NVIDIA-L40S",
+        "fp8",
+        2,
+    )
+    reasons = {r.candidate: r.reason for r in decision.rejected}
+    assert "does not fit 1 x NVIDIA-L4" in reasons["1 x NVIDIA-L4 (22 GiB, cc 8.9)"]
+    assert "does not fit 1 x Tesla-T4" in reasons["1 x Tesla-T4 (15 GiB, cc 7.5)"]
+
+
+def test_fixed_tp_and_precision() -> None:
+    d = decide("llama-3.1-8b", [node("H100")], tensor_parallel_size=2, precision="bf16")
+    assert (d.precision, d.tensor_parallel_size) == ("bf16", 2)
+    d = decide("llama-3.1-8b", [node("L4")], tensor_parallel_size=2)
+    assert not d.is_selected
+    assert "TP 2 needs 2 GPUs in one node; these have 1" in d.rejected[0].reason
+    d = decide("qwen2.5-7b", [node("H100")], tensor_parallel_size=8)  # 28 heads
+    assert "does not divide the model's 28 attention heads" in d.rejected[0].reason
+
+
+def test_long_context_reserves_one_full_sequence() -> None:
+    # 8B bf16 on one L4: 32768 tokens of KV fit, one 131072-token sequence (16 GiB) does not.
+    assert decide("llama-3.1-8b", [node("L4")], precision="bf16").is_selected
+    d = decide("llama-3.1-8b", [node("L4")], precision="bf16", max_model_len=131072)
+    assert not d.is_selected
+
+
+@pytest.mark.parametrize(
+    "product",
+    ["NVIDIA-A100-SXM4-40GB-SHARED", "NVIDIA-A100-SXM4-40GB-MIG-3g.20gb", "NVIDIA-A100-SXM4-40GB"],
+)
+def test_product_suffixes_are_tolerated(product: str) -> None:
+    groups = gpu_groups([node("A100-40", product=product, allocatable=16 if "SHARED" in product else None)])
+    assert len(groups) == 1
+    assert groups[0].product == "NVIDIA-A100-SXM4-40GB"
+    assert groups[0].labels == (product,)  # node affinity matches the raw label
+    assert groups[0].num_gpus == 8  # time-slicing replicas are not GPUs
+    d = select_profile(ProfileRequest(resolve("llama-3.1-8b"), preferences=(GpuPreference("A100"),)), groups)
+    assert d.is_selected
+
+
+def test_product_matching_is_token_wise() -> None:
+    assert matches_product("NVIDIA-H100-80GB-HBM3", "H100")
+    assert matches_product("NVIDIA-A100-SXM4-80GB-MIG-1g.10gb", "a100-80gb")
+    assert not matches_product("NVIDIA-A100-SXM4-80GB", "A10")
+    assert base_product("NVIDIA-H100-80GB-HBM3-SHARED") == "NVIDIA-H100-80GB-HBM3"
+
+
+def test_unschedulable_nodes_are_not_candidates() -> None:
+    cordoned = node("H200", "cordoned")
+    cordoned["spec"]["unschedulable"] = True
+    tainted = node(
+        "H100", "tainted", taints=[{"key": "dedicated", "value": "training", "effect": "NoSchedule"}]
+    )
+    gpu_tainted = node("L4", "gpu-tainted", taints=[{"key": "nvidia.com/gpu", "effect": "NoSchedule"}])
+    assert [g.product for g in gpu_groups([cordoned, tainted, gpu_tainted])] == ["NVIDIA-L4"]
+    toleration = {"key": "dedicated", "operator": "Equal", "value": "training", "effect": "NoSchedule"}
+    assert is_schedulable(tainted, [toleration])
+    assert [g.product for g in gpu_groups([tainted], tolerations=[toleration])] == ["NVIDIA-H100-80GB-HBM3"]
+
+
+def test_node_selector_narrows_candidates() -> None:
+    nodes = [node("H100", labels={"pool": "a"}), node("L4", labels={"pool": "b"})]
+    assert [g.product for g in gpu_groups(nodes, node_selector={"pool": "b"})] == ["NVIDIA-L4"]
+
+
+def test_catalogue_names_and_sizes() -> None:
+    assert catalogue_key("meta-llama/Llama-3.1-8B-Instruct") == "llama-3.1-8b"
+    assert parse_num_params("135M") == 135_000_000
+    assert parse_num_params("1.5B") == 1_500_000_000
+    custom = resolve("my-org/custom-model", "13B")
+    assert (custom.num_params, custom.size_label, custom.num_attention_heads) == (13_000_000_000, "13B", 0)
+    with pytest.raises(ValueError, match="not in the built-in catalogue"):
+        resolve("my-org/custom-model")
+    with pytest.raises(ValueError, match="expected a parameter count"):
+        parse_num_params("lots")
+
+
+def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["profile", "--model", "llama-3.1-70b", "--gpu", "NVIDIA-H100-80GB-HBM3", "--count", "8"])
+    assert rc == 0
+    assert "tp         2" in capsys.readouterr().out
+    rc = main(["profile", "--model", "llama-3.1-8b", "--gpu", "T4", "--output", "json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 1
+    assert out["selected"] is False
+    assert out["reason"].startswith("8B fp16 needs 2 x 15 GiB")
+    assert out["rejected"]
+    rc = main(["profile", "--model", "x", "--parameters", "7B", "--gpu", "RTX-9999", "--output", "json"])
+    assert rc == 2
+    rc = main(
+        ["profile", "--model", "x", "--parameters", "7B", "--gpu", "RTX-9999", "--compute-capability", "8.9"]
+    )
+    assert rc == 2
+    args = ["--compute-capability", "8.9", "--memory-mib", "24564", "--output", "json"]
+    rc = main(["profile", "--model", "x", "--parameters", "7B", "--gpu", "RTX-9999", *args])
+    assert rc == 0
+    assert json.loads(capsys.readouterr().out)["precision"] == "fp8"
