@@ -1,0 +1,287 @@
+"""The synchronous engine: admit requests, run steps, turn new tokens into text and outputs.
+
+One client request (possibly n > 1 completions) maps to n `Request` sequences; the first is the
+leader that computes the shared prompt, the others fork from it. Stop strings are checked on the
+detokenized text; text that might be the start of a stop string is held back until it cannot be.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+from pagoda.service.engine.block_manager import BlockManager
+from pagoda.service.engine.config import EngineConfig
+from pagoda.service.engine.model_runner import ModelRunner
+from pagoda.service.engine.request import Request
+from pagoda.service.engine.sampler import SampleResult
+from pagoda.service.engine.scheduler import Scheduler
+from pagoda.service.model import default_model_path, load_tokenizer
+from pagoda.service.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprob
+from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
+from pagoda.service.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    kv_cache_usage: float
+    num_kv_blocks: int
+    block_size: int
+    num_preemptions_total: int
+    prefix_cache_queries_total: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits_total: int  # of which found
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+@dataclass
+class _Completion:
+    seq: Request
+    detokenizer: IncrementalDetokenizer
+    text: str = ""  # stop-checked text so far
+    num_emitted_chars: int = 0
+    num_emitted_tokens: int = 0
+    logprobs: list[Logprob] | None = None
+    num_emitted_logprobs: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class _ClientRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    completions: list[_Completion]
+    metrics: RequestMetrics
+    delivered_final: bool = False
+    touched: bool = field(default=False)  # changed this step
+
+
+def _held_back(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that begins some stop string."""
+    hold = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), hold, -1):
+            if text.endswith(stop[:k]):
+                hold = k
+                break
+    return hold
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_path = str(config.model) if config.model else str(default_model_path())
+        self.tokenizer: Tokenizer = load_tokenizer(model_path)
+        self.runner = ModelRunner(config, model_path, self.tokenizer.eos_token_ids)
+        mc = self.runner.model_config
+        limit = config.max_model_len or mc.max_position_embeddings
+        self.max_model_len = min(limit, self.runner.kv.num_tokens)
+        if self.max_model_len < limit:
+            logger.warning("max_model_len clamped to %d: the KV cache holds no more", self.max_model_len)
+        self.model_name = config.served_model_name or model_path.rstrip("/").split("/")[-1]
+        self.block_manager = BlockManager(self.runner.kv.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self._requests: dict[str, _ClientRequest] = {}
+        self._seq_owner: dict[str, _ClientRequest] = {}
+        self._ids = itertools.count()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    # ---- admission -----------------------------------------------------------------------------
+
+    def validate(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """Check the request and tokenize it; raise `InvalidRequestError` before it touches anything."""
+        params.validate()
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+            vocab = self.runner.model_config.vocab_size
+            bad = [t for t in token_ids if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"token ids out of range [0, {vocab}): {bad[:5]}", param="prompt")
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        room = self.max_model_len - len(token_ids)
+        if room < 1:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
+                f"{len(token_ids)} tokens; shorten the prompt",
+                param="prompt",
+            )
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(token_ids)} tokens and max_tokens is {params.max_tokens} (at most {room} fit)",
+                param="max_tokens",
+            )
+        return token_ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        validated_token_ids: list[int] | None = None,
+    ) -> None:
+        """Queue a request. `validated_token_ids`: the result of an earlier `validate(prompt, params)`."""
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        token_ids = validated_token_ids if validated_token_ids is not None else self.validate(prompt, params)
+        now = time.monotonic() if arrival_time is None else arrival_time
+        seqs = [
+            Request(f"{request_id}#{i}", token_ids, params, now, index=i) for i in range(params.n)
+        ]
+        seqs[0].pending_forks = seqs[1:]
+        client = _ClientRequest(
+            request_id,
+            prompt if isinstance(prompt, str) else None,
+            token_ids,
+            params,
+            [
+                _Completion(s, IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens))
+                for s in seqs
+            ],
+            RequestMetrics(arrival_time=now),
+        )
+        if params.logprobs is not None:
+            for c in client.completions:
+                c.logprobs = []
+        self._requests[request_id] = client
+        for s in seqs:
+            self._seq_owner[s.request_id] = client
+        self.scheduler.add(seqs[0])
+        self.prompt_tokens_total += len(token_ids)
+
+    def abort(self, request_id: str) -> None:
+        client = self._requests.pop(request_id, None)
+        if client is None:
+            return
+        for c in client.completions:
+            self.scheduler.finish(c.seq)
+            self._seq_owner.pop(c.seq.request_id, None)
+
+    # ---- stepping ------------------------------------------------------------------------------
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return an output for every client request that changed."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        now = time.monotonic()
+        for req in out.requests:
+            client = self._seq_owner[req.request_id]
+            if client.metrics.scheduled_time is None:
+                client.metrics.scheduled_time = now
+        sampled = self.runner.execute(out)
+        grew = self.scheduler.update(out, {k: v.token_id for k, v in sampled.items()})
+        now = time.monotonic()
+        touched: list[_ClientRequest] = []
+        for seq in grew:
+            client = self._seq_owner[seq.request_id]
+            self._process_token(client, client.completions[seq.index], sampled[seq.request_id], now)
+            if not client.touched:
+                client.touched = True
+                touched.append(client)
+        results = []
+        for client in touched:
+            client.touched = False
+            results.append(self._make_output(client, now))
+        return results
+
+    def _process_token(self, client: _ClientRequest, c: _Completion, sample: SampleResult, now: float) -> None:
+        seq, params = c.seq, client.params
+        token = seq.token_ids[-1]
+        self.generation_tokens_total += 1
+        m = client.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+            m.num_cached_tokens = seq.num_cached_tokens
+        m.last_token_time = now
+        if c.logprobs is not None and sample.logprob is not None:
+            top = [TokenLogprob(t, self.tokenizer.id_to_token(t), lp) for t, lp in sample.top or []]
+            c.logprobs.append(Logprob(token, self.tokenizer.id_to_token(token), sample.logprob, top))
+
+        is_eos = token in self.tokenizer.eos_token_ids and not params.ignore_eos
+        if is_eos or token in params.stop_token_ids:
+            c.finish_reason, c.stop_reason = "stop", (None if is_eos else token)
+        else:
+            c.text += c.detokenizer.push([token])
+            if params.stop:
+                start = max(0, c.num_emitted_chars - max(len(s) for s in params.stop))
+                found = [(i, s) for s in params.stop if (i := c.text.find(s, start)) != -1]
+                if found:
+                    index, stop = min(found)
+                    c.text = c.text[:index]
+                    c.finish_reason, c.stop_reason = "stop", stop
+        if c.finish_reason is None and (
+            (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens)
+            or seq.num_tokens >= self.max_model_len
+        ):
+            c.finish_reason = "length"
+        if c.finish_reason is not None:
+            if c.stop_reason is None or isinstance(c.stop_reason, int):
+                c.text += c.detokenizer.flush()
+            self.scheduler.finish(seq)
+
+    def _make_output(self, client: _ClientRequest, now: float) -> RequestOutput:
+        outputs = []
+        for c in client.completions:
+            done = c.finish_reason is not None
+            visible = len(c.text) if done else len(c.text) - _held_back(c.text, client.params.stop)
+            visible = max(visible, c.num_emitted_chars)
+            token_ids = c.seq.output_token_ids
+            outputs.append(
+                CompletionOutput(
+                    index=c.seq.index,
+                    text=c.text[:visible],
+                    token_ids=list(token_ids),
+                    text_delta=c.text[c.num_emitted_chars : visible],
+                    token_ids_delta=token_ids[c.num_emitted_tokens :],
+                    logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                    logprobs_delta=c.logprobs[c.num_emitted_logprobs :] if c.logprobs is not None else None,
+                    finish_reason=c.finish_reason,  # type: ignore[arg-type]
+                    stop_reason=c.stop_reason,
+                )
+            )
+            c.num_emitted_chars = visible
+            c.num_emitted_tokens = len(token_ids)
+            c.num_emitted_logprobs = len(c.logprobs) if c.logprobs is not None else 0
+        finished = all(c.finish_reason is not None for c in client.completions)
+        if finished:
+            client.metrics.finished_time = now
+            self._requests.pop(client.request_id, None)
+            for c in client.completions:
+                self._seq_owner.pop(c.seq.request_id, None)
+        return RequestOutput(
+            client.request_id, client.prompt_token_ids, outputs, finished, client.metrics, client.prompt
+        )
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            kv_cache_usage=bm.usage,
+            num_kv_blocks=bm.num_blocks,
+            block_size=bm.block_size,
+            num_preemptions_total=self.scheduler.num_preemptions,
+            prefix_cache_queries_total=bm.prefix_queries_tokens,
+            prefix_cache_hits_total=bm.prefix_hits_tokens,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+        )

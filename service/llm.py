@@ -1,0 +1,62 @@
+"""The offline API, in the spirit of vLLM's: `LLM(model).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pagoda.service.engine.config import EngineConfig
+from pagoda.service.engine.llm_engine import LLMEngine
+from pagoda.service.outputs import RequestOutput
+from pagoda.service.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        """`model`: a checkpoint folder or .gguf file (None: the embedded SmolLM2). `engine_args`: the
+        fields of `EngineConfig`."""
+        fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(engine_args) - fields)
+        if unknown:
+            raise ValueError(f"unknown engine arguments {unknown}; known: {sorted(fields)}")
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, batched; outputs come back in the prompts' order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        if params is None:
+            params = SamplingParams()
+        param_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(param_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(param_list)} sampling params")
+        # Validate everything before queueing anything.
+        token_ids = [self.engine.validate(p, sp) for p, sp in zip(prompts, param_list, strict=True)]
+        ids = [f"offline-{i}" for i in range(len(prompts))]
+        for rid, prompt, sp, toks in zip(ids, prompts, param_list, token_ids, strict=True):
+            self.engine.add_request(rid, prompt, sp, validated_token_ids=toks)  # type: ignore[arg-type]
+        final: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished:
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+    def chat(
+        self, messages: list[dict[str, str]] | list[list[dict[str, str]]], params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        # The template already holds the special tokens: encode without adding them again.
+        prompts = [
+            self.tokenizer.encode(self.tokenizer.apply_chat_template(c), add_special_tokens=False)
+            for c in conversations
+        ]
+        return self.generate(prompts, params)

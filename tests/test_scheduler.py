@@ -1,0 +1,82 @@
+"""The scheduler on its own (no model): token budget, chunked prefill, preemption, n > 1 forks."""
+
+from __future__ import annotations
+
+from pagoda.service.engine.block_manager import BlockManager
+from pagoda.service.engine.request import Request, RequestStatus
+from pagoda.service.engine.scheduler import Scheduler
+from pagoda.service.sampling_params import SamplingParams
+
+
+def make(n_tokens: int, rid: str, start: int = 0) -> Request:
+    return Request(rid, list(range(start, start + n_tokens)), SamplingParams(), arrival_time=0.0)
+
+
+def run_step(sched: Scheduler, next_token: int = 7) -> dict[str, int]:
+    out = sched.schedule()
+    sampled = {r.request_id: next_token for i, r in enumerate(out.requests) if out.needs_sample(i)}
+    sched.update(out, sampled)
+    return dict(zip([r.request_id for r in out.requests], out.num_scheduled_tokens, strict=True))
+
+
+def test_one_rule_prefill_chunks_then_decode() -> None:
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=10)
+    sched.add(make(25, "long"))
+    assert run_step(sched) == {"long": 10}
+    assert run_step(sched) == {"long": 10}
+    assert run_step(sched) == {"long": 5}  # the last chunk samples the first token
+    assert sched.running[0].num_tokens == 26
+    assert run_step(sched) == {"long": 1}  # decode
+
+
+def test_budget_and_sequence_cap() -> None:
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=100)
+    for i in range(3):
+        sched.add(make(5, f"r{i}", start=10 * i))
+    assert run_step(sched) == {"r0": 5, "r1": 5}
+    assert len(sched.waiting) == 1
+    sched.finish(sched.running[0])
+    assert run_step(sched) == {"r1": 1, "r2": 5}  # the freed slot is reused at once
+
+
+def test_preempts_newest_and_recomputes() -> None:
+    bm = BlockManager(6, 4)  # 24 token slots
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=100)
+    sched.add(make(8, "old"))
+    sched.add(make(8, "new", start=100))
+    run_step(sched)
+    for _ in range(8):
+        run_step(sched)
+    assert sched.num_preemptions >= 1
+    victim = next(r for r in [*sched.waiting, *sched.running] if r.request_id == "new")
+    assert victim.num_preemptions >= 1
+    old = next(r for r in sched.running if r.request_id == "old")
+    assert old.num_output_tokens == 9  # the oldest kept decoding
+    sched.finish(old)
+    num_tokens = victim.num_tokens
+    steps = run_step(sched)
+    # It recomputes prompt + outputs (less what its own freed blocks still hold), then samples.
+    assert victim.num_computed_tokens == num_tokens and victim.num_tokens == num_tokens + 1
+    assert steps["new"] == num_tokens - victim.num_cached_tokens
+    assert victim.num_cached_tokens % 4 == 0 and victim.num_cached_tokens < num_tokens
+    for r in [*sched.running, *sched.waiting]:
+        sched.finish(r)
+    assert bm.num_free_blocks == 6
+
+
+def test_fork_shares_prompt_blocks() -> None:
+    bm = BlockManager(32, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    leader = make(10, "x#0")
+    children = [make(10, f"x#{i}") for i in (1, 2)]
+    leader.pending_forks = children
+    sched.add(leader)
+    assert run_step(sched) == {"x#0": 9}  # stops before the last prompt token
+    assert run_step(sched) == {"x#0": 1, "x#1": 1, "x#2": 1}  # each computes it and samples
+    assert all(r.status is RequestStatus.RUNNING and r.num_tokens == 11 for r in [leader, *children])
+    # The first two blocks are shared three ways; the third was copied on write.
+    assert leader.block_ids[:2] == children[0].block_ids[:2] == children[1].block_ids[:2]
+    assert len({leader.block_ids[2], children[0].block_ids[2], children[1].block_ids[2]}) == 3
+    for r in [leader, *children]:
+        sched.finish(r)
+    assert bm.num_free_blocks == 32
