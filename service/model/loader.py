@@ -1,0 +1,205 @@
+"""Weights from a Hugging Face checkpoint folder or a GGUF file into `LlamaForCausalLM`.
+
+Both sources are reduced to one question, "the tensor Hugging Face calls NAME, or None", and one
+assembly step maps our parameters to those names, concatenating q/k/v and gate/up. The model is
+built on the meta device, so no memory is spent on random initial weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pagoda.service.model.config import ModelConfig
+from pagoda.service.model.llama import LlamaForCausalLM
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+DType = torch.dtype | Literal["auto"]
+TensorSource = Callable[[str], torch.Tensor | None]
+
+# Our merged parameters -> the Hugging Face tensors concatenated (dim 0) to make them.
+_MERGED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def load_model(path: str | Path, dtype: DType = "auto", device: str | torch.device = "cpu"):
+    """`(model, config)` from a checkpoint folder or a `.gguf` file."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model not found: {path}")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"a model file must be a .gguf file, got {path}")
+        return load_gguf(path, dtype, device)
+    return load_hf_folder(path, dtype, device)
+
+
+def load_hf_folder(
+    folder: Path, dtype: DType = "auto", device: str | torch.device = "cpu"
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    from safetensors import safe_open
+
+    config = ModelConfig.from_folder(folder)
+    index_path = folder / "model.safetensors.index.json"
+    if index_path.is_file():
+        weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+    else:
+        single = folder / "model.safetensors"
+        if not single.is_file():
+            raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {folder}")
+        with safe_open(single, framework="pt") as f:
+            weight_map = dict.fromkeys(f.keys(), single.name)
+    for file_name in sorted(set(weight_map.values())):
+        if not (folder / file_name).is_file():
+            raise FileNotFoundError(f"checkpoint shard not found: {folder / file_name}")
+    if "lm_head.weight" not in weight_map:
+        config = dataclasses.replace(config, tie_word_embeddings=True)
+
+    with ExitStack() as stack:
+        handles = {
+            name: stack.enter_context(safe_open(folder / name, framework="pt"))
+            for name in sorted(set(weight_map.values()))
+        }
+
+        def get(name: str) -> torch.Tensor | None:
+            file_name = weight_map.get(name)
+            return None if file_name is None else handles[file_name].get_tensor(name)
+
+        model = build_model(config, get, _resolve_dtype(dtype, config), device, source=str(folder))
+    return model, config
+
+
+def load_gguf(
+    path: Path, dtype: DType = "auto", device: str | torch.device = "cpu"
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Dequantize every tensor on load; undo llama.cpp's q/k row permutation as transformers does."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    meta = {
+        key: field.contents()
+        for key, field in reader.fields.items()
+        if not field.types or field.types[0] != gguf.GGUFValueType.ARRAY
+    }
+    tensors = {t.name: t for t in reader.tensors}
+    file_type = meta.get("general.file_type")
+    # "auto" keeps a float16/bfloat16 file's dtype; quantized weights dequantize exactly to float32.
+    checkpoint_dtype = {1: torch.float16, 32: torch.bfloat16}.get(file_type, torch.float32)
+    vocab_size = len(reader.fields["tokenizer.ggml.tokens"].data)
+    config = ModelConfig.from_gguf_metadata(meta, vocab_size, "output.weight" in tensors, checkpoint_dtype)
+    arch = meta["general.architecture"]
+    hf_to_gguf = {_gguf_to_hf(name): name for name in tensors}
+
+    def get(name: str) -> torch.Tensor | None:
+        gguf_name = hf_to_gguf.get(name)
+        if gguf_name is None:
+            return None
+        tensor = tensors[gguf_name]
+        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        weights = torch.from_numpy(weights.copy()).view(*reversed([int(n) for n in tensor.shape]))
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            weights = _reverse_permute(weights, heads)
+        return weights
+
+    model = build_model(config, get, _resolve_dtype(dtype, config), device, source=str(path))
+    return model, config
+
+
+def build_model(
+    config: ModelConfig, get: TensorSource, dtype: torch.dtype, device: str | torch.device, source: str
+) -> LlamaForCausalLM:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.cos_sin_cache = model.cos_sin_cache.to(device)
+    for name, _ in list(model.named_parameters()):
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        weight = _assemble(name, get, source)
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        expected = tuple(getattr(owner, attr).shape)
+        if tuple(weight.shape) != expected:
+            raise ValueError(
+                f"{source}: tensor for {name} has shape {tuple(weight.shape)}, expected {expected}"
+            )
+        setattr(owner, attr, nn.Parameter(weight.to(device=device, dtype=dtype), requires_grad=False))
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    logger.info(
+        "loaded %s: %d layers, hidden %d, %s on %s",
+        source,
+        config.num_hidden_layers,
+        config.hidden_size,
+        dtype,
+        device,
+    )
+    return model.eval()
+
+
+def _assemble(name: str, get: TensorSource, source: str) -> torch.Tensor:
+    prefix, _, suffix = name.rpartition(".")  # suffix: weight / bias
+    for merged, parts in _MERGED.items():
+        if prefix.endswith(merged):
+            base = prefix[: -len(merged)]
+            names = [f"{base}{part}.{suffix}" for part in parts]
+            break
+    else:
+        names = [name]
+    tensors = [get(n) for n in names]
+    missing = [n for n, t in zip(names, tensors, strict=True) if t is None]
+    if missing:
+        raise ValueError(f"{source}: checkpoint has no tensor {missing[0]!r}")
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+
+
+def _resolve_dtype(dtype: DType, config: ModelConfig) -> torch.dtype:
+    if dtype == "auto":
+        return config.torch_dtype
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype must be a torch.dtype or 'auto', got {dtype!r}")
+    return dtype
+
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+def _gguf_to_hf(name: str) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; unknown names pass through."""
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    if match and match.group(2) in _GGUF_LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_GGUF_LAYER_NAMES[match.group(2)]}.{match.group(3)}"
+    base, _, suffix = name.rpartition(".")
+    return f"{_GGUF_GLOBAL_NAMES[base]}.{suffix}" if base in _GGUF_GLOBAL_NAMES else name
+
+
+def _reverse_permute(weights: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's `permute` (interleaved rope halves -> rotate-half), as transformers does."""
+    dim = weights.shape[0] // num_heads // 2
+    return weights.reshape(num_heads, dim, 2, *weights.shape[1:]).swapaxes(2, 1).reshape(weights.shape)

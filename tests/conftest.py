@@ -1,0 +1,152 @@
+"""Shared fixtures: tiny random-weight Hugging Face checkpoints built with transformers.
+
+Each checkpoint folder has `config.json`, `*.safetensors`, `generation_config.json`,
+`tokenizer.json` and `tokenizer_config.json` (SmolLM2's byte-level BPE, 49152 tokens, with its chat
+template), so it loads exactly like a real one. Hidden size 64 keeps each model a few MB.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+VOCAB_SIZE = 49152  # SmolLM2's tokenizer
+BOS_ID, EOS_ID = 1, 2
+_COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    bos_token_id=BOS_ID,
+    eos_token_id=EOS_ID,
+    # Wider than the default 0.02 so random logits are decisive and greedy choices are not near-ties.
+    initializer_range=0.1,
+)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    from pagoda.service.model import default_model_path
+
+    try:
+        return default_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def tokenizer_files(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> Path:
+    """A folder with SmolLM2's `tokenizer.json` and `tokenizer_config.json`, rebuilt from the GGUF."""
+    from pagoda.service.tokenizer import Tokenizer
+
+    folder = tmp_path_factory.mktemp("tokenizer")
+    tokenizer = Tokenizer.from_gguf(smollm2_gguf)
+    tokenizer.backend.save(str(folder / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "unk_token": "<|endoftext|>",
+        "pad_token": "<|im_end|>",
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 2048,
+        "chat_template": tokenizer.chat_template,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def _build(
+    folder: Path, tokenizer_files: Path, config: Any, max_shard_size: str | None = None, seed: int = 0
+) -> Path:
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, **kwargs)
+    GenerationConfig(bos_token_id=BOS_ID, eos_token_id=[EOS_ID], do_sample=False).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_files / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def llama_ckpt(tmp_path_factory: pytest.TempPathFactory, tokenizer_files: Path) -> Path:
+    """Llama 3.1 shape: GQA (4 query heads, 2 KV heads), llama3 rope scaling, untied embeddings."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        **_COMMON,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        },
+        tie_word_embeddings=False,
+    )
+    return _build(tmp_path_factory.mktemp("llama"), tokenizer_files, config, seed=1)
+
+
+@pytest.fixture(scope="session")
+def qwen2_ckpt(tmp_path_factory: pytest.TempPathFactory, tokenizer_files: Path) -> Path:
+    """Qwen2: bias on q/k/v, GQA."""
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(
+        **_COMMON,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+    )
+    return _build(tmp_path_factory.mktemp("qwen2"), tokenizer_files, config, seed=2)
+
+
+@pytest.fixture(scope="session")
+def tied_llama_ckpt(tmp_path_factory: pytest.TempPathFactory, tokenizer_files: Path) -> Path:
+    """Tied embeddings (no lm_head in the file), plain rope, and head_dim 32 != hidden / heads."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        **_COMMON,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        tie_word_embeddings=True,
+    )
+    return _build(tmp_path_factory.mktemp("tied_llama"), tokenizer_files, config, seed=3)
+
+
+@pytest.fixture(scope="session")
+def sharded_llama_ckpt(tmp_path_factory: pytest.TempPathFactory, tokenizer_files: Path) -> Path:
+    """Mistral-style Llama in several safetensors shards with an index; linear rope scaling."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        **_COMMON,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+        tie_word_embeddings=False,
+    )
+    return _build(
+        tmp_path_factory.mktemp("sharded_llama"), tokenizer_files, config, max_shard_size="1MB", seed=4
+    )
