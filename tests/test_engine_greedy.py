@@ -1,0 +1,160 @@
+"""The engine against Hugging Face transformers, token for token, on random-weight checkpoints."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagoda.service.engine.config import EngineConfig
+from pagoda.service.engine.llm_engine import LLMEngine
+from pagoda.service.llm import LLM
+from pagoda.service.sampling_params import SamplingParams
+
+NEW_TOKENS = 32
+
+
+def hf_greedy(ckpt: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 49152) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+@pytest.mark.parametrize("ckpt_name", ["llama_ckpt", "qwen2_ckpt", "tied_llama_ckpt", "sharded_llama_ckpt"])
+def test_greedy_matches_transformers(ckpt_name: str, request: pytest.FixtureRequest) -> None:
+    ckpt: Path = request.getfixturevalue(ckpt_name)
+    prompts = random_prompts([1, 7, 16, 17, 45, 100])
+    expected = hf_greedy(ckpt, prompts, NEW_TOKENS)
+    llm = LLM(str(ckpt), dtype="float32", max_num_batched_tokens=64, kv_cache_memory_bytes=8 << 20)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == expected
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_batch_invariance_under_preemption_and_chunking(llama_ckpt: Path) -> None:
+    """Each request's greedy output is the same alone as in a batch of 40 that arrive over time with
+    a KV cache too small for all of them (preemption) and a small token budget (chunked prefill)."""
+    rng = random.Random(7)
+    lengths = [rng.randrange(1, 120) for _ in range(40)]
+    prompts = random_prompts(lengths, seed=3)
+    max_tokens = [rng.randrange(4, 24) for _ in prompts]
+
+    alone_engine = LLMEngine(EngineConfig(model=str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=8 << 20))
+    alone = []
+    for i, (prompt, n) in enumerate(zip(prompts, max_tokens, strict=True)):
+        alone_engine.add_request(f"a{i}", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        while alone_engine.has_unfinished:
+            for out in alone_engine.step():
+                if out.finished:
+                    alone.append(out.outputs[0].token_ids)
+
+    # 40 blocks of 16 tokens: far less than 40 requests need at once.
+    config = EngineConfig(
+        model=str(llama_ckpt),
+        dtype="float32",
+        max_num_batched_tokens=48,
+        max_num_seqs=64,
+        kv_cache_memory_bytes=40 * alone_engine.runner.kv.bytes_per_block,
+    )
+    engine = LLMEngine(config)
+    results: dict[str, list[int]] = {}
+    pending = list(enumerate(zip(prompts, max_tokens, strict=True)))
+    while pending or engine.has_unfinished:
+        for _ in range(3):  # three arrivals per step
+            if pending:
+                i, (prompt, n) = pending.pop(0)
+                engine.add_request(f"b{i}", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out.outputs[0].token_ids
+    assert engine.scheduler.num_preemptions > 0
+    assert [results[f"b{i}"] for i in range(len(prompts))] == alone
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_prefix_cache_computes_only_new_tokens(llama_ckpt: Path) -> None:
+    engine = LLMEngine(EngineConfig(model=str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=8 << 20))
+    shared = random_prompts([64], seed=11)[0]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def run(rid: str, prompt: list[int]) -> tuple[list[int], int]:
+        computed = 0
+        engine.add_request(rid, prompt, params)
+        while engine.has_unfinished:
+            out = engine.scheduler.schedule()
+            computed += out.total_num_tokens
+            sampled = engine.runner.execute(out)
+            for seq in engine.scheduler.update(out, {k: v.token_id for k, v in sampled.items()}):
+                client = engine._seq_owner[seq.request_id]
+                engine._process_token(client, client.completions[seq.index], sampled[seq.request_id], 0.0)
+                if client.completions[0].finish_reason:
+                    result = engine._make_output(client, 0.0)
+        return result.outputs[0].token_ids, computed
+
+    run("first", shared + [5, 6, 7])
+    hits_before = engine.block_manager.prefix_hits_tokens
+    second_prompt = shared + [9, 10, 11, 12]
+    tokens, computed = run("second", second_prompt)
+    # 64 shared tokens = 4 full blocks come from the cache; only the 4 new prompt tokens and the
+    # decode steps (one token each after the first) are computed.
+    assert engine.block_manager.prefix_hits_tokens - hits_before == 64
+    assert computed == len(second_prompt) - 64 + 7
+    fresh = LLMEngine(
+        EngineConfig(model=str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=8 << 20, enable_prefix_caching=False)
+    )
+    fresh.add_request("x", second_prompt, params)
+    while fresh.has_unfinished:
+        outs = fresh.step()
+    assert outs[0].outputs[0].token_ids == tokens
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        (SamplingParams(max_tokens=0), "max_tokens"),
+        (SamplingParams(temperature=-0.5), "temperature"),
+        (SamplingParams(top_p=0.0), "top_p"),
+        (SamplingParams(top_p=1.5), "top_p"),
+    ],
+)
+def test_bad_params_refused_before_scheduling(llama_ckpt: Path, params: SamplingParams, param: str) -> None:
+    from pagoda.service.sampling_params import InvalidRequestError
+
+    engine = LLMEngine(EngineConfig(model=str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=4 << 20))
+    with pytest.raises(InvalidRequestError) as info:
+        engine.add_request("bad", [5, 6, 7], params)
+    assert info.value.param == param and param in str(info.value)
+    assert not engine.scheduler.has_unfinished and not engine.has_unfinished
+
+
+def test_prompt_over_context_refused_with_numbers(llama_ckpt: Path) -> None:
+    from pagoda.service.sampling_params import InvalidRequestError
+
+    engine = LLMEngine(
+        EngineConfig(model=str(llama_ckpt), dtype="float32", max_model_len=64, kv_cache_memory_bytes=4 << 20)
+    )
+    with pytest.raises(InvalidRequestError, match=r"maximum context length is 64 tokens.*prompt has 80 tokens"):
+        engine.add_request("long", list(range(3, 83)), SamplingParams(max_tokens=1))
+    assert not engine.scheduler.has_unfinished
