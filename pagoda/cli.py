@@ -13,6 +13,7 @@ import sys
 # name -> module implementing it. Listed here only once the subcommand does its job.
 SUBCOMMANDS: dict[str, str] = {
     "profile": "pagoda.operator.cmd_profile",
+    "serve": "pagoda.service.cli",
 }
 
 

@@ -1,0 +1,236 @@
+"""The one engine client that the HTTP and gRPC adapters share.
+
+It owns what a server adds around the engine: the life cycle (loading → ready → draining), admission
+(backpressure on the waiting queue), in-flight tracking for the drain, request metrics, and the
+mapping of engine failures to `APIError`. The adapters translate their protocol to and from it and
+hold no engine logic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal
+
+from pagoda.service.metrics import RequestTracker, ServerMetrics
+from pagoda.service.outputs import RequestOutput
+from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+ErrorKind = Literal["invalid_request", "not_found", "queue_full", "unavailable", "internal"]
+
+
+class ServingState(enum.Enum):
+    LOADING = "loading"
+    READY = "ready"
+    DRAINING = "draining"
+    UNHEALTHY = "unhealthy"
+
+
+class APIError(Exception):
+    """A request refused or failed; each adapter maps `kind` to its status code."""
+
+    def __init__(
+        self,
+        kind: ErrorKind,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+
+class EngineClient:
+    """Wraps one AsyncEngine. `engine_factory(config)` builds it (blocking) in a worker thread."""
+
+    def __init__(
+        self,
+        config: Any,
+        engine_factory: Callable[[Any], Any],
+        max_waiting_requests: int = 0,
+        enable_gpu_metrics: bool = True,
+    ) -> None:
+        self.config = config
+        self._engine_factory = engine_factory
+        self.max_waiting_requests = max_waiting_requests  # 0: no limit
+        self._engine: Any | None = None
+        self._state = ServingState.LOADING
+        self._in_flight: set[str] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.metrics = ServerMetrics(self.stats_or_none, lambda: self.model_name, enable_gpu_metrics)
+
+    # ---- life cycle -------------------------------------------------------------------------------
+    async def load(self) -> None:
+        """Build the engine off the event loop and start its step thread; UNHEALTHY (and raise) on failure."""
+        try:
+            engine = await asyncio.to_thread(self._engine_factory, self.config)
+            engine.start()
+        except BaseException:
+            self._state = ServingState.UNHEALTHY
+            raise
+        self._engine = engine
+        if self._state is ServingState.LOADING:
+            self._state = ServingState.READY
+        logger.info("model %s ready (context %d tokens)", self.model_name, self.max_model_len)
+
+    @property
+    def state(self) -> ServingState:
+        if self._state is ServingState.READY and self._engine is not None and not self._engine.is_healthy:
+            return ServingState.UNHEALTHY
+        return self._state
+
+    @property
+    def is_ready(self) -> bool:
+        return self.state is ServingState.READY
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def start_drain(self) -> None:
+        """Refuse new requests from now on; in-flight ones continue."""
+        if self._state is not ServingState.UNHEALTHY:
+            self._state = ServingState.DRAINING
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait for in-flight requests to finish; past `timeout_s`, abort them. True if all finished."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            logger.warning("drain timeout (%.1f s): aborting %d requests", timeout_s, len(self._in_flight))
+            for request_id in list(self._in_flight):
+                self.abort(request_id)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), 5.0)
+            return False
+
+    async def shutdown(self) -> None:
+        if self._engine is not None:
+            await self._engine.shutdown()
+
+    # ---- the served model -----------------------------------------------------------------------
+    @property
+    def engine(self) -> Any:
+        if self._engine is None:
+            raise self.unavailable_error()
+        return self._engine
+
+    @property
+    def model_name(self) -> str:
+        if self.config.served_model_name:
+            return str(self.config.served_model_name)
+        return str(self._engine.model_name) if self._engine is not None else ""
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.engine.max_model_len)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def check_model(self, name: str | None) -> None:
+        """Raise a `not_found` APIError unless `name` is empty or the served model's name."""
+        if name and name != self.model_name:
+            self.metrics.count_error("not_found")
+            raise APIError(
+                "not_found",
+                f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
+                param="model",
+                code="model_not_found",
+            )
+
+    def stats(self) -> Any:
+        return self.engine.stats()
+
+    def stats_or_none(self) -> Any | None:
+        return self._engine.stats() if self._engine is not None else None
+
+    # ---- requests ----------------------------------------------------------------------------------
+    def unavailable_error(self) -> APIError:
+        state = self.state
+        messages = {
+            ServingState.LOADING: "The model is still loading; retry shortly.",
+            ServingState.DRAINING: "The server is shutting down and takes no new requests.",
+            ServingState.UNHEALTHY: "The engine is not healthy.",
+        }
+        return APIError("unavailable", messages.get(state, "unavailable"), code=state.value, retry_after_s=5)
+
+    def admit(self) -> None:
+        """Raise an APIError when a new request cannot be taken now (not ready, queue over its limit)."""
+        if not self.is_ready:
+            self.metrics.count_error("unavailable")
+            raise self.unavailable_error()
+        if self.max_waiting_requests > 0:
+            stats = self.engine.stats()
+            # Requests handed to the engine but not yet in its queue count as waiting too.
+            num_waiting = max(stats.num_waiting, len(self._in_flight) - stats.num_running)
+            if num_waiting >= self.max_waiting_requests:
+                self.metrics.count_error("queue_full")
+                raise APIError(
+                    "queue_full",
+                    f"The server is overloaded: {num_waiting} requests are waiting "
+                    f"(limit {self.max_waiting_requests}); retry later.",
+                    code="queue_full",
+                    retry_after_s=1,
+                )
+
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. Admission and validation errors raise APIError before the first
+        output; closing the iterator early (client gone) aborts the request in the engine."""
+        self.admit()
+        request_id = request_id or uuid.uuid4().hex
+        engine = self.engine
+        tracker = RequestTracker(self.metrics)
+        self._in_flight.add(request_id)
+        self._idle.clear()
+        finished = False
+        stream = engine.generate(prompt, params, request_id)
+        try:
+            async for out in stream:
+                tracker.observe(out)
+                finished = out.finished
+                yield out
+        except InvalidRequestError as exc:
+            self.metrics.count_error("invalid_request")
+            code = "context_length_exceeded" if "context" in str(exc) else None
+            raise APIError("invalid_request", str(exc), param=exc.param, code=code) from exc
+        except (APIError, asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as exc:
+            self.metrics.count_error("internal")
+            logger.exception("request %s failed", request_id)
+            raise APIError("internal", f"The engine failed on this request: {exc}") from exc
+        finally:
+            if not finished:
+                engine.abort(request_id)
+            tracker.close()
+            await stream.aclose()
+            self._in_flight.discard(request_id)
+            if not self._in_flight:
+                self._idle.set()
+
+    def abort(self, request_id: str) -> None:
+        if self._engine is not None:
+            self._engine.abort(request_id)
+
+
+def now_s() -> int:
+    """Unix time in whole seconds, for OpenAI's `created`."""
+    return int(time.time())

@@ -1,0 +1,203 @@
+"""The gRPC API (proto/pagoda/v1/inference.proto), the standard health service and reflection, over
+the same engine client as HTTP."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from pagoda.service.api.engine_client import APIError, EngineClient, ServingState
+from pagoda.service.grpc_gen import inference_pb2 as pb
+from pagoda.service.grpc_gen import inference_pb2_grpc as pb_grpc
+from pagoda.service.outputs import Logprob
+from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+GRPC_CODES: dict[str, grpc.StatusCode] = {
+    "invalid_request": grpc.StatusCode.INVALID_ARGUMENT,
+    "not_found": grpc.StatusCode.NOT_FOUND,
+    "queue_full": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "internal": grpc.StatusCode.INTERNAL,
+}
+FINISH_REASONS = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+SERVING_STATES = {
+    ServingState.LOADING: pb.SERVING_STATE_LOADING,
+    ServingState.READY: pb.SERVING_STATE_READY,
+    ServingState.DRAINING: pb.SERVING_STATE_DRAINING,
+    ServingState.UNHEALTHY: pb.SERVING_STATE_UNHEALTHY,
+}
+
+
+def sampling_params(msg: pb.SamplingParameters) -> SamplingParams:
+    params = SamplingParams(
+        n=msg.n or 1,
+        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        seed=msg.seed if msg.HasField("seed") else None,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        max_tokens=msg.max_new_tokens or 16,
+        min_tokens=msg.min_new_tokens,
+        stop=list(msg.stop),
+        stop_token_ids=list(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logprobs=msg.top_logprobs if msg.HasField("top_logprobs") else None,
+    )
+    params.validate()
+    return params
+
+
+def _token_logprob(token_id: int, token: str, logprob: float) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=token_id, token=token, logprob=logprob)
+
+
+def _logprobs(logprobs: list[Logprob] | None) -> list[pb.GeneratedTokenLogprob]:
+    return [
+        pb.GeneratedTokenLogprob(
+            token=_token_logprob(lp.token_id, lp.token, lp.logprob),
+            top_logprobs=[_token_logprob(t.token_id, t.token, t.logprob) for t in lp.top],
+        )
+        for lp in logprobs or []
+    ]
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    def __init__(self, client: EngineClient) -> None:
+        self.client = client
+
+    def _prompt(self, request: pb.GenerateRequest) -> str | list[int]:
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            return request.text
+        if kind == "token_ids":
+            return list(request.token_ids.ids)
+        if kind == "chat":
+            tokenizer = self.client.tokenizer
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+        raise InvalidRequestError("one of text, token_ids or chat must be set", "prompt")
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            self.client.check_model(request.model)
+            self.client.admit()
+            try:
+                prompt = self._prompt(request)
+                params = sampling_params(request.sampling)
+            except InvalidRequestError as exc:
+                self.client.metrics.count_error("invalid_request")
+                raise APIError("invalid_request", str(exc), param=exc.param) from exc
+            stream = self.client.generate(prompt, params, request.request_id or None)
+            try:
+                last: Any = None
+                done: set[int] = set()
+                async for out in stream:
+                    last = out
+                    for c in out.outputs:
+                        finish = c.finish_reason if c.index not in done else None
+                        if not (c.text_delta or c.token_ids_delta or finish):
+                            continue
+                        if finish:
+                            done.add(c.index)
+                        yield pb.GenerateResponse(
+                            request_id=out.request_id,
+                            index=c.index,
+                            text=c.text_delta,
+                            token_ids=c.token_ids_delta,
+                            logprobs=_logprobs(c.logprobs_delta),
+                            finish_reason=FINISH_REASONS[finish] if finish else pb.FINISH_REASON_UNSPECIFIED,
+                            stop_string=c.stop_reason if isinstance(c.stop_reason, str) else "",
+                        )
+                if last is not None:
+                    timing = last.metrics
+                    ttft = (timing.first_token_time or timing.arrival_time) - timing.arrival_time
+                    yield pb.GenerateResponse(
+                        request_id=last.request_id,
+                        usage=pb.Usage(
+                            prompt_tokens=len(last.prompt_token_ids),
+                            completion_tokens=sum(len(c.token_ids) for c in last.outputs),
+                            cached_prompt_tokens=timing.num_cached_tokens,
+                        ),
+                        time_to_first_token_seconds=ttft,
+                    )
+            finally:
+                await stream.aclose()  # type: ignore[attr-defined]
+        except APIError as exc:
+            await context.abort(GRPC_CODES[exc.kind], exc.message)
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetModelInfoResponse:
+        try:
+            stats = self.client.stats()
+            return pb.GetModelInfoResponse(
+                model_name=self.client.model_name,
+                max_context_length_tokens=self.client.max_model_len,
+                kv_block_size_tokens=stats.block_size,
+                num_kv_blocks=stats.num_kv_blocks,
+                eos_token_ids=list(self.client.tokenizer.eos_token_ids),
+            )
+        except APIError as exc:
+            await context.abort(GRPC_CODES[exc.kind], exc.message)
+            raise  # unreachable: abort raises
+
+    async def GetReadiness(
+        self, request: pb.GetReadinessRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetReadinessResponse:
+        state = self.client.state
+        stats = self.client.stats_or_none()
+        return pb.GetReadinessResponse(
+            ready=state is ServingState.READY,
+            state=SERVING_STATES[state],
+            num_requests_waiting=stats.num_waiting if stats else 0,
+            num_requests_running=stats.num_running if stats else 0,
+        )
+
+
+class GrpcServer:
+    """The grpc.aio server with Inference, grpc.health.v1.Health and reflection."""
+
+    def __init__(self, client: EngineClient, host: str, port: int) -> None:
+        self.server = grpc.aio.server()
+        pb_grpc.add_InferenceServicer_to_server(InferenceServicer(client), self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ],
+            self.server,
+        )
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self.port = self.server.add_insecure_port(address)
+
+    async def start(self) -> None:
+        await self.set_serving(False)
+        await self.server.start()
+
+    async def set_serving(self, is_serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if is_serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)
+
+    async def stop(self, grace_s: float) -> None:
+        await self.server.stop(grace_s)

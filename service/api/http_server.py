@@ -1,0 +1,98 @@
+"""The HTTP routes: the OpenAI API, health probes and `/metrics`, a few lines each over the client."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pagoda.service.api.engine_client import APIError, EngineClient, ServingState
+from pagoda.service.api.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pagoda.service.api.openai_serving import OpenAIServing
+from pagoda.service.metrics import CONTENT_TYPE
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagoda import __version__
+
+# APIError kind -> (HTTP status, OpenAI error type).
+HTTP_ERRORS: dict[str, tuple[int, str]] = {
+    "invalid_request": (400, "invalid_request_error"),
+    "not_found": (404, "invalid_request_error"),
+    "queue_full": (503, "server_overloaded_error"),
+    "unavailable": (503, "service_unavailable_error"),
+    "internal": (500, "internal_server_error"),
+}
+
+
+def error_response(
+    status: int,
+    message: str,
+    error_type: str,
+    param: str | None = None,
+    code: str | None = None,
+    **headers: str,
+) -> JSONResponse:
+    body = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers or None)
+
+
+def build_app(client: EngineClient) -> FastAPI:
+    app = FastAPI(title="Pagoda", version=__version__, docs_url=None, redoc_url=None)
+    serving = OpenAIServing(client)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(_: Request, exc: APIError) -> JSONResponse:
+        status, error_type = HTTP_ERRORS[exc.kind]
+        headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else {}
+        return error_response(status, exc.message, error_type, exc.param, exc.code, **headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        client.metrics.count_error("invalid_request")
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        param = ".".join(loc) or None
+        message = (
+            f"{param}: {first.get('msg', 'invalid')}" if param else str(first.get("msg", "invalid body"))
+        )
+        return error_response(400, message, "invalid_request_error", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, str(exc.detail), error_type)
+
+    @app.get("/v1/health/live")
+    async def live() -> dict[str, str]:
+        return {"status": "live"}
+
+    @app.get("/v1/health/ready")
+    async def ready() -> JSONResponse:
+        state = client.state
+        return JSONResponse({"status": state.value}, status_code=200 if state is ServingState.READY else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(client.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return serving.models()
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(request: ChatCompletionRequest) -> Response | dict[str, Any]:
+        return _respond(await serving.chat(request))
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: CompletionRequest) -> Response | dict[str, Any]:
+        return _respond(await serving.completions(request))
+
+    return app
+
+
+def _respond(result: Any) -> Response | dict[str, Any]:
+    if isinstance(result, dict):
+        return result
+    # A client that goes away cancels this stream; closing it aborts the engine request.
+    return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

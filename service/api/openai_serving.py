@@ -1,0 +1,354 @@
+"""OpenAI chat and text completions over the engine client: request → prompt + SamplingParams, and
+RequestOutputs → OpenAI response objects or SSE chunks. No engine logic; errors are APIError.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pagoda.service.api.engine_client import APIError, EngineClient, ServingState, now_s
+from pagoda.service.api.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pagoda.service.outputs import Logprob, RequestOutput
+from pagoda.service.sampling_params import InvalidRequestError
+
+_DONE = object()
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+def error_event(exc: APIError) -> dict[str, Any]:
+    return {"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.code}}
+
+
+def _usage(outputs: list[RequestOutput]) -> dict[str, Any]:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.metrics.num_cached_tokens for o in outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def _chat_logprobs(logprobs: list[Logprob] | None) -> dict[str, Any] | None:
+    if logprobs is None:
+        return None
+
+    def entry(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {
+        "content": [
+            {**entry(lp.token, lp.logprob), "top_logprobs": [entry(t.token, t.logprob) for t in lp.top]}
+            for lp in logprobs
+        ]
+    }
+
+
+def _completion_logprobs(logprobs: list[Logprob] | None, text_offset: int) -> dict[str, Any] | None:
+    if logprobs is None:
+        return None
+    offsets = []
+    for lp in logprobs:
+        offsets.append(text_offset)
+        text_offset += len(lp.token)
+    return {
+        "tokens": [lp.token for lp in logprobs],
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+class OpenAIServing:
+    def __init__(self, client: EngineClient) -> None:
+        self.client = client
+
+    def models(self) -> dict[str, Any]:
+        if self.client.state is ServingState.LOADING:
+            raise self.client.unavailable_error()
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.client.model_name,
+                    "object": "model",
+                    "created": now_s(),
+                    "owned_by": "pagoda",
+                    "max_model_len": self.client.max_model_len,
+                }
+            ],
+        }
+
+    async def _start(self, prompts: list[str | list[int]], request: Any) -> tuple[list[Any], list[Any]]:
+        """Admit, validate and start one engine request per prompt; return (streams, first outputs).
+        Any error surfaces here, before a response (or an SSE stream) begins."""
+        self.client.check_model(request.model)
+        try:
+            params = request.sampling_params()
+        except InvalidRequestError as exc:
+            self.client.metrics.count_error("invalid_request")
+            raise APIError("invalid_request", str(exc), param=exc.param) from exc
+        base_id = uuid.uuid4().hex
+        streams = [self.client.generate(p, params, f"{base_id}-{i}") for i, p in enumerate(prompts)]
+        firsts = []
+        try:
+            for stream in streams:
+                firsts.append(await anext(stream))
+        except BaseException:
+            for stream in streams:
+                await stream.aclose()
+            raise
+        return streams, firsts
+
+    # ---- chat -----------------------------------------------------------------------------------------
+    async def chat(self, request: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
+        self.client.check_model(request.model)
+        tokenizer = self.client.tokenizer
+        try:
+            text = tokenizer.apply_chat_template(
+                request.chat_messages(), add_generation_prompt=request.add_generation_prompt
+            )
+        except Exception as exc:
+            self.client.metrics.count_error("invalid_request")
+            raise APIError(
+                "invalid_request", f"messages do not fit the chat template: {exc}", "messages"
+            ) from exc
+        # The template writes BOS itself where the model wants one.
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+        streams, firsts = await self._start([prompt], request)
+        response_id, created, model = f"chatcmpl-{uuid.uuid4().hex}", now_s(), self.client.model_name
+        if request.stream:
+            return self._chat_stream(streams[0], firsts[0], request, response_id, created, model)
+        final = await _drain(streams[0], firsts[0])
+        return {
+            "id": response_id,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": _chat_logprobs(c.logprobs),
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+                for c in final.outputs
+            ],
+            "usage": _usage([final]),
+            "system_fingerprint": None,
+        }
+
+    async def _chat_stream(
+        self,
+        stream: AsyncIterator[RequestOutput],
+        first: RequestOutput,
+        request: ChatCompletionRequest,
+        response_id: str,
+        created: int,
+        model: str,
+    ) -> AsyncIterator[str]:
+        include_usage = request.include_usage
+
+        def chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> str:
+            payload: dict[str, Any] = {
+                "id": response_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+            }
+            if include_usage:
+                payload["usage"] = None
+            return sse(payload)
+
+        last = first
+        done: set[int] = set()
+        try:
+            for c in first.outputs:
+                yield chunk(c.index, {"role": "assistant", "content": ""})
+            async for out in _chain(first, stream):
+                last = out
+                for c in out.outputs:
+                    if c.text_delta or c.logprobs_delta:
+                        yield chunk(c.index, {"content": c.text_delta}, _chat_logprobs(c.logprobs_delta))
+                    if c.finish_reason is not None and c.index not in done:
+                        done.add(c.index)
+                        yield chunk(c.index, {}, None, c.finish_reason)
+            if include_usage:
+                yield sse(
+                    {
+                        "id": response_id,
+                        "object": "chat.completion.chunk",
+                        "created": created,
+                        "model": model,
+                        "choices": [],
+                        "usage": _usage([last]),
+                    }
+                )
+            yield sse("[DONE]")
+        except APIError as exc:  # after the 200 went out: report in the stream, as OpenAI does
+            yield sse(error_event(exc))
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    # ---- text completions -------------------------------------------------------------------------------
+    async def completions(self, request: CompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
+        self.client.check_model(request.model)
+        try:
+            prompts = request.prompts()
+        except InvalidRequestError as exc:
+            self.client.metrics.count_error("invalid_request")
+            raise APIError("invalid_request", str(exc), param=exc.param) from exc
+        streams, firsts = await self._start(prompts, request)
+        response_id, created, model = f"cmpl-{uuid.uuid4().hex}", now_s(), self.client.model_name
+        echoes = [self._echo_text(p) if request.echo else "" for p in prompts]
+        n = request.n
+        if request.stream:
+            return self._completion_stream(streams, firsts, echoes, n, request, response_id, created, model)
+        finals = await asyncio.gather(*(_drain(s, f) for s, f in zip(streams, firsts, strict=True)))
+        choices = []
+        for p, final in enumerate(finals):
+            for c in final.outputs:
+                choices.append(
+                    {
+                        "index": p * n + c.index,
+                        "text": echoes[p] + c.text,
+                        "logprobs": _completion_logprobs(c.logprobs, len(echoes[p])),
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
+        return {
+            "id": response_id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "choices": choices,
+            "usage": _usage(list(finals)),
+            "system_fingerprint": None,
+        }
+
+    def _echo_text(self, prompt: str | list[int]) -> str:
+        return prompt if isinstance(prompt, str) else self.client.tokenizer.decode(prompt)
+
+    async def _completion_stream(
+        self,
+        streams: list[AsyncIterator[RequestOutput]],
+        firsts: list[RequestOutput],
+        echoes: list[str],
+        n: int,
+        request: CompletionRequest,
+        response_id: str,
+        created: int,
+        model: str,
+    ) -> AsyncIterator[str]:
+        include_usage = request.include_usage
+        lasts = list(firsts)
+        offsets = {(p, i): len(echoes[p]) for p in range(len(streams)) for i in range(n)}
+        echoed: set[tuple[int, int]] = set()
+        done: set[tuple[int, int]] = set()
+
+        def chunk(index: int, text: str, logprobs: Any, finish: str | None) -> str:
+            payload: dict[str, Any] = {
+                "id": response_id,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+            }
+            if include_usage:
+                payload["usage"] = None
+            return sse(payload)
+
+        try:
+            async for p, out in _merge([_chain(f, s) for f, s in zip(firsts, streams, strict=True)]):
+                lasts[p] = out
+                for c in out.outputs:
+                    key = (p, c.index)
+                    prefix = "" if key in echoed else echoes[p]
+                    echoed.add(key)
+                    finish = c.finish_reason if key not in done else None
+                    if finish is not None:
+                        done.add(key)
+                    if prefix or c.text_delta or c.logprobs_delta or finish is not None:
+                        logprobs = _completion_logprobs(c.logprobs_delta, offsets[key] + len(prefix))
+                        offsets[key] += len(prefix) + len(c.text_delta)
+                        yield chunk(p * n + c.index, prefix + c.text_delta, logprobs, finish)
+            if include_usage:
+                yield sse(
+                    {
+                        "id": response_id,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": model,
+                        "choices": [],
+                        "usage": _usage(lasts),
+                    }
+                )
+            yield sse("[DONE]")
+        except APIError as exc:
+            yield sse(error_event(exc))
+        finally:
+            for stream in streams:
+                await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    yield first
+    if first.finished:
+        return
+    async for out in rest:
+        yield out
+
+
+async def _drain(stream: AsyncIterator[RequestOutput], first: RequestOutput) -> RequestOutput:
+    last = first
+    async for out in _chain(first, stream):
+        last = out
+    return last
+
+
+async def _merge(iterators: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several streams as their items arrive, tagged with the stream's position."""
+    if len(iterators) == 1:
+        async for item in iterators[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(position: int, iterator: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for item in iterator:
+                await queue.put((position, item))
+        except BaseException as exc:
+            await queue.put((position, exc))
+            raise
+        finally:
+            await queue.put((position, _DONE))
+
+    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iterators)]
+    try:
+        num_open = len(tasks)
+        while num_open:
+            position, item = await queue.get()
+            if item is _DONE:
+                num_open -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield position, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

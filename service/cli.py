@@ -1,0 +1,196 @@
+"""`pagoda serve`: the OpenAI-compatible HTTP server, the gRPC server and /metrics over one engine.
+
+Every flag also reads from an environment variable, PAGODA_ plus the flag's name in capitals with
+dashes as underscores (--max-num-seqs: PAGODA_MAX_NUM_SEQS); a flag on the command line wins. The
+operator configures pods this way. This module imports no torch: `pagoda serve --help` is instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+HELP = "Serve a model over the OpenAI-compatible HTTP API, gRPC and Prometheus /metrics."
+
+PRECISIONS = ("auto", "bf16", "fp16", "fp32", "fp8", "int8")
+# --precision -> EngineConfig.dtype; precisions without an entry are refused (no kernels for them yet).
+PRECISION_DTYPES = {"auto": "auto", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
+
+
+def env_name(flag: str) -> str:
+    return "PAGODA_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def _env_bool(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in _TRUE | _FALSE:
+        return lowered in _TRUE
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    def flag(
+        name: str, help: str, default: Any = None, type: Callable[[str], Any] = str, **kwargs: Any
+    ) -> None:
+        env = env_name(name)
+        if env in os.environ:
+            default = os.environ[env]  # argparse applies `type` to string defaults
+        parser.add_argument(name, default=default, type=type, help=f"{help} [env: {env}]", **kwargs)
+
+    def boolean(name: str, help: str, default: bool) -> None:
+        env = env_name(name)
+        if env in os.environ:
+            try:
+                default = _env_bool(os.environ[env])
+            except ValueError as exc:
+                parser.error(f"{env}: {exc}")
+        parser.add_argument(
+            name, default=default, action=argparse.BooleanOptionalAction, help=f"{help} [env: {env}]"
+        )
+
+    def optional_int(value: str) -> int | None:
+        return None if value.strip().lower() in ("", "none", "auto") else int(value)
+
+    flag(
+        "--model", "Hugging Face checkpoint folder or .gguf file; unset: the embedded SmolLM2-135M-Instruct."
+    )
+    flag(
+        "--served-model-name",
+        "The name clients pass as `model`; unset: the checkpoint's folder or file name.",
+    )
+    flag("--host", "Address the HTTP and gRPC servers listen on.", "0.0.0.0")
+    flag("--port", "HTTP port: the OpenAI API, /v1/health/*, /metrics (0 picks a free one).", 8000, int)
+    flag(
+        "--grpc-port",
+        "gRPC port: pagoda.v1.Inference, grpc.health.v1, reflection (0 picks a free one).",
+        8001,
+        int,
+    )
+    flag(
+        "--precision",
+        "Weight and activation precision: auto (bf16 on GPUs that have it, fp32 on the CPU), bf16, fp16, "
+        "fp32. fp8 and int8 are refused: the engine has no kernels for them yet.",
+        "auto",
+        choices=PRECISIONS,
+    )
+    flag("--tensor-parallel-size", "GPUs to shard the model over; only 1 is supported.", 1, int)
+    flag(
+        "--max-model-len",
+        "Longest prompt + output in tokens; unset: the model's own limit.",
+        None,
+        optional_int,
+    )
+    flag("--max-num-seqs", "Most sequences in one running batch.", 256, int)
+    flag(
+        "--max-num-batched-tokens",
+        "Token budget of one engine step (longer prefills are chunked).",
+        2048,
+        int,
+    )
+    flag("--block-size", "Tokens per KV cache block (a power of two).", 16, int)
+    flag(
+        "--gpu-memory-utilization",
+        "Fraction of the GPU memory free after the weights that the KV cache takes.",
+        0.9,
+        float,
+    )
+    flag(
+        "--kv-cache-memory-bytes",
+        "KV cache size in bytes; overrides --gpu-memory-utilization (the CPU default is 512 MiB).",
+        None,
+        optional_int,
+    )
+    boolean("--enable-prefix-caching", "Share the KV cache of identical prompt prefixes.", True)
+    flag(
+        "--max-waiting-requests",
+        "Refuse new requests with 503 + Retry-After (gRPC RESOURCE_EXHAUSTED) while this many wait; "
+        "0: no limit.",
+        1024,
+        int,
+    )
+    flag(
+        "--drain-timeout",
+        "Seconds that in-flight requests get to finish after SIGTERM before they are aborted.",
+        30.0,
+        float,
+    )
+    flag("--device", "auto (cuda when there is a GPU, else cpu), cuda, cuda:N or cpu.", "auto")
+    flag("--seed", "Seed of the engine's random generator (requests with a `seed` have their own).", 0, int)
+    flag("--log-level", "Logging level.", "info", choices=("debug", "info", "warning", "error"))
+
+
+def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(ServerConfig, EngineConfig) from parsed arguments; ValueError naming the bad value."""
+    from pagoda.service.engine.config import EngineConfig
+    from pagoda.service.server import ServerConfig
+
+    if args.precision not in PRECISIONS:
+        raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {args.precision!r}")
+    if args.precision not in PRECISION_DTYPES:
+        supported = ", ".join(PRECISION_DTYPES)
+        raise ValueError(
+            f"--precision {args.precision} is not supported by this engine yet; use one of {supported}"
+        )
+    if args.tensor_parallel_size != 1:
+        raise ValueError(
+            f"--tensor-parallel-size {args.tensor_parallel_size} is not supported: "
+            "this engine runs on one GPU (1)"
+        )
+    if args.model and not os.path.exists(args.model):
+        raise ValueError(f"--model {args.model}: no such checkpoint folder or .gguf file")
+    for name in ("port", "grpc_port"):
+        if not 0 <= getattr(args, name) <= 65535:
+            raise ValueError(f"--{name.replace('_', '-')} must be in [0, 65535], got {getattr(args, name)}")
+    if args.port == args.grpc_port and args.port != 0:
+        raise ValueError(f"--port and --grpc-port must differ, both are {args.port}")
+    if args.max_waiting_requests < 0:
+        raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+    if args.drain_timeout < 0:
+        raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    server = ServerConfig(
+        host=args.host,
+        port=args.port,
+        grpc_port=args.grpc_port,
+        max_waiting_requests=args.max_waiting_requests,
+        drain_timeout_s=args.drain_timeout,
+        log_level=args.log_level,
+    )
+    engine = EngineConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        dtype=PRECISION_DTYPES[args.precision],  # type: ignore[arg-type]
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        enable_prefix_caching=args.enable_prefix_caching,
+        seed=args.seed,
+    )
+    return server, engine
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        server_config, engine_config = build_configs(args)
+    except ValueError as exc:
+        print(f"pagoda serve: error: {exc}", file=sys.stderr)
+        return 2
+    logging.getLogger(__name__).info("engine config: %s", engine_config)
+    from pagoda.service.engine.async_engine import AsyncEngine
+    from pagoda.service.server import serve
+
+    return asyncio.run(serve(server_config, engine_config, AsyncEngine))

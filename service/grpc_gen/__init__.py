@@ -1,0 +1,1 @@
+"""Generated from proto/ by `python -m pagoda.service.api.protogen`; do not edit."""

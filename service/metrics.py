@@ -1,0 +1,246 @@
+"""Prometheus metrics of the serving process, exported on the HTTP port at `/metrics`.
+
+Every name is documented in docs/metrics.md; tests/test_serve_metrics.py holds the two together.
+Engine gauges and counters are read from `engine.stats()` at scrape time (so they are never stale);
+latency histograms and request counters are observed by the engine client as requests flow.
+One registry per server, no module-level state.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from pagoda.service.outputs import RequestMetrics, RequestOutput
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+
+logger = logging.getLogger(__name__)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+FINISH_REASONS = ("stop", "length", "abort")
+ERROR_KINDS = ("invalid_request", "not_found", "queue_full", "unavailable", "internal")
+
+# Seconds. TTFT spans a cached-prefix hit on a GPU (~10 ms) to a long prefill on the CPU (~minutes).
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0, 300.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0)
+
+
+class _EngineCollector:
+    """Reads the engine's counters and gauges at scrape time; yields nothing before the model loads."""
+
+    def __init__(self, stats_source: Callable[[], Any | None], model_name: Callable[[], str]) -> None:
+        self._stats_source = stats_source
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats_source()
+        if stats is None:
+            return
+        queries = stats.prefix_cache_queries_total
+        hit_ratio = stats.prefix_cache_hits_total / queries if queries else 0.0
+        gauges = [
+            (
+                "pagoda_requests_waiting",
+                "Requests waiting for a slot in the running batch.",
+                stats.num_waiting,
+            ),
+            ("pagoda_requests_running", "Requests in the running batch.", stats.num_running),
+            (
+                "pagoda_kv_cache_usage_ratio",
+                "Fraction of KV cache blocks in use, 0 to 1.",
+                stats.kv_cache_usage,
+            ),
+            (
+                "pagoda_prefix_cache_hit_ratio",
+                "Prompt tokens served from the prefix cache over prompt tokens looked up, since start.",
+                hit_ratio,
+            ),
+        ]
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = [
+            ("pagoda_prompt_tokens_total", "Prompt tokens processed.", stats.prompt_tokens_total),
+            ("pagoda_generation_tokens_total", "Tokens generated.", stats.generation_tokens_total),
+            (
+                "pagoda_preemptions_total",
+                "Running requests preempted for KV cache space.",
+                stats.num_preemptions_total,
+            ),
+            (
+                "pagoda_prefix_cache_queries_total",
+                "Prompt tokens looked up in the prefix cache.",
+                stats.prefix_cache_queries_total,
+            ),
+            (
+                "pagoda_prefix_cache_hits_total",
+                "Prompt tokens found in the prefix cache.",
+                stats.prefix_cache_hits_total,
+            ),
+        ]
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
+        yield InfoMetricFamily(
+            "pagoda_kv_cache",
+            "The KV cache's shape: tokens per block and blocks allocated.",
+            value={"block_size": str(stats.block_size), "num_blocks": str(stats.num_kv_blocks)},
+        )
+        # vLLM's names, read by the Gateway API Inference Extension endpoint picker and vLLM dashboards.
+        model = self._model_name()
+        for name, doc, value in [
+            ("vllm:num_requests_waiting", "Requests waiting (vLLM name).", stats.num_waiting),
+            ("vllm:num_requests_running", "Requests running (vLLM name).", stats.num_running),
+            ("vllm:kv_cache_usage_perc", "KV cache usage, 0 to 1 (vLLM name).", stats.kv_cache_usage),
+        ]:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([model], value)
+            yield family
+        yield InfoMetricFamily(
+            "vllm:cache_config",
+            "KV cache configuration (vLLM name).",
+            value={"block_size": str(stats.block_size), "num_gpu_blocks": str(stats.num_kv_blocks)},
+        )
+
+
+class _GpuCollector:
+    """Device utilisation and memory through NVML. Registered only when NVML finds a GPU."""
+
+    def __init__(self, pynvml: Any, num_devices: int) -> None:
+        self._nvml = pynvml
+        self._num_devices = num_devices
+
+    @classmethod
+    def create(cls) -> _GpuCollector | None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            num_devices = pynvml.nvmlDeviceGetCount()
+        except Exception:  # no driver, no library, no device: the metrics are absent, not faked
+            return None
+        return cls(pynvml, num_devices) if num_devices else None
+
+    def collect(self) -> Iterator[Metric]:
+        util = GaugeMetricFamily(
+            "pagoda_gpu_utilization_ratio", "GPU busy time fraction (NVML).", labels=["gpu"]
+        )
+        used = GaugeMetricFamily("pagoda_gpu_memory_used_bytes", "GPU memory in use (NVML).", labels=["gpu"])
+        total = GaugeMetricFamily(
+            "pagoda_gpu_memory_total_bytes", "GPU memory installed (NVML).", labels=["gpu"]
+        )
+        for index in range(self._num_devices):
+            try:
+                handle = self._nvml.nvmlDeviceGetHandleByIndex(index)
+                rates = self._nvml.nvmlDeviceGetUtilizationRates(handle)
+                memory = self._nvml.nvmlDeviceGetMemoryInfo(handle)
+            except Exception as exc:  # a device lost mid-run must not break the scrape
+                logger.warning("NVML read of GPU %d failed: %s", index, exc)
+                continue
+            util.add_metric([str(index)], rates.gpu / 100.0)
+            used.add_metric([str(index)], memory.used)
+            total.add_metric([str(index)], memory.total)
+        yield from (util, used, total)
+
+
+class ServerMetrics:
+    """The server's registry. `stats_source()` returns the engine's EngineStats, or None while loading."""
+
+    def __init__(
+        self,
+        stats_source: Callable[[], Any | None],
+        model_name: Callable[[], str],
+        enable_gpu: bool = True,
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(stats_source, model_name))
+        gpu = _GpuCollector.create() if enable_gpu else None
+        if gpu is not None:
+            self.registry.register(gpu)
+        self.requests_finished = Counter(
+            "pagoda_requests_finished",
+            "Requests finished, by the reason the (first) completion ended.",
+            ["finish_reason"],
+            registry=self.registry,
+        )
+        self.request_errors = Counter(
+            "pagoda_request_errors",
+            "Requests refused or failed, by kind of error.",
+            ["error"],
+            registry=self.registry,
+        )
+        for reason in FINISH_REASONS:
+            self.requests_finished.labels(reason)
+        for kind in ERROR_KINDS:
+            self.request_errors.labels(kind)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS) -> Histogram:
+            return Histogram(name, doc, buckets=buckets, registry=self.registry)
+
+        self.time_to_first_token = histogram(
+            "pagoda_time_to_first_token_seconds", "From arrival to the first generated token."
+        )
+        self.inter_token_latency = histogram(
+            "pagoda_inter_token_latency_seconds", "Between consecutive generated tokens.", _ITL_BUCKETS
+        )
+        self.e2e_request_latency = histogram(
+            "pagoda_e2e_request_latency_seconds", "From arrival to the last token (finished requests)."
+        )
+        self.request_queue_time = histogram(
+            "pagoda_request_queue_time_seconds", "From arrival to the first time the request was scheduled."
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def count_error(self, kind: str) -> None:
+        self.request_errors.labels(kind).inc()
+
+
+class RequestTracker:
+    """Turns one request's stream of RequestOutputs into latency observations and a finish count."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+        self._last_token_time: float | None = None
+        self._num_tokens: dict[int, int] = {}
+        self._done = False
+
+    def observe(self, out: RequestOutput) -> None:
+        timing: RequestMetrics = out.metrics
+        # Tokens this step added to the completion that grew most: n completions decode side by side,
+        # so one step is one inter-token gap whatever n is.
+        new_tokens = max(
+            (len(c.token_ids) - self._num_tokens.get(c.index, 0) for c in out.outputs), default=0
+        )
+        if new_tokens > 0 and timing.last_token_time is not None:
+            for c in out.outputs:
+                self._num_tokens[c.index] = len(c.token_ids)
+            if self._last_token_time is None:
+                if timing.first_token_time is not None:
+                    self._metrics.time_to_first_token.observe(timing.first_token_time - timing.arrival_time)
+                if timing.scheduled_time is not None:
+                    self._metrics.request_queue_time.observe(timing.scheduled_time - timing.arrival_time)
+                gap_start, new_tokens = timing.first_token_time, new_tokens - 1
+            else:
+                gap_start = self._last_token_time
+            if new_tokens > 0 and gap_start is not None:
+                gap = max(timing.last_token_time - gap_start, 0.0) / new_tokens
+                for _ in range(new_tokens):
+                    self._metrics.inter_token_latency.observe(gap)
+            self._last_token_time = timing.last_token_time
+        if out.finished and not self._done:
+            self._done = True
+            end = timing.finished_time or timing.last_token_time
+            if end is not None:
+                self._metrics.e2e_request_latency.observe(end - timing.arrival_time)
+            reasons = [c.finish_reason for c in out.outputs]
+            self._metrics.requests_finished.labels(
+                "abort" if "abort" in reasons else reasons[0] or "abort"
+            ).inc()
+
+    def close(self) -> None:
+        """The stream ended early (client gone, error): count it as aborted."""
+        if not self._done:
+            self._done = True
+            self._metrics.requests_finished.labels("abort").inc()

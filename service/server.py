@@ -1,0 +1,136 @@
+"""The serving process: the engine client, uvicorn (HTTP) and grpc.aio in one event loop, and the
+shutdown sequence.
+
+Start-up: both servers listen first (liveness answers at once, readiness says "loading"), then the
+model loads in a worker thread; readiness and the gRPC health service flip to serving after it.
+SIGTERM/SIGINT: readiness flips to not-ready and new requests get 503/UNAVAILABLE, in-flight requests
+finish (up to the drain timeout, then they are aborted), the servers close, the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from pagoda.service.api.engine_client import EngineClient, ServingState
+from pagoda.service.api.grpc_server import GrpcServer
+from pagoda.service.api.http_server import build_app
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 8000
+    grpc_port: int = 8001
+    max_waiting_requests: int = 1024  # 0: no limit
+    drain_timeout_s: float = 30.0
+    log_level: str = "info"
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its own signal handlers: this process drains before uvicorn is told to exit."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+async def serve(
+    server_config: ServerConfig,
+    engine_config: Any,
+    engine_factory: Callable[[Any], Any],
+    install_signal_handlers: bool = True,
+    stop_event: asyncio.Event | None = None,
+) -> int:
+    """Run until SIGTERM/SIGINT (or `stop_event`); return the exit code."""
+    stop = stop_event or asyncio.Event()
+    client = EngineClient(engine_config, engine_factory, server_config.max_waiting_requests)
+    sock = _bind(server_config.host, server_config.port)
+    http = _Uvicorn(
+        uvicorn.Config(
+            build_app(client),
+            lifespan="off",
+            log_level=server_config.log_level,
+            access_log=False,
+            timeout_keep_alive=5,
+        )
+    )
+    grpc_server = GrpcServer(client, server_config.host, server_config.grpc_port)
+    await grpc_server.start()
+    http_task = asyncio.create_task(http.serve(sockets=[sock]))
+    logger.info(
+        "HTTP on %s:%d, gRPC on %s:%d",
+        server_config.host,
+        sock.getsockname()[1],
+        server_config.host,
+        grpc_server.port,
+    )
+    loop = asyncio.get_running_loop()
+    if install_signal_handlers:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+
+    exit_code = 0
+    load_task = asyncio.create_task(client.load())
+    watch_task = asyncio.create_task(_watch_health(client, grpc_server))
+    stop_task = asyncio.create_task(stop.wait())
+    await asyncio.wait({load_task, stop_task, http_task}, return_when=asyncio.FIRST_COMPLETED)
+    if load_task.done() and load_task.exception() is not None:
+        logger.error("model load failed: %s", load_task.exception())
+        exit_code = 1
+    elif not stop.is_set() and not http_task.done():
+        await asyncio.wait({stop_task, http_task}, return_when=asyncio.FIRST_COMPLETED)
+    if http_task.done() and not stop.is_set():
+        logger.error("the HTTP server stopped unexpectedly")
+        exit_code = 1
+
+    # Drain: not-ready first, then let in-flight requests finish.
+    logger.info("shutting down: draining %d in-flight requests", client.num_in_flight)
+    client.start_drain()
+    await grpc_server.set_serving(False)
+    if load_task.done() and exit_code == 0:
+        drained = await client.wait_idle(server_config.drain_timeout_s)
+        logger.info("drain %s", "complete" if drained else "timed out; the rest were aborted")
+    else:
+        load_task.cancel()
+    watch_task.cancel()
+    stop_task.cancel()
+    http.should_exit = True
+    await asyncio.gather(http_task, return_exceptions=True)
+    await grpc_server.stop(grace_s=1.0)
+    if load_task.done() and not load_task.cancelled() and load_task.exception() is None:
+        await client.shutdown()
+    if install_signal_handlers:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    return exit_code
+
+
+async def _watch_health(client: EngineClient, grpc_server: GrpcServer) -> None:
+    """Mirror the client's state into grpc.health.v1 (SERVING only when ready)."""
+    was_ready: bool | None = None
+    while True:
+        is_ready = client.state is ServingState.READY
+        if is_ready != was_ready:
+            await grpc_server.set_serving(is_ready)
+            was_ready = is_ready
+        await asyncio.sleep(0.2)
