@@ -2,16 +2,93 @@
 
 The functions here are what the engine calls. Each takes the layouts documented in
 `reference.py`; on a CUDA tensor it runs the Triton kernel, elsewhere the reference.
+
+`PAGODA_KERNELS` overrides the choice: `triton` forces the Triton kernels (on CPU tensors this
+needs `TRITON_INTERPRET=1`, which is how the tests run them without a GPU), `reference` forces the
+references, `auto` (or unset) picks by device. Triton is imported only when a kernel is used, so
+CPU-only code paths work without it.
 """
 
 from __future__ import annotations
 
-from pagoda.kernels.reference import (
-    paged_attention,
-    rms_norm,
-    rotary_embedding,
-    silu_and_mul,
-    write_kv,
-)
+import importlib
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from pagoda.kernels import reference
 
 __all__ = ["paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "write_kv"]
+
+_MODES = ("auto", "triton", "reference")
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether a kernel called on `t` runs the Triton version (see the module docstring)."""
+    mode = os.environ.get("PAGODA_KERNELS", "auto") or "auto"
+    if mode not in _MODES:
+        raise ValueError(f"PAGODA_KERNELS={mode!r}: want one of {_MODES}")
+    if mode == "auto":
+        return t.is_cuda
+    return mode == "triton"
+
+
+def _triton_fn(module: str, name: str) -> Callable[..., Any]:
+    return getattr(importlib.import_module(f"pagoda.kernels.{module}"), name)
+
+
+def write_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; a negative slot is skipped (graph padding)
+) -> None:
+    """Scatter the new tokens' K and V into their cache slots."""
+    fn = _triton_fn("kv_cache", "write_kv") if use_triton(key) else reference.write_kv
+    fn(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length including this step's tokens
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, cumulative query lengths
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Causal attention of each sequence's query tokens over its paged context (GQA aware)."""
+    fn = _triton_fn("paged_attention", "paged_attention") if use_triton(q) else reference.paged_attention
+    return fn(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [num_tokens, hidden]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm, with the residual add fused in front; returns `(normed, x + residual)`."""
+    fn = _triton_fn("rms_norm", "rms_norm") if use_triton(x) else reference.rms_norm
+    return fn(x, weight, eps, residual)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * d] -> [num_tokens, d]
+    """SwiGLU's gate: `silu(x[:, :d]) * x[:, d:]`."""
+    fn = _triton_fn("activation", "silu_and_mul") if use_triton(x) else reference.silu_and_mul
+    return fn(x)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [num_tokens] int64
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated in place
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim] float32: cos in the first half, sin in the second
+) -> None:
+    """Rotary position embedding in the rotate-half (GPT-NeoX / Hugging Face Llama) layout."""
+    fn = _triton_fn("rotary", "rotary_embedding") if use_triton(q) else reference.rotary_embedding
+    fn(positions, q, k, cos_sin_cache)

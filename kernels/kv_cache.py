@@ -1,0 +1,115 @@
+"""KV cache write: scatter this step's K and V into their paged-cache slots.
+
+One program per token: it reads the token's slot (`block_id * block_size + offset`; a negative slot
+is padding and is skipped), and copies its [num_kv_heads, head_dim] rows of K and V into
+`cache[block_id, offset]`, converting to the cache's dtype. Slot offsets are int64: a cache of
+100k blocks x 16 slots x 8 heads x 128 dims already has 1.6e9 elements.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping_ptr,  # [num_tokens]
+    num_kv_heads,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    block_id = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, HEAD_DIM)
+    mask = (heads < num_kv_heads)[:, None]
+    k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    k_dst = (
+        k_cache_ptr
+        + block_id * stride_kcb
+        + offset * stride_kcs
+        + heads[:, None] * stride_kch
+        + dims[None, :]
+    )
+    v_dst = (
+        v_cache_ptr
+        + block_id * stride_vcb
+        + offset * stride_vcs
+        + heads[:, None] * stride_vch
+        + dims[None, :]
+    )
+    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def write_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; a negative slot is skipped (graph padding)
+) -> None:
+    """Scatter the new tokens' K and V into their cache slots."""
+    if key.dim() != 3 or value.shape != key.shape:
+        raise ValueError(
+            f"write_kv: want key == value shapes [num_tokens, num_kv_heads, head_dim]; "
+            f"got {tuple(key.shape)} and {tuple(value.shape)}"
+        )
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[2:] != key.shape[1:]:
+        raise ValueError(
+            "write_kv: want k_cache == v_cache shapes "
+            f"[num_blocks, block_size, {key.shape[1]}, {key.shape[2]}]; "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if slot_mapping.shape != (key.shape[0],) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"write_kv: want slot_mapping int64 [{key.shape[0]}]; "
+            f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
+        )
+    for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"write_kv: {name} dtype {t.dtype} not in {_DTYPES}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"write_kv: {name} must be contiguous in head_dim, strides {t.stride()}")
+        if t.device != key.device:
+            raise ValueError(f"write_kv: {name} on {t.device}, key on {key.device}")
+    head_dim = key.shape[2]
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"write_kv: head_dim {head_dim} must be a power of two")
+    if slot_mapping.device != key.device or slot_mapping.stride(0) != 1:
+        raise ValueError("write_kv: slot_mapping must be contiguous and on key's device")
+    if key.shape[0] == 0:
+        return
+    _write_kv_kernel[(key.shape[0],)](
+        key, value, k_cache, v_cache, slot_mapping, key.shape[1],
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(key.shape[1]), BLOCK_SIZE=k_cache.shape[1],
+        num_warps=4,
+    )  # fmt: skip

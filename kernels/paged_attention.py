@@ -1,0 +1,488 @@
+"""Paged attention over the block-table KV cache, for mixed decode and chunked-prefill batches.
+
+Layouts are those of `reference.paged_attention`: the query tokens of sequence `s` are
+`q[query_start_loc[s]:query_start_loc[s + 1]]`, the last tokens of a context of `seq_lens[s]`
+tokens whose K/V live in the cache blocks `block_tables[s]`; attention is causal.
+
+Two paths, each launched over the whole batch; a program whose row is the other kind exits at once,
+so no host code inspects the batch (no `.item()`, CUDA-graph safe):
+
+- Decode rows (one query token): flash-decoding. `_decode_kernel` runs one program per
+  (sequence, kv head, context split). The GROUP query heads that share a kv head are the rows of
+  one `tl.dot` (padded to 16 rows), so each K/V tile is read from memory once for the whole group.
+  Each split keeps an online softmax (running max `m`, running sum `l`, accumulator `acc`) over its
+  TILE_N-token tiles and writes `acc / l` and `m + log2(l)`; `_reduce_kernel` merges the splits by
+  their log-sum-exp. With one split the decode kernel writes the output directly.
+- Prefill rows (more than one query token): `_prefill_kernel` runs one program per
+  (BLOCK_Q query tokens, kv head), the BLOCK_Q x GROUP (token, head) pairs being the BLOCK_M rows of
+  the tile, FlashAttention-2 style. Tiles entirely below the first row's position need no causal
+  mask; only the last few are masked. Programs map to (sequence, query block) by a binary search
+  over `query_start_loc // BLOCK_Q + s`, which bounds the grid by `num_tokens // BLOCK_Q + num_seqs`.
+
+K/V tiles are gathered token by token through the block table (`pos // block_size` picks the
+block, `pos % block_size` the slot), so a tile may span several cache blocks and any block size
+works. Scores are kept in base 2 (`exp2`, with log2(e) folded into the scale).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_kv_tile(
+    cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table_row,  # [max_blocks_per_seq] of this sequence
+    pos,  # [TILE_N] token positions in the context
+    dims,  # [HEAD_DIM]
+    kv_head,
+    stride_block,
+    stride_slot,
+    stride_head,
+    BLOCK_SIZE: tl.constexpr,
+    MASK: tl.constexpr,
+    pos_ok,  # [TILE_N] which positions exist (used when MASK)
+):
+    if MASK:
+        block_ids = tl.load(block_table_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+    else:
+        block_ids = tl.load(block_table_row + pos // BLOCK_SIZE).to(tl.int64)
+    offs = block_ids * stride_block + (pos % BLOCK_SIZE) * stride_slot + kv_head * stride_head
+    ptrs = cache_ptr + offs[:, None] + dims[None, :]
+    if MASK:
+        return tl.load(ptrs, mask=pos_ok[:, None], other=0.0)
+    return tl.load(ptrs)
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks_per_seq]
+    seq_lens_ptr,  # [num_seqs]
+    query_start_loc_ptr,  # [num_seqs + 1]
+    out_ptr,  # [num_tokens, num_heads, head_dim], written here when NUM_SPLITS == 1
+    part_out_ptr,  # [num_seqs, num_heads, NUM_SPLITS, head_dim] float32, each split's acc / l
+    part_lse_ptr,  # [num_seqs, num_heads, NUM_SPLITS] float32, each split's m + log2(l)
+    scale_log2,
+    partition_size,  # context tokens per split, a multiple of TILE_N
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    ctx_len = tl.load(seq_lens_ptr + seq)
+    start = split * partition_size
+    if (q_len != 1) | (start >= ctx_len):
+        return
+    end = tl.minimum(start + partition_size, ctx_len)
+
+    rows = tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    row_ok = rows < GROUP
+    heads = kv_head * GROUP + rows
+    q_ptrs = q_ptr + q_start.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    offs_n = tl.arange(0, TILE_N)
+    for tile_start in range(start, end, TILE_N):
+        pos = tile_start + offs_n
+        pos_ok = pos < end
+        k = _load_kv_tile(
+            k_cache_ptr, block_table_row, pos, dims, kv_head, stride_kb, stride_ks, stride_kh,
+            BLOCK_SIZE, True, pos_ok,
+        )  # fmt: skip
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(pos_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_kv_tile(
+            v_cache_ptr, block_table_row, pos, dims, kv_head, stride_vb, stride_vs, stride_vh,
+            BLOCK_SIZE, True, pos_ok,
+        )  # fmt: skip
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        num_heads = GROUP * tl.num_programs(1)
+        part = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_M]
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=row_ok[:, None])
+        tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=row_ok)
+
+
+@triton.jit
+def _reduce_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    part_out_ptr,  # [num_seqs, num_heads, NUM_SPLITS, head_dim] float32
+    part_lse_ptr,  # [num_seqs, num_heads, NUM_SPLITS] float32
+    seq_lens_ptr,  # [num_seqs]
+    query_start_loc_ptr,  # [num_seqs + 1]
+    partition_size,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_len != 1:
+        return
+    num_used = tl.cdiv(tl.load(seq_lens_ptr + seq), partition_size)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_ok = splits < tl.minimum(num_used, NUM_SPLITS)
+    dims = tl.arange(0, HEAD_DIM)
+    part = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + splits
+    lse = tl.load(part_lse_ptr + part, mask=split_ok, other=float("-inf"))
+    weight = tl.where(split_ok, tl.exp2(lse - tl.max(lse, 0)), 0.0)
+    parts = tl.load(
+        part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=split_ok[:, None], other=0.0
+    )
+    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    o_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + dims
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks_per_seq]
+    seq_lens_ptr,  # [num_seqs]
+    query_start_loc_ptr,  # [num_seqs + 1]
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    scale_log2,
+    num_seqs,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    # The sequence owning this query block: the last s with query_start_loc[s] // BLOCK_Q + s <= q_block.
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    seq = lo - 1
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    first = (q_block - q_start // BLOCK_Q - seq) * BLOCK_Q  # first query index of the block
+    if (q_len <= 1) | (first >= q_len):
+        return
+    ctx_len = tl.load(seq_lens_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    tok = first + rows // GROUP_PAD
+    group_idx = rows % GROUP_PAD
+    row_ok = (tok < q_len) & (group_idx < GROUP)
+    heads = kv_head * GROUP + group_idx
+    q_ptrs = (
+        q_ptr + (q_start + tok).to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
+    )
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+    q_pos = ctx_len - q_len + tok  # position of each row's token in the context
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    offs_n = tl.arange(0, TILE_N)
+    # Tiles below `unmasked_end` are visible to every row; the rest are masked.
+    unmasked_end = (ctx_len - q_len + first + 1) // TILE_N * TILE_N
+    kv_end = ctx_len - q_len + tl.minimum(first + BLOCK_Q, q_len)
+    for tile_start in range(0, unmasked_end, TILE_N):
+        pos = tile_start + offs_n
+        k = _load_kv_tile(
+            k_cache_ptr, block_table_row, pos, dims, kv_head, stride_kb, stride_ks, stride_kh,
+            BLOCK_SIZE, False, pos,
+        )  # fmt: skip
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_kv_tile(
+            v_cache_ptr, block_table_row, pos, dims, kv_head, stride_vb, stride_vs, stride_vh,
+            BLOCK_SIZE, False, pos,
+        )  # fmt: skip
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    for tile_start in range(unmasked_end, kv_end, TILE_N):
+        pos = tile_start + offs_n
+        pos_ok = pos < kv_end
+        k = _load_kv_tile(
+            k_cache_ptr, block_table_row, pos, dims, kv_head, stride_kb, stride_ks, stride_kh,
+            BLOCK_SIZE, True, pos_ok,
+        )  # fmt: skip
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_kv_tile(
+            v_cache_ptr, block_table_row, pos, dims, kv_head, stride_vb, stride_vs, stride_vh,
+            BLOCK_SIZE, True, pos_ok,
+        )  # fmt: skip
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    o_ptrs = (
+        out_ptr
+        + (q_start + tok).to(tl.int64)[:, None] * stride_ot
+        + heads[:, None] * stride_oh
+        + dims[None, :]
+    )
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    tile_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    # Aim for this many programs per SM before splitting the context further, and never split below
+    # min_partition tokens: the reduce costs a [num_splits, head_dim] float32 read per head.
+    programs_per_sm: int = 8
+    min_partition: int = 256
+    num_splits: int | None = None  # fixed split count (tests, sweeps); None picks one
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int = 128
+    tile_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The interpreter runs a program at a time: small tiles exercise the multi-tile paths in tests.
+_INTERPRETER_DECODE = DecodeConfig(tile_n=16, num_warps=1, num_stages=1, programs_per_sm=2, min_partition=16)
+_INTERPRETER_PREFILL = PrefillConfig(block_m=16, tile_n=16, num_warps=1, num_stages=1)
+
+
+def _default_configs(q: torch.Tensor) -> tuple[DecodeConfig, PrefillConfig]:
+    if q.device.type != "cuda":
+        return _INTERPRETER_DECODE, _INTERPRETER_PREFILL
+    head_dim = q.shape[2]
+    if q.dtype == torch.float32:  # twice the bytes per tile: halve the tiles to stay in shared memory
+        return DecodeConfig(tile_n=32), PrefillConfig(block_m=64, tile_n=32, num_warps=4, num_stages=2)
+    if head_dim > 128:
+        return DecodeConfig(tile_n=32), PrefillConfig(block_m=64, tile_n=32, num_warps=4, num_stages=2)
+    if head_dim <= 64:
+        return DecodeConfig(), PrefillConfig(block_m=128, tile_n=64, num_warps=4, num_stages=3)
+    return DecodeConfig(), PrefillConfig()
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _check(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            "paged_attention: want q [num_tokens, num_heads, head_dim] and k_cache == v_cache shapes "
+            f"[num_blocks, block_size, num_kv_heads, head_dim]; got q {tuple(q.shape)}, "
+            f"k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+        )
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"paged_attention: q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}")
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"paged_attention: num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}"
+        )
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        raise ValueError(f"paged_attention: head_dim {head_dim} must be a power of two in [16, 256]")
+    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(
+            f"paged_attention: q, k_cache, v_cache must share one of {_DTYPES}; "
+            f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+        )
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"paged_attention: {name} must be contiguous in head_dim, strides {t.stride()}")
+    for name, t, dims in (
+        ("block_tables", block_tables, 2),
+        ("seq_lens", seq_lens, 1),
+        ("query_start_loc", query_start_loc, 1),
+    ):
+        if t.dim() != dims or t.dtype not in (torch.int32, torch.int64) or t.stride(-1) != 1:
+            raise ValueError(
+                f"paged_attention: {name} must be a {dims}-d int32 tensor contiguous in its last dim; "
+                f"got {t.dtype} {tuple(t.shape)} strides {t.stride()}"
+            )
+    num_seqs = seq_lens.shape[0]
+    if block_tables.shape[0] != num_seqs or query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError(
+            f"paged_attention: {num_seqs} seq_lens want block_tables [{num_seqs}, *] and query_start_loc "
+            f"[{num_seqs + 1}]; got {tuple(block_tables.shape)} and {tuple(query_start_loc.shape)}"
+        )
+    for name, t in (
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+        ("query_start_loc", query_start_loc),
+    ):
+        if t.device != q.device:
+            raise ValueError(f"paged_attention: {name} is on {t.device}, q on {q.device}")
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length including this step's tokens
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, cumulative query lengths
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    *,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], written when given
+    decode_config: DecodeConfig | None = None,
+    prefill_config: PrefillConfig | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Causal attention of each sequence's query tokens over its paged context (GQA aware).
+
+    `max_query_len` and `max_seq_len` size the grids and must bound every row (they are not checked
+    against the tensors: that would synchronize). `out` serves static buffers (CUDA graphs) and
+    poisoned-output checks; the configs are for tests and benchmarks.
+    """
+    _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+        raise ValueError(
+            f"paged_attention: out must be like q {q.dtype} {tuple(q.shape)}, contiguous in head_dim"
+        )
+    if num_tokens == 0 or num_seqs == 0 or max_seq_len <= 0:
+        return out
+    default_decode, default_prefill = _default_configs(q)
+    dcfg = decode_config or default_decode
+    pcfg = prefill_config or default_prefill
+    scale_log2 = scale * math.log2(math.e)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    strides = (
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+    )  # fmt: skip
+
+    # Decode rows: split the context so that num_seqs * num_kv_heads * num_splits fills the GPU.
+    if dcfg.num_splits is not None:
+        num_splits = dcfg.num_splits
+    else:
+        wanted = triton.cdiv(dcfg.programs_per_sm * _num_sms(q.device), num_seqs * num_kv_heads)
+        num_splits = max(1, min(wanted, triton.cdiv(max_seq_len, dcfg.min_partition)))
+    partition = triton.cdiv(triton.cdiv(max_seq_len, num_splits), dcfg.tile_n) * dcfg.tile_n
+    num_splits = triton.cdiv(max_seq_len, partition)
+    if num_splits > 1:
+        part_out = torch.empty(
+            (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+        )
+        part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse,
+        scale_log2, partition, *strides, out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, TILE_N=dcfg.tile_n, NUM_SPLITS=num_splits, DOT_PRECISION=precision,
+        num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        _reduce_kernel[(num_seqs, num_heads)](
+            out, part_out, part_lse, seq_lens, query_start_loc, partition, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+        )  # fmt: skip
+
+    if max_query_len > 1:
+        group_pad = triton.next_power_of_2(group)
+        block_q = max(1, pcfg.block_m // group_pad)
+        _prefill_kernel[(num_tokens // block_q + num_seqs, num_kv_heads)](
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale_log2, num_seqs,
+            *strides, out.stride(0), out.stride(1),
+            GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+            TILE_N=pcfg.tile_n, DOT_PRECISION=precision,
+            num_warps=pcfg.num_warps, num_stages=pcfg.num_stages,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,113 @@
+"""Fused RMSNorm with the residual add in front.
+
+One program per row (token). With a residual, the program computes `x + residual` rounded to x's
+dtype (as PyTorch does) and stores it as the new residual, then normalizes it in float32:
+`normed = x * rsqrt(mean(x^2) + eps)`, rounds `normed` to x's dtype and multiplies by the weight
+(Hugging Face Llama's order of operations, see `reference.rms_norm`). The whole row lives in
+registers: one read of each input and one write of each output.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # [num_tokens, hidden]
+    residual_ptr,  # [num_tokens, hidden]; x_ptr when not HAS_RESIDUAL
+    weight_ptr,  # [hidden]
+    out_ptr,  # [num_tokens, hidden]
+    residual_out_ptr,  # [num_tokens, hidden]; x_ptr when not HAS_RESIDUAL
+    hidden,
+    eps,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / hidden + eps)
+    normed = (xf * inv_rms).to(x.dtype).to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_HIDDEN = 65536  # one row in registers: 64k float32 over 16 warps is 128 per thread
+
+
+def rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [num_tokens, hidden]
+    *,
+    out: torch.Tensor | None = None,  # [num_tokens, hidden], written when given
+    residual_out: torch.Tensor | None = None,  # [num_tokens, hidden], written when given with residual
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm, with the residual add fused in front when `residual` is given.
+
+    Returns `(normed, x + residual)`, by default as new tensors (inputs are not modified); `normed`
+    has the dtype PyTorch gives `weight * x`. `out` and `residual_out` may alias `x` and `residual`.
+    """
+    if x.dim() != 2 or weight.shape != (x.shape[1],):
+        raise ValueError(
+            "rms_norm: want x [num_tokens, hidden], weight [hidden]; "
+            f"got {tuple(x.shape)}, {tuple(weight.shape)}"
+        )
+    if x.dtype not in _DTYPES or weight.dtype not in _DTYPES:
+        raise ValueError(f"rms_norm: x {x.dtype} and weight {weight.dtype} must be in {_DTYPES}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(
+            f"rms_norm: residual {residual.dtype} {tuple(residual.shape)} "
+            f"must match x {x.dtype} {tuple(x.shape)}"
+        )
+    for name, t in (("x", x), ("weight", weight), ("residual", residual)):
+        if t is None:
+            continue
+        if t.stride(-1) != 1:
+            raise ValueError(f"rms_norm: {name} must be contiguous in its last dim, strides {t.stride()}")
+        if t.device != x.device:
+            raise ValueError(f"rms_norm: {name} on {t.device}, x on {x.device}")
+    num_tokens, hidden = x.shape
+    if hidden > _MAX_HIDDEN:
+        raise ValueError(f"rms_norm: hidden {hidden} > {_MAX_HIDDEN}")
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    if out is None:
+        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    if residual is None:
+        residual_out = None
+    elif residual_out is None:
+        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    for name, t, dtype in (("out", out, out_dtype), ("residual_out", residual_out, x.dtype)):
+        if t is not None and (
+            t.shape != x.shape or t.dtype != dtype or t.device != x.device or t.stride(-1) != 1
+        ):
+            raise ValueError(
+                f"rms_norm: {name} must be {dtype} {tuple(x.shape)} on {x.device}, contiguous rows"
+            )
+    if num_tokens == 0:
+        return out, residual_out
+    block = triton.next_power_of_2(hidden)
+    # Without a residual, x stands in for the unused pointers.
+    res_in = x if residual is None else residual
+    res_out = x if residual_out is None else residual_out
+    _rms_norm_kernel[(num_tokens,)](
+        x, res_in, weight, out, res_out, hidden, eps,
+        x.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0),
+        BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=min(16, max(1, block // 512)),
+    )  # fmt: skip
+    return out, residual_out

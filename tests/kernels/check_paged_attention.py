@@ -1,0 +1,182 @@
+"""Paged attention: the Triton kernels against `reference.paged_attention`.
+
+Run under TRITON_INTERPRET=1 (tests/test_kernels_interpret.py does) or on a GPU. Tolerances are
+against the reference computed in float64 on the same inputs: float32 1e-4 (IEEE dots), float16 and
+bfloat16 the rounding of the probabilities to the input dtype before the P @ V product.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from pagoda.kernels import reference
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("needs TRITON_INTERPRET=1 or a CUDA GPU", allow_module_level=True)
+
+from pagoda.kernels.paged_attention import DecodeConfig, PrefillConfig, paged_attention  # noqa: E402
+
+DEVICE = "cpu" if INTERPRET else "cuda"
+# The triton 3.9 interpreter computes bf16 tl.dot wrongly; bf16 is checked on the GPU only.
+DTYPES = [torch.float32, torch.float16] + ([] if INTERPRET else [torch.bfloat16])
+TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def make_batch(
+    query_lens: list[int],
+    seq_lens: list[int],
+    *,
+    num_heads: int = 4,
+    num_kv_heads: int = 1,
+    head_dim: int = 32,
+    block_size: int = 16,
+    num_blocks: int = 64,
+    dtype: torch.dtype = torch.float32,
+    high_block_ids: bool = False,
+    seed: int = 0,
+) -> dict:
+    """A flattened batch over a randomly permuted (non-contiguous) block table."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
+    total = sum(blocks_per_seq)
+    if high_block_ids:
+        num_blocks = max(num_blocks, 4 * total + 1000)
+        ids = num_blocks - 1 - torch.randperm(2 * total, generator=gen)[:total]
+    else:
+        num_blocks = max(num_blocks, total)
+        ids = torch.randperm(num_blocks, generator=gen)[:total]
+    # Padding entries point at block 0: they must never be read.
+    block_tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
+    used = 0
+    for s, n in enumerate(blocks_per_seq):
+        block_tables[s, :n] = ids[used : used + n]
+        used += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    q = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(dtype)
+    query_start_loc = torch.tensor([0, *query_lens]).cumsum(0).to(torch.int32)
+    batch = dict(
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_tables=block_tables,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_start_loc=query_start_loc,
+    )
+    batch = {k: v.to(DEVICE) for k, v in batch.items()}
+    batch.update(scale=head_dim**-0.5, max_query_len=max(query_lens), max_seq_len=max(seq_lens))
+    return batch
+
+
+def check(batch: dict, **configs) -> None:
+    expected = reference.paged_attention(
+        **{k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
+    )
+    out = torch.full_like(batch["q"], float("nan"))
+    got = paged_attention(**batch, out=out, **configs)
+    assert got is out
+    valid = torch.cat(
+        [
+            torch.arange(int(a), int(b))
+            for a, b in zip(batch["query_start_loc"][:-1], batch["query_start_loc"][1:], strict=True)
+        ]
+    )
+    got, expected = got[valid.to(got.device)].double(), expected[valid.to(got.device)]
+    assert not got.isnan().any(), "unwritten or NaN output"
+    tol = TOL[batch["q"].dtype]
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode_block_boundaries(dtype: torch.dtype, group: int) -> None:
+    # Contexts ending exactly on, just past and just before a block boundary, and a single token.
+    seq_lens = [16, 17, 32, 33, 15, 1, 47]
+    batch = make_batch([1] * len(seq_lens), seq_lens, num_heads=2 * group, num_kv_heads=2, dtype=dtype)
+    check(batch)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_splits", [1, 2, 5])
+def test_decode_splits(dtype: torch.dtype, num_splits: int) -> None:
+    # One long row and several short ones: some splits of the short rows are empty.
+    seq_lens = [150, 3, 16, 70]
+    batch = make_batch([1] * 4, seq_lens, num_heads=8, num_kv_heads=2, dtype=dtype, high_block_ids=True)
+    check(batch, decode_config=DecodeConfig(tile_n=16, num_warps=1, num_stages=1, num_splits=num_splits))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_prefill_whole_prompts(dtype: torch.dtype, group: int) -> None:
+    query_lens = [16, 17, 40, 2]
+    batch = make_batch(query_lens, query_lens, num_heads=group, num_kv_heads=1, dtype=dtype)
+    check(batch)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_chunked_prefill_starting_mid_block(dtype: torch.dtype) -> None:
+    # Cached prefixes of 20 and 7 tokens (mid-block), chunks ending just past / exactly on a boundary.
+    query_lens = [13, 25, 30]
+    seq_lens = [33, 32, 64 + 30]
+    batch = make_batch(query_lens, seq_lens, num_heads=8, num_kv_heads=2, dtype=dtype, high_block_ids=True)
+    check(batch)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_mixed_decode_and_prefill(dtype: torch.dtype, group: int) -> None:
+    query_lens = [1, 13, 1, 1, 25, 1, 0, 3]
+    seq_lens = [33, 33, 16, 17, 32, 100, 0, 50]
+    batch = make_batch(query_lens, seq_lens, num_heads=2 * group, num_kv_heads=2, dtype=dtype)
+    check(batch, decode_config=DecodeConfig(tile_n=16, num_warps=1, num_stages=1, num_splits=3))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_head_dims_and_block_sizes(head_dim: int, block_size: int) -> None:
+    batch = make_batch(
+        [1, 9, 1], [40, 50, 65], num_heads=4, num_kv_heads=1, head_dim=head_dim, block_size=block_size,
+        dtype=torch.float16,
+    )  # fmt: skip
+    check(batch)
+
+
+def test_bigger_tiles_and_odd_group() -> None:
+    # Group of 3 query heads per kv head (padded to 4 rows), tiles spanning several blocks.
+    batch = make_batch([1, 20, 1], [80, 60, 33], num_heads=6, num_kv_heads=2, dtype=torch.float16)
+    check(
+        batch,
+        decode_config=DecodeConfig(tile_n=32, num_warps=1, num_stages=1, num_splits=2),
+        prefill_config=PrefillConfig(block_m=32, tile_n=32, num_warps=1, num_stages=1),
+    )
+
+
+def test_non_contiguous_q_and_cache() -> None:
+    batch = make_batch([1, 12], [30, 40], num_heads=4, num_kv_heads=2, dtype=torch.float16)
+    q = batch["q"]
+    qkv = torch.randn(q.shape[0], q.shape[1] * 2, q.shape[2], dtype=q.dtype, device=q.device)
+    qkv[:, : q.shape[1]] = q
+    batch["q"] = qkv[:, : q.shape[1]]  # token stride covers k and v as a fused projection does
+    kv = torch.stack([batch["k_cache"], batch["v_cache"]], dim=2)  # [blocks, block_size, 2, kv_heads, dim]
+    batch["k_cache"], batch["v_cache"] = kv[:, :, 0], kv[:, :, 1]
+    assert not batch["q"].is_contiguous() and not batch["k_cache"].is_contiguous()
+    check(batch)
+
+
+def test_bad_inputs_are_refused() -> None:
+    batch = make_batch([1, 4], [20, 10], num_heads=4, num_kv_heads=2)
+    with pytest.raises(ValueError, match=r"dtype|share"):
+        paged_attention(**{**batch, "k_cache": batch["k_cache"].half()})
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        paged_attention(**{**batch, "q": batch["q"][:, :3]})
+    with pytest.raises(ValueError, match="head_dim"):
+        paged_attention(**{**batch, "q": batch["q"][..., :24].contiguous()})
+    with pytest.raises(ValueError, match="query_start_loc"):
+        paged_attention(**{**batch, "query_start_loc": batch["query_start_loc"][:2]})
+    with pytest.raises(ValueError, match="block_tables"):
+        paged_attention(**{**batch, "block_tables": batch["block_tables"].float()})

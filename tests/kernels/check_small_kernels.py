@@ -1,0 +1,180 @@
+"""write_kv, rms_norm, rotary_embedding, silu_and_mul: the Triton kernels against `reference.py`.
+
+Run under TRITON_INTERPRET=1 (tests/test_kernels_interpret.py does) or on a GPU. Outputs are
+poisoned (NaN) first so an unwritten element fails. Tolerances: float32 1e-5; float16/bfloat16 one
+rounding step of the dtype (the kernels compute in float32 and round once where PyTorch may round
+twice).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from pagoda.kernels import reference
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("needs TRITON_INTERPRET=1 or a CUDA GPU", allow_module_level=True)
+
+import pagoda.kernels as kernels  # noqa: E402
+from pagoda.kernels.activation import silu_and_mul  # noqa: E402
+from pagoda.kernels.kv_cache import write_kv  # noqa: E402
+from pagoda.kernels.rms_norm import rms_norm  # noqa: E402
+from pagoda.kernels.rotary import rotary_embedding  # noqa: E402
+
+DEVICE = "cpu" if INTERPRET else "cuda"
+DTYPES = [torch.float32, torch.float16] + ([] if INTERPRET else [torch.bfloat16])
+TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, device=DEVICE).to(dtype)
+
+
+def test_dispatch_runs_triton_when_forced() -> None:
+    assert os.environ.get("PAGODA_KERNELS") != "triton" or kernels.use_triton(torch.zeros(1))
+
+
+# --- write_kv ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_kv_heads", [1, 3, 8])
+def test_write_kv(dtype: torch.dtype, num_kv_heads: int) -> None:
+    num_blocks, block_size, head_dim, num_tokens = 40, 16, 32, 23
+    key = randn(num_tokens, num_kv_heads, head_dim, dtype=dtype)
+    value = randn(num_tokens, num_kv_heads, head_dim, dtype=dtype)
+    k_cache = randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    v_cache = randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype)
+    # Distinct slots in high blocks, some mid-block, and padding (-1) that must be skipped.
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens] + 0
+    slots[[3, 7, 20]] = -1
+    slots[0] = num_blocks * block_size - 1
+    slots = slots.to(DEVICE)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reference.write_kv(key, value, k_ref, v_ref, slots)
+    write_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def test_write_kv_strided_inputs_and_dtype_cast() -> None:
+    num_tokens, num_kv_heads, head_dim = 9, 2, 64
+    qkv = randn(num_tokens, 3 * num_kv_heads, head_dim)
+    key, value = qkv[:, :num_kv_heads], qkv[:, num_kv_heads : 2 * num_kv_heads]
+    kv = randn(8, 16, 2, num_kv_heads, head_dim, dtype=torch.float16)
+    k_cache, v_cache = kv[:, :, 0], kv[:, :, 1]
+    slots = torch.tensor([5, 17, 18, -1, 100, 127, 0, 64, -5], device=DEVICE)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reference.write_kv(key, value, k_ref, v_ref, slots)
+    write_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+def test_write_kv_refuses_bad_shapes() -> None:
+    key = randn(4, 2, 32)
+    cache = randn(8, 16, 2, 32)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        write_kv(key, key, cache, cache, torch.zeros(3, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match="k_cache"):
+        write_kv(
+            key,
+            key,
+            randn(8, 16, 4, 32),
+            randn(8, 16, 4, 32),
+            torch.zeros(4, dtype=torch.int64, device=DEVICE),
+        )
+
+
+# --- rms_norm ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", [64, 200])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype: torch.dtype, hidden: int, with_residual: bool) -> None:
+    x = randn(7, hidden, dtype=dtype)
+    weight = (1 + 0.1 * randn(hidden)).to(dtype)
+    residual = randn(7, hidden, dtype=dtype) if with_residual else None
+    out = torch.full_like(x, float("nan"))
+    res_out = torch.full_like(x, float("nan")) if with_residual else None
+    got, got_res = rms_norm(x, weight, 1e-6, residual, out=out, residual_out=res_out)
+    expected, expected_res = reference.rms_norm(x, weight, 1e-6, residual)
+    tol = TOL[dtype]
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+    if with_residual:
+        torch.testing.assert_close(got_res, expected_res, atol=0, rtol=0)
+    else:
+        assert got_res is None
+
+
+def test_rms_norm_float32_weight_and_strided_rows() -> None:
+    x = randn(5, 256, dtype=torch.float16)[:, :128]
+    weight = randn(128)
+    got, _ = rms_norm(x, weight, 1e-5)
+    expected, _ = reference.rms_norm(x, weight, 1e-5)
+    assert got.dtype == expected.dtype == torch.float32
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_rms_norm_refuses_bad_shapes() -> None:
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(randn(3, 8), randn(9), 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm(randn(3, 8), randn(8), 1e-6, randn(3, 8, dtype=torch.float16))
+
+
+# --- silu_and_mul ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", [64, 100, 1500])
+def test_silu_and_mul(dtype: torch.dtype, d: int) -> None:
+    x = randn(6, 2 * d, dtype=dtype) * 3
+    out = torch.full((6, d), float("nan"), dtype=dtype, device=DEVICE)
+    got = silu_and_mul(x, out=out)
+    tol = TOL[dtype]
+    torch.testing.assert_close(got, reference.silu_and_mul(x), atol=tol, rtol=tol)
+
+
+def test_silu_and_mul_refuses_odd_width() -> None:
+    with pytest.raises(ValueError, match="2 \\* d"):
+        silu_and_mul(randn(3, 7))
+
+
+# --- rotary_embedding -----------------------------------------------------------------------------------
+
+
+def cos_sin_cache(max_position: int, head_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    freqs = torch.arange(max_position, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float().to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 1, 64), (8, 8, 32), (6, 2, 48)])
+def test_rotary_embedding(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    num_tokens, max_position = 11, 4096
+    cache = cos_sin_cache(max_position, head_dim)
+    positions = torch.randint(0, max_position, (num_tokens,), device=DEVICE)
+    positions[0] = max_position - 1
+    # q and k as views into one fused projection, as the engine produces them.
+    qkv = randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype)
+    q, k = qkv[:, :num_heads], qkv[:, num_heads : num_heads + num_kv_heads]
+    q_ref, k_ref = q.clone(), k.clone()
+    v_before = qkv[:, num_heads + num_kv_heads :].clone()
+    reference.rotary_embedding(positions, q_ref, k_ref, cache)
+    rotary_embedding(positions, q, k, cache)
+    tol = TOL[dtype]
+    torch.testing.assert_close(q, q_ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(k, k_ref, atol=tol, rtol=tol)
+    assert torch.equal(qkv[:, num_heads + num_kv_heads :], v_before), "v must not be touched"
+    assert math.isfinite(q.float().abs().max().item())
+
+
+def test_rotary_refuses_wrong_cache_width() -> None:
+    q, k = randn(2, 4, 64), randn(2, 1, 64)
+    with pytest.raises(ValueError, match="cos_sin_cache"):
+        rotary_embedding(torch.zeros(2, dtype=torch.int64, device=DEVICE), q, k, cos_sin_cache(16, 32))
