@@ -67,17 +67,20 @@ def paged_attention(
     if decode_rows:
         rows = torch.tensor(decode_rows, device=q.device)
         num_ctx = max(lens[s] for s in decode_rows)
-        k = _gather_context(k_cache, block_tables[rows], num_ctx).float()  # [B, T, Hkv, D]
-        v = _gather_context(v_cache, block_tables[rows], num_ctx).float()
+        k = _gather_context(k_cache, block_tables[rows], num_ctx)  # [B, T, Hkv, D]
+        v = _gather_context(v_cache, block_tables[rows], num_ctx)
         token_idx = query_start_loc[rows].long()
-        qd = q[token_idx].float().view(len(decode_rows), num_kv_heads, group, head_dim)
-        scores = torch.einsum("bhgd,bthd->bhgt", qd, k) * scale
-        ctx_len = seq_lens[rows].view(-1, 1, 1, 1)
         positions = torch.arange(num_ctx, device=q.device).view(1, 1, 1, -1)
-        scores = scores.masked_fill(positions >= ctx_len, float("-inf"))
-        probs = scores.softmax(dim=-1)
-        o = torch.einsum("bhgt,bthd->bhgd", probs, v)
-        out[token_idx] = o.reshape(len(decode_rows), num_heads, head_dim).to(q.dtype)
+        mask = positions < seq_lens[rows].view(-1, 1, 1, 1)  # [B, 1, 1, T]
+        o = F.scaled_dot_product_attention(
+            q[token_idx].unsqueeze(2).float(),  # [B, H, 1, D]
+            k.transpose(1, 2).float(),
+            v.transpose(1, 2).float(),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=group > 1,
+        )
+        out[token_idx] = o.squeeze(2).to(q.dtype)
 
     for s, n in enumerate(query_lens):
         if n <= 1:
