@@ -1,0 +1,93 @@
+"""`pagoda serve` flags: documented in --help, readable from PAGODA_* variables, refused clearly."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+
+import pytest
+
+from pagoda.cli import build_parser
+from pagoda.service import cli as serve_cli
+
+FLAGS = [
+    "--model",
+    "--served-model-name",
+    "--host",
+    "--port",
+    "--grpc-port",
+    "--precision",
+    "--tensor-parallel-size",
+    "--max-model-len",
+    "--max-num-seqs",
+    "--max-num-batched-tokens",
+    "--block-size",
+    "--gpu-memory-utilization",
+    "--kv-cache-memory-bytes",
+    "--enable-prefix-caching",
+    "--max-waiting-requests",
+    "--drain-timeout",
+    "--device",
+]
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_help_documents_every_flag_and_its_variable() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "pagoda.cli", "serve", "--help"], capture_output=True, text=True, check=True
+    )
+    text = re.sub(r"\s+", " ", result.stdout)
+    for flag in FLAGS:
+        assert flag in text, flag
+        assert serve_cli.env_name(flag) in text, flag
+    assert "--no-enable-prefix-caching" in text
+
+
+def test_defaults() -> None:
+    args = parse()
+    server, engine = serve_cli.build_configs(args)
+    assert (server.port, server.grpc_port) == (8000, 8001)
+    assert engine.model is None and engine.dtype == "auto" and engine.enable_prefix_caching
+
+
+def test_environment_sets_flags_and_command_line_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGODA_PORT", "9000")
+    monkeypatch.setenv("PAGODA_MAX_NUM_SEQS", "7")
+    monkeypatch.setenv("PAGODA_ENABLE_PREFIX_CACHING", "false")
+    monkeypatch.setenv("PAGODA_PRECISION", "fp32")
+    monkeypatch.setenv("PAGODA_KV_CACHE_MEMORY_BYTES", "1048576")
+    server, engine = serve_cli.build_configs(parse("--max-num-seqs", "9"))
+    assert server.port == 9000
+    assert engine.max_num_seqs == 9
+    assert engine.enable_prefix_caching is False
+    assert engine.dtype == "float32"
+    assert engine.kv_cache_memory_bytes == 1048576
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--precision", "fp8"], "fp8 is not supported"),
+        (["--precision", "int8"], "int8 is not supported"),
+        (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2 is not supported"),
+        (["--model", "/no/such/model"], "no such checkpoint"),
+        (["--block-size", "12"], "block_size must be a power of two"),
+        (["--max-waiting-requests", "-1"], "--max-waiting-requests"),
+    ],
+)
+def test_refuses_what_the_engine_cannot_run(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        serve_cli.build_configs(parse(*argv))
+
+
+def test_refusal_exits_2_with_the_reason() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "pagoda.cli", "serve", "--precision", "fp8"], capture_output=True, text=True
+    )
+    assert result.returncode == 2
+    assert "fp8 is not supported" in result.stderr

@@ -1,0 +1,301 @@
+"""The OpenAI-compatible HTTP API of a real `pagoda serve` process, through the official `openai` client.
+
+The model is a tiny random-weight Llama: its text is garbage, so the tests compare the server with
+itself (streamed vs not, stop strings cut where the unstopped text had them) and count tokens with
+`ignore_eos` (a vLLM extension, sent as `extra_body`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from pagoda.service.serve_process import ServeProcess
+
+MODEL = "tiny-llama"
+MAX_MODEL_LEN = 256
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+EXACT = {"ignore_eos": True}  # count tokens exactly: never stop early on a random EOS
+
+
+@pytest.fixture(scope="module")
+def server(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    args = ["--model", str(llama_ckpt), "--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN)]
+    args += ["--kv-cache-memory-bytes", str(32 << 20), "--max-num-seqs", "64"]
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with ServeProcess(args, log_path=log) as proc:
+        yield proc
+    assert proc.proc is not None and proc.proc.returncode == 0, proc.log()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(server: ServeProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def chat(client: openai.OpenAI, **kwargs: object) -> openai.types.chat.ChatCompletion:
+    return client.chat.completions.create(model=MODEL, messages=MESSAGES, **kwargs)  # type: ignore[call-overload]
+
+
+def test_health_and_models(server: ServeProcess, client: openai.OpenAI) -> None:
+    assert httpx.get(f"{server.base_url}/v1/health/live").status_code == 200
+    assert httpx.get(f"{server.base_url}/v1/health/ready").json() == {"status": "ready"}
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_streamed_equals_not_streamed(client: openai.OpenAI) -> None:
+    full = chat(client, max_tokens=12, temperature=0, extra_body=EXACT)
+    choice = full.choices[0]
+    assert choice.finish_reason == "length" and choice.message.role == "assistant"
+    assert full.usage is not None and full.usage.completion_tokens == 12 and full.usage.prompt_tokens > 10
+    assert full.usage.total_tokens == full.usage.prompt_tokens + 12
+
+    chunks = list(
+        chat(
+            client,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=EXACT,
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        "length"
+    ]
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (full.usage.prompt_tokens, 12)
+    # The same prompt again: its full blocks come from the prefix cache.
+    assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_streamed_equals_not_streamed(client: openai.OpenAI) -> None:
+    full = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0, extra_body=EXACT
+    )
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage is not None and full.usage.completion_tokens == 10
+    stream = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0, stream=True, extra_body=EXACT
+    )
+    assert "".join(c.choices[0].text for c in stream) == full.choices[0].text
+
+
+def test_completions_prompt_forms_and_echo(client: openai.OpenAI) -> None:
+    tokens = [1, 520, 1741, 282, 3065]
+    by_ids = client.completions.create(
+        model=MODEL, prompt=tokens, max_tokens=4, temperature=0, extra_body=EXACT
+    )
+    assert by_ids.usage is not None and by_ids.usage.prompt_tokens == len(tokens)
+
+    batch = client.completions.create(
+        model=MODEL, prompt=["Hello", "The sky is"], max_tokens=4, temperature=0, n=2, extra_body=EXACT
+    )
+    assert sorted(c.index for c in batch.choices) == [0, 1, 2, 3]
+    assert batch.usage is not None and batch.usage.completion_tokens == 16
+
+    echoed = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0, echo=True)
+    plain = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
+    assert echoed.choices[0].text == "Hello" + plain.choices[0].text
+
+
+def test_n2_and_seed_reproducibility(client: openai.OpenAI) -> None:
+    kwargs = dict(max_tokens=8, temperature=1.0, n=2, seed=1234, extra_body=EXACT)
+    first, again = chat(client, **kwargs), chat(client, **kwargs)
+    assert [c.index for c in first.choices] == [0, 1]
+    assert first.usage is not None and first.usage.completion_tokens == 16
+    assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
+
+
+def test_stop_string_cuts_where_the_text_had_it(client: openai.OpenAI) -> None:
+    prompt = "The quick brown fox"
+    free = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=24, temperature=0, extra_body=EXACT
+    )
+    text = free.choices[0].text
+    candidates = [
+        text[i : i + 3] for i in range(3, len(text) - 3) if text[i : i + 3].strip() == text[i : i + 3]
+    ]
+    assert candidates, f"no stop candidate in {text!r}"
+    stop = candidates[0]
+    for stream in (False, True):
+        result = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=[stop], stream=stream
+        )
+        if stream:
+            chunks = list(result)  # type: ignore[arg-type]
+            got, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            got, reason = result.choices[0].text, result.choices[0].finish_reason  # type: ignore[union-attr]
+        assert (got, reason) == (text[: text.index(stop)], "stop")
+
+
+def test_logprobs(client: openai.OpenAI) -> None:
+    result = chat(client, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3, extra_body=EXACT)
+    content = result.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 6
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        # Greedy: the chosen token is the most likely one.
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)
+
+    completion = client.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=5, temperature=0, logprobs=2, extra_body=EXACT
+    )
+    lp = completion.choices[0].logprobs
+    assert lp is not None and len(lp.tokens) == 5 and len(lp.token_logprobs) == 5
+    assert all(len(top) <= 2 for top in lp.top_logprobs)
+    assert "".join(lp.tokens) == completion.choices[0].text
+    assert lp.text_offset[0] == 0
+
+
+def test_64_concurrent_streams_complete_with_correct_usage(server: ServeProcess) -> None:
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, int, str | None]:
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Request number {i}"}],
+            max_tokens=8 + i % 5,
+            temperature=0.8,
+            seed=i,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=EXACT,
+        )
+        usage, finish = None, None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+        assert usage is not None
+        return i, usage.completion_tokens, finish
+
+    async def main() -> list[tuple[int, int, str | None]]:
+        async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    results = asyncio.run(main())
+    assert [(i, n, f) for i, n, f in results] == [(i, 8 + i % 5, "length") for i in range(64)]
+
+
+def _error(response: httpx.Response) -> dict[str, object]:
+    body = response.json()
+    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"])
+    return body["error"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param", "in_message"),
+    [
+        ("/v1/chat/completions", {"model": "nope", "messages": MESSAGES}, 404, "model", "nope"),
+        (
+            "/v1/chat/completions",
+            {"messages": MESSAGES, "temperature": -1},
+            400,
+            "temperature",
+            "temperature",
+        ),
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": "many"}, 400, "max_tokens", "integer"),
+        ("/v1/chat/completions", {"messages": []}, 400, "messages", "at least one"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "robot", "content": "x"}]},
+            400,
+            "messages.0.role",
+            "",
+        ),
+        ("/v1/chat/completions", {"messages": MESSAGES, "top_p": 0}, 400, "top_p", "top_p"),
+        ("/v1/chat/completions", {"messages": MESSAGES, "n": 0}, 400, "n", "n must be"),
+        ("/v1/completions", {"prompt": [5] * (MAX_MODEL_LEN + 10)}, 400, "prompt", f"{MAX_MODEL_LEN} tokens"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "max_tokens": MAX_MODEL_LEN * 2},
+            400,
+            "max_tokens",
+            "context length",
+        ),
+        ("/v1/completions", {"prompt": ""}, 400, "prompt", "empty"),
+        ("/v1/completions", {"prompt": [10**9]}, 400, "prompt", "out of range"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs", "logprobs"),
+    ],
+)
+def test_bad_input_gets_status_and_error_shape(
+    server: ServeProcess, path: str, body: dict[str, object], status: int, param: str, in_message: str
+) -> None:
+    response = httpx.post(server.base_url + path, json=body, timeout=30)
+    assert response.status_code == status, response.text
+    error = _error(response)
+    assert error["param"] == param and in_message in str(error["message"])
+    # ... and the server keeps serving.
+    ok = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200
+
+
+def test_openai_client_sees_typed_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as not_found:
+        client.chat.completions.create(model="gpt-4o", messages=MESSAGES)  # type: ignore[arg-type]
+    assert not_found.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError):
+        chat(client, temperature=5.0, top_p=-1)
+
+
+def test_malformed_json_unknown_route_and_ignored_params(server: ServeProcess) -> None:
+    bad = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
+    assert bad.status_code == 400 and _error(bad)["type"] == "invalid_request_error"
+    missing = httpx.get(f"{server.base_url}/v1/nothing-here")
+    assert missing.status_code == 404 and _error(missing)
+    extra = {
+        "logit_bias": {"5": 1},
+        "response_format": {"type": "text"},
+        "parallel_tool_calls": False,
+        "foo": 1,
+    }
+    ok = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        json={"messages": MESSAGES, "max_tokens": 2, "user": "u1", **extra},
+        timeout=30,
+    )
+    assert ok.status_code == 200, ok.text
+
+
+def _metric(server: ServeProcess, name: str) -> float:
+    text = httpx.get(f"{server.base_url}/metrics").text
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def test_client_disconnect_aborts_the_request(server: ServeProcess) -> None:
+    aborted = 'pagoda_requests_finished_total{finish_reason="abort"}'
+    before_abort = _metric(server, aborted)
+    before_tokens = _metric(server, "pagoda_generation_tokens_total")
+    body = {"prompt": "Tell a long story", "max_tokens": MAX_MODEL_LEN - 20, "stream": True, **EXACT}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"]
+    # The connection is closed here, long before 236 tokens are generated.
+    deadline = time.monotonic() + 20
+    while _metric(server, aborted) == before_abort and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _metric(server, aborted) == before_abort + 1
+    assert _metric(server, "pagoda_requests_running") == 0
+    assert _metric(server, "pagoda_kv_cache_usage_ratio") == 0
+    assert _metric(server, "pagoda_generation_tokens_total") - before_tokens < MAX_MODEL_LEN - 20
