@@ -35,8 +35,21 @@ test-fast: setup
 
 test: lint test-fast e2e
 
-e2e: setup
+# The control plane binaries (kube-*, kubectl, etcd, kwok, helm), built once into ~/.cache/pagoda/k8s
+# (e2e/tools/build.sh; about 25 min cold on 2 cores, nothing once built). Skipped for an existing cluster.
+.PHONY: k8s-bin
+k8s-bin:
+	@if [ -z "$$PAGODA_E2E_KUBECONFIG" ]; then bash e2e/tools/build.sh >/dev/null; fi
+
+e2e: setup k8s-bin
 	$(VENV)/bin/pytest e2e
+
+# A local cluster with the simulated GPU nodes, left running; the last line printed is its kubeconfig.
+cluster: setup k8s-bin
+	@$(VENV)/bin/python e2e/harness/cluster.py up
+
+cluster-down: setup
+	@$(VENV)/bin/python e2e/harness/cluster.py down
 
 demo: setup
 	$(VENV)/bin/python -m pagoda.demo

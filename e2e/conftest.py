@@ -1,0 +1,130 @@
+"""Fixtures of the e2e suite: a real Kubernetes control plane with simulated GPU nodes.
+
+- `cluster` (session): one cluster per test run. Attributes: `.kubeconfig` (Path), `.bin_dir` (Path,
+  holds kubectl, helm, ...), `.env` (environment for subprocesses: KUBECONFIG, PATH with bin_dir first),
+  `.kubectl(*args, input=None, check=True)` (a CompletedProcess, text, output captured), `.workdir`
+  (None for an existing cluster).
+- `namespace` (function): a fresh namespace name, deleted afterwards (its pods are waited for).
+- `kubeconfig` (session): the cluster's kubeconfig path.
+- `gpu_catalogue`: e2e/gpu_nodes.yaml as loaded data; `cluster_harness`: the launcher module.
+
+By default the cluster is built and started here (e2e/harness/cluster.py; binaries from
+e2e/tools/build.sh). PAGODA_E2E_KUBECONFIG=<path> uses an existing cluster instead (kind, see
+e2e/kind/): kubectl and helm are then taken from PAGODA_K8S_BIN or PATH.
+PAGODA_E2E_KEEP=1 leaves the work directory (logs, etcd data) of the local cluster behind.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+E2E = Path(__file__).resolve().parent
+
+
+def _load_harness() -> ModuleType:
+    # pytest runs with --import-mode=importlib and e2e/ is not a package: import the launcher by path.
+    name = "pagoda_e2e_harness_cluster"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, E2E / "harness" / "cluster.py")
+        assert spec and spec.loader
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+harness = _load_harness()
+
+
+def _reap_stale_clusters() -> None:
+    """Stops clusters of earlier test runs whose pytest process is gone (killed before teardown)."""
+    for workdir in Path(tempfile.gettempdir()).glob("pagoda-e2e-*"):
+        try:
+            owner = int((workdir / "owner.pid").read_text())
+        except (OSError, ValueError):
+            continue
+        if not Path(f"/proc/{owner}").exists():
+            harness.stop(workdir)
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _existing_cluster(kubeconfig: str) -> object:
+    bin_dir = os.environ.get("PAGODA_K8S_BIN")
+    if not bin_dir:
+        kubectl = shutil.which("kubectl")
+        if kubectl is None:
+            pytest.fail("PAGODA_E2E_KUBECONFIG is set but no kubectl on PATH (or set PAGODA_K8S_BIN)")
+        bin_dir = str(Path(kubectl).parent)
+    return harness.Cluster(kubeconfig=Path(kubeconfig).resolve(), bin_dir=Path(bin_dir))
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[object]:
+    existing = os.environ.get("PAGODA_E2E_KUBECONFIG")
+    if existing:
+        yield _existing_cluster(existing)
+        return
+    _reap_stale_clusters()
+    bin_dir = harness.ensure_binaries()
+    workdir = Path(tempfile.mkdtemp(prefix="pagoda-e2e-"))
+    c = harness.start(workdir, bin_dir, attached=True)
+    try:
+        yield c
+    finally:
+        c.stop()
+        if not os.environ.get("PAGODA_E2E_KEEP"):
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def kubeconfig(cluster) -> Path:
+    return cluster.kubeconfig
+
+
+@pytest.fixture
+def namespace(cluster) -> Iterator[str]:
+    name = f"e2e-{uuid.uuid4().hex[:8]}"
+    cluster.kubectl("create", "namespace", name)
+    try:
+        yield name
+    finally:
+        _delete_namespace(cluster, name)
+
+
+def _delete_namespace(cluster, name: str, timeout: float = 60.0) -> None:
+    """Deletes the namespace and waits until its pods are gone, so that they no longer hold simulated
+    GPUs when the next test starts. A terminating namespace admits no new pods, so its pods can be
+    removed at once instead of waiting for the namespace controller's next pass (about 5 s); the
+    namespace object itself finishes in the background."""
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    cluster.kubectl("delete", "pods", "--all", "-n", name, "--grace-period=0", "--force", "--wait=false",
+                    check=False)  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = cluster.kubectl("get", "pods", "-n", name, "-o", "name", check=False)
+        if left.returncode == 0 and not left.stdout.strip():
+            return
+        time.sleep(0.2)
+    pytest.fail(f"pods of namespace {name} still there {timeout:.0f}s after deleting it")
+
+
+@pytest.fixture(scope="session")
+def gpu_catalogue() -> dict:
+    return harness.nodes.load_catalogue()
+
+
+@pytest.fixture(scope="session")
+def cluster_harness() -> ModuleType:
+    """The launcher module (e2e/harness/cluster.py): `start(workdir, bin_dir)`, `stop(workdir)`, ..."""
+    return harness
