@@ -128,7 +128,7 @@ class Tokenizer:
         backend = Backend(
             models.BPE(
                 vocab=vocab,
-                merges=[tuple(m.split(" ")) for m in merges],
+                merges=[_merge_pair(m) for m in merges],
                 continuing_subword_prefix="",
                 end_of_word_suffix="",
                 fuse_unk=False,
@@ -247,6 +247,11 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.ids)
         self.text += delta
         return delta
+
+
+def _merge_pair(merge: str) -> tuple[str, str]:
+    left, right = merge.split(" ")
+    return left, right
 
 
 def _read_json(path: Path) -> dict[str, Any]:

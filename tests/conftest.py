@@ -150,3 +150,63 @@ def sharded_llama_ckpt(tmp_path_factory: pytest.TempPathFactory, tokenizer_files
     return _build(
         tmp_path_factory.mktemp("sharded_llama"), tokenizer_files, config, max_shard_size="1MB", seed=4
     )
+
+
+_BLOCK_SIZE = 4  # small, so a prompt spans several blocks
+
+
+class PagedRunner:
+    """A minimal model runner: one block table per sequence, blocks handed out in order."""
+
+    def __init__(self, model: Any, num_blocks: int = 64) -> None:
+        import torch
+
+        self.model = model
+        config = model.config
+        shape = (num_blocks, _BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
+        for attn in model.attention_layers():
+            attn.k_cache = torch.zeros(shape)
+            attn.v_cache = torch.zeros(shape)
+        self.next_block = num_blocks - 1  # hand out from the end so block ids are not positions
+        self.blocks: dict[int, list[int]] = {}
+        self.lens: dict[int, int] = {}
+
+    def step(self, chunks: dict[int, list[int]]) -> list[Any]:
+        """Run one flattened batch: `{seq_id: new tokens}`; returns each sequence's logits rows."""
+        import torch
+        from pagoda.service.model.attention import AttentionMetadata
+
+        input_ids, positions, slots, query_start, seq_lens = [], [], [], [0], []
+        for seq_id, tokens in chunks.items():
+            start = self.lens.get(seq_id, 0)
+            end = start + len(tokens)
+            blocks = self.blocks.setdefault(seq_id, [])
+            while len(blocks) * _BLOCK_SIZE < end:
+                blocks.append(self.next_block)
+                self.next_block -= 1
+            input_ids += tokens
+            positions += range(start, end)
+            slots += [blocks[p // _BLOCK_SIZE] * _BLOCK_SIZE + p % _BLOCK_SIZE for p in range(start, end)]
+            query_start.append(query_start[-1] + len(tokens))
+            seq_lens.append(end)
+            self.lens[seq_id] = end
+        width = max(len(self.blocks[s]) for s in chunks)
+        tables = [self.blocks[s] + [0] * (width - len(self.blocks[s])) for s in chunks]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32),
+            max_query_len=max(len(t) for t in chunks.values()),
+            max_seq_len=max(seq_lens),
+        )
+        with torch.inference_mode():
+            hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), meta)
+            logits = self.model.compute_logits(hidden)
+        return list(logits.split([len(t) for t in chunks.values()]))
+
+
+@pytest.fixture
+def paged_runner() -> type[PagedRunner]:
+    """`paged_runner(model)`: runs flattened batches of `{seq_id: new tokens}` over a fresh paged KV cache."""
+    return PagedRunner

@@ -7,56 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 from pagoda.service.model import load_model
-from pagoda.service.model.attention import AttentionMetadata
-from pagoda.service.model.llama import LlamaForCausalLM
-
-BLOCK_SIZE = 4  # small, so a prompt spans several blocks
-
-
-class PagedRunner:
-    """A minimal model runner: one block table per sequence, blocks handed out in order."""
-
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int = 64) -> None:
-        self.model = model
-        config = model.config
-        shape = (num_blocks, BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
-        for attn in model.attention_layers():
-            attn.k_cache = torch.zeros(shape)
-            attn.v_cache = torch.zeros(shape)
-        self.next_block = num_blocks - 1  # hand out from the end so block ids are not positions
-        self.blocks: dict[int, list[int]] = {}
-        self.lens: dict[int, int] = {}
-
-    def step(self, chunks: dict[int, list[int]]) -> list[torch.Tensor]:
-        """Run one flattened batch: `{seq_id: new tokens}`; returns each sequence's logits rows."""
-        input_ids, positions, slots, query_start, seq_lens = [], [], [], [0], []
-        for seq_id, tokens in chunks.items():
-            start = self.lens.get(seq_id, 0)
-            end = start + len(tokens)
-            blocks = self.blocks.setdefault(seq_id, [])
-            while len(blocks) * BLOCK_SIZE < end:
-                blocks.append(self.next_block)
-                self.next_block -= 1
-            input_ids += tokens
-            positions += range(start, end)
-            slots += [blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, end)]
-            query_start.append(query_start[-1] + len(tokens))
-            seq_lens.append(end)
-            self.lens[seq_id] = end
-        width = max(len(self.blocks[s]) for s in chunks)
-        tables = [self.blocks[s] + [0] * (width - len(self.blocks[s])) for s in chunks]
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=torch.tensor(tables, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32),
-            max_query_len=max(len(t) for t in chunks.values()),
-            max_seq_len=max(seq_lens),
-        )
-        with torch.inference_mode():
-            hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), meta)
-            logits = self.model.compute_logits(hidden)
-        return list(logits.split([len(t) for t in chunks.values()]))
 
 
 def hf_logits(folder: Path, token_ids: list[int]) -> torch.Tensor:
@@ -73,10 +23,12 @@ CKPTS = ["llama_ckpt", "qwen2_ckpt", "tied_llama_ckpt", "sharded_llama_ckpt"]
 
 
 @pytest.mark.parametrize("ckpt", CKPTS)
-def test_prefill_and_decode_match_transformers(ckpt: str, request: pytest.FixtureRequest) -> None:
+def test_prefill_and_decode_match_transformers(
+    ckpt: str, request: pytest.FixtureRequest, paged_runner
+) -> None:
     folder = request.getfixturevalue(ckpt)
     model, _ = load_model(folder, dtype=torch.float32, device="cpu")
-    runner = PagedRunner(model)
+    runner = paged_runner(model)
     full = [*PROMPT_A, 42, 4242]
     expected = hf_logits(folder, full)
 
@@ -88,11 +40,11 @@ def test_prefill_and_decode_match_transformers(ckpt: str, request: pytest.Fixtur
 
 
 @pytest.mark.parametrize("ckpt", ["llama_ckpt", "qwen2_ckpt"])
-def test_mixed_batch_with_chunked_prefill(ckpt: str, request: pytest.FixtureRequest) -> None:
+def test_mixed_batch_with_chunked_prefill(ckpt: str, request: pytest.FixtureRequest, paged_runner) -> None:
     """One flattened batch holds a prefill chunk, a full prefill and later decodes, each correct."""
     folder = request.getfixturevalue(ckpt)
     model, _ = load_model(folder, dtype=torch.float32)
-    runner = PagedRunner(model)
+    runner = paged_runner(model)
     expected_a = hf_logits(folder, [*PROMPT_A, 7])
     expected_b = hf_logits(folder, [*PROMPT_B, 8, 9])
 

@@ -153,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(config), persistent=False)
 
     def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [layer.self_attn.attn for layer in self.model.layers]  # type: ignore[union-attr]
 
     def forward(
         self,

@@ -95,7 +95,7 @@ def load_gguf(
     tensors = {t.name: t for t in reader.tensors}
     file_type = meta.get("general.file_type")
     # "auto" keeps a float16/bfloat16 file's dtype; quantized weights dequantize exactly to float32.
-    checkpoint_dtype = {1: torch.float16, 32: torch.bfloat16}.get(file_type, torch.float32)
+    checkpoint_dtype = {1: torch.float16, 32: torch.bfloat16}.get(int(file_type or 0), torch.float32)
     vocab_size = len(reader.fields["tokenizer.ggml.tokens"].data)
     config = ModelConfig.from_gguf_metadata(meta, vocab_size, "output.weight" in tensors, checkpoint_dtype)
     arch = meta["general.architecture"]
@@ -106,8 +106,8 @@ def load_gguf(
         if gguf_name is None:
             return None
         tensor = tensors[gguf_name]
-        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        weights = torch.from_numpy(weights.copy()).view(*reversed([int(n) for n in tensor.shape]))
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        weights = torch.from_numpy(array.copy()).view(*reversed([int(n) for n in tensor.shape]))
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             weights = _reverse_permute(weights, heads)
@@ -157,10 +157,12 @@ def _assemble(name: str, get: TensorSource, source: str) -> torch.Tensor:
             break
     else:
         names = [name]
-    tensors = [get(n) for n in names]
-    missing = [n for n, t in zip(names, tensors, strict=True) if t is None]
-    if missing:
-        raise ValueError(f"{source}: checkpoint has no tensor {missing[0]!r}")
+    tensors = []
+    for tensor_name in names:
+        tensor = get(tensor_name)
+        if tensor is None:
+            raise ValueError(f"{source}: checkpoint has no tensor {tensor_name!r}")
+        tensors.append(tensor)
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
 
 
