@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-
 from pagoda.service.serve_process import ServeProcess
 
 MODEL = "tiny-llama"
@@ -299,3 +299,64 @@ def test_client_disconnect_aborts_the_request(server: ServeProcess) -> None:
     assert _metric(server, "pagoda_requests_running") == 0
     assert _metric(server, "pagoda_kv_cache_usage_ratio") == 0
     assert _metric(server, "pagoda_generation_tokens_total") - before_tokens < MAX_MODEL_LEN - 20
+
+
+def _documented_metrics() -> tuple[list[str], list[str]]:
+    """(always exported, GPU only) metric names from docs/metrics.md's tables."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    always, gpu_only = [], []
+    section = ""
+    for line in doc.splitlines():
+        if line.startswith("## "):
+            section = line
+        elif match := re.match(r"\| `([a-z0-9_:]+)` \|", line):
+            (gpu_only if "GPU" in section else always).append(match.group(1))
+    return always, gpu_only
+
+
+def _exported_names(text: str) -> set[str]:
+    return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
+
+
+def test_metrics_exports_every_documented_name_and_values_move(server: ServeProcess) -> None:
+    always, gpu_only = _documented_metrics()
+    assert len(always) >= 20 and len(gpu_only) == 3
+    before = httpx.get(f"{server.base_url}/metrics")
+    assert before.headers["content-type"].startswith("text/plain")
+    exported = _exported_names(before.text)
+    # prometheus_client types counters by their name without `_total`, and info metrics without `_info`.
+    missing = [
+        n
+        for n in always
+        if n not in exported and n.removesuffix("_total").removesuffix("_info") not in exported
+    ]
+    assert not missing, f"documented but not exported: {missing}"
+    has_gpu = any(n in exported for n in gpu_only)
+    assert has_gpu == all(n in exported for n in gpu_only)
+
+    names = [
+        "pagoda_prompt_tokens_total",
+        "pagoda_generation_tokens_total",
+        "pagoda_time_to_first_token_seconds_count",
+        "pagoda_inter_token_latency_seconds_count",
+        "pagoda_e2e_request_latency_seconds_count",
+        "pagoda_request_queue_time_seconds_count",
+        'pagoda_requests_finished_total{finish_reason="length"}',
+        'pagoda_request_errors_total{error="not_found"}',
+        "pagoda_prefix_cache_queries_total",
+    ]
+    start = {n: _metric(server, n) for n in names}
+    body = {"prompt": "Metrics move", "max_tokens": 5, **EXACT}
+    assert httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=30).status_code == 200
+    assert httpx.post(f"{server.base_url}/v1/completions", json={**body, "model": "x"}).status_code == 404
+    end = {n: _metric(server, n) for n in names}
+    assert [n for n in names if end[n] <= start[n]] == []
+    assert end["pagoda_generation_tokens_total"] - start["pagoda_generation_tokens_total"] == 5
+    assert (
+        end["pagoda_inter_token_latency_seconds_count"] - start["pagoda_inter_token_latency_seconds_count"]
+        == 4
+    )
+
+    text = httpx.get(f"{server.base_url}/metrics").text
+    assert f'vllm:num_requests_waiting{{model_name="{MODEL}"}} 0.0' in text
+    assert re.search(r'vllm:cache_config_info\{block_size="16",num_gpu_blocks="\d+"\} 1.0', text)

@@ -200,7 +200,7 @@ class EngineClient:
         tracker = RequestTracker(self.metrics)
         self._in_flight.add(request_id)
         self._idle.clear()
-        finished = False
+        finished = failed = False
         stream = engine.generate(prompt, params, request_id)
         try:
             async for out in stream:
@@ -208,19 +208,22 @@ class EngineClient:
                 finished = out.finished
                 yield out
         except InvalidRequestError as exc:
+            failed = True
             self.metrics.count_error("invalid_request")
             code = "context_length_exceeded" if "context" in str(exc) else None
             raise APIError("invalid_request", str(exc), param=exc.param, code=code) from exc
         except (APIError, asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as exc:
+            failed = True
             self.metrics.count_error("internal")
             logger.exception("request %s failed", request_id)
             raise APIError("internal", f"The engine failed on this request: {exc}") from exc
         finally:
             if not finished:
                 engine.abort(request_id)
-            tracker.close()
+                if not failed:  # closed early: the client went away or the drain timed out
+                    tracker.close()
             await stream.aclose()
             self._in_flight.discard(request_id)
             if not self._in_flight:
