@@ -152,6 +152,22 @@ def sharded_llama_ckpt(tmp_path_factory: pytest.TempPathFactory, tokenizer_files
     )
 
 
+@pytest.fixture(scope="session")
+def mistral_ckpt(tmp_path_factory: pytest.TempPathFactory, tokenizer_files: Path) -> Path:
+    """MistralForCausalLM: GQA, no sliding window within the tested lengths."""
+    from transformers import MistralConfig
+
+    config = MistralConfig(
+        **_COMMON,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=None,
+        tie_word_embeddings=False,
+    )
+    return _build(tmp_path_factory.mktemp("mistral"), tokenizer_files, config, seed=5)
+
+
 _BLOCK_SIZE = 4  # small, so a prompt spans several blocks
 
 

@@ -19,7 +19,7 @@ def hf_logits(folder: Path, token_ids: list[int]) -> torch.Tensor:
 
 PROMPT_A = [1, 504, 3458, 282, 4649, 314, 17535, 30, 378, 3821, 5284, 281, 260, 7265, 28]  # 15 tokens
 PROMPT_B = [9906, 1345, 28, 216, 33, 34, 35]  # 7 tokens
-CKPTS = ["llama_ckpt", "qwen2_ckpt", "tied_llama_ckpt", "sharded_llama_ckpt"]
+CKPTS = ["llama_ckpt", "qwen2_ckpt", "tied_llama_ckpt", "sharded_llama_ckpt", "mistral_ckpt"]
 
 
 @pytest.mark.parametrize("ckpt", CKPTS)

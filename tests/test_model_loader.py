@@ -84,6 +84,8 @@ def test_transformers4_style_config() -> None:
     assert config.rope_theta == 1e6 and config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
     assert config.num_key_value_heads == 4 and config.head_dim == 16
     assert str(config.torch_dtype) == "torch.bfloat16" and config.eos_token_ids == (5, 6)
+    assert config.sliding_window is None
+    assert ModelConfig.from_hf_dict({**raw, "sliding_window": 128}).sliding_window == 128
     with pytest.raises(ValueError, match="yarn"):
         ModelConfig.from_hf_dict({**raw, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
 

@@ -45,6 +45,9 @@ class ModelConfig:
     torch_dtype: torch.dtype  # the checkpoint's dtype, what dtype="auto" loads
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    # Mistral v0.1 attends to the last 4096 positions only; the model attends to all, so the engine
+    # must clamp the context length to this window (equal outputs up to it).
+    sliding_window: int | None = None
 
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
@@ -82,6 +85,7 @@ class ModelConfig:
             torch_dtype=_DTYPES[dtype_name],
             eos_token_ids=_ids(eos),
             bos_token_id=bos,
+            sliding_window=_sliding_window(raw),
         )
 
     @classmethod
@@ -132,6 +136,15 @@ class ModelConfig:
             eos_token_ids=_ids(eos),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         )
+
+
+def _sliding_window(raw: dict[str, Any]) -> int | None:
+    window = raw.get("sliding_window")
+    if raw.get("model_type") == "qwen2" and not raw.get("use_sliding_window", False):
+        return None
+    if window is None or window >= raw.get("max_position_embeddings", 2048):
+        return None
+    return int(window)
 
 
 def _ids(value: int | list[int] | None) -> tuple[int, ...]:
