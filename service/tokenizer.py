@@ -200,7 +200,9 @@ class Tokenizer:
             messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens, **kwargs
         )
 
-    def detokenizer(self, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True):
+    def detokenizer(
+        self, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True
+    ) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens)
 
 

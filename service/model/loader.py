@@ -33,7 +33,9 @@ _MERGED = {
 }
 
 
-def load_model(path: str | Path, dtype: DType = "auto", device: str | torch.device = "cpu"):
+def load_model(
+    path: str | Path, dtype: DType = "auto", device: str | torch.device = "cpu"
+) -> tuple[LlamaForCausalLM, ModelConfig]:
     """`(model, config)` from a checkpoint folder or a `.gguf` file."""
     path = Path(path)
     if not path.exists():
