@@ -28,7 +28,6 @@ def hf_greedy(ckpt: Path, prompts: list[list[int]], new_tokens: int) -> list[lis
                 ids,
                 attention_mask=torch.ones_like(ids),
                 max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
                 do_sample=False,
                 pad_token_id=0,
             )
@@ -47,7 +46,7 @@ def test_greedy_matches_transformers(ckpt_name: str, request: pytest.FixtureRequ
     prompts = random_prompts([1, 7, 16, 17, 45, 100])
     expected = hf_greedy(ckpt, prompts, NEW_TOKENS)
     llm = LLM(str(ckpt), dtype="float32", max_num_batched_tokens=64, kv_cache_memory_bytes=8 << 20)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)  # both stop at EOS, keeping it
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert got == expected
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
