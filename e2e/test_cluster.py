@@ -188,3 +188,24 @@ def test_teardown_leaves_no_process(cluster, cluster_harness, tmp_path):
     assert left == [], f"processes of the stopped cluster still running: {left}"
     # The session's cluster is untouched.
     cluster.kubectl("get", "--raw", "/readyz")
+
+
+def test_helm_installs_and_waits(cluster, namespace, tmp_path):
+    def helm(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["helm", *args], env=cluster.env, capture_output=True, text=True, timeout=180)
+
+    version = helm("version", "--short")
+    assert version.returncode == 0 and version.stdout.startswith("v3."), version.stderr
+    created = helm("create", str(tmp_path / "demo"))
+    assert created.returncode == 0, created.stderr
+    installed = helm("install", "demo", str(tmp_path / "demo"), "-n", namespace, "--wait", "--timeout=90s")
+    assert installed.returncode == 0, installed.stderr
+    out = cluster.kubectl("get", "pods", "-n", namespace, "-l", "app.kubernetes.io/name=demo", "-o", "json")
+    items = json.loads(out.stdout)["items"]
+    assert items and all(is_ready(p) for p in items)
+
+
+def test_jobs_complete(cluster, namespace):
+    # kwok's pod-complete stage: pods owned by a Job succeed, so Jobs (and Helm hook Jobs) finish.
+    cluster.kubectl("create", "job", "once", "-n", namespace, "--image=registry.invalid/pagoda/fake:0")
+    cluster.kubectl("wait", "-n", namespace, "--for=condition=Complete", "job/once", "--timeout=60s")

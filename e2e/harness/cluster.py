@@ -38,6 +38,8 @@ BUILD_SCRIPT = E2E / "tools" / "build.sh"
 DEFAULT_WORKDIR = Path(tempfile.gettempdir()) / f"pagoda-cluster-{os.getuid()}"
 SERVICE_CIDR = "10.96.0.0/16"
 START_TIMEOUT = 90.0
+KWOK_VERSION = "v0.8.0"  # as in tools/build.sh
+KWOK_STAGES = ("node/fast", "node/heartbeat-with-lease", "pod/fast")
 
 
 def _load(name: str) -> ModuleType:
@@ -263,15 +265,26 @@ def _kubeconfig(path: Path, server: str, p: ModuleType, user: str) -> Path:
     return path
 
 
+def _kwok_stage_files(bin_dir: Path) -> list[Path]:
+    """kwok's default stages: copied next to the binaries by build.sh, else from the Go module cache."""
+    for d in (bin_dir.parent / "kwok-stages", bin_dir / "kwok-stages"):
+        if found := sorted(d.glob("*.yaml")):
+            return found
+    gomodcache = ""
+    if shutil.which("go"):
+        proc = subprocess.run(["go", "env", "GOMODCACHE"], capture_output=True, text=True)
+        gomodcache = proc.stdout.strip()
+    src = Path(gomodcache or Path.home() / "go/pkg/mod") / f"sigs.k8s.io/kwok@{KWOK_VERSION}/kustomize/stage"
+    found = [f for d in KWOK_STAGES for f in sorted((src / d).glob("*.yaml"))]
+    found = [f for f in found if f.name != "kustomization.yaml"]
+    if not found:
+        raise RuntimeError(f"no kwok stages next to {bin_dir} nor in {src}")
+    return found
+
+
 def _kwok_config(workdir: Path, bin_dir: Path) -> Path:
-    """kwok's default stages (copied next to the binaries by build.sh) in one --config file."""
-    stages = sorted((bin_dir.parent / "kwok-stages").glob("*.yaml"))
-    if not stages:
-        raise RuntimeError(
-            f"no kwok stages in {bin_dir.parent / 'kwok-stages'} (PAGODA_K8S_BIN set without them?)"
-        )
     out = workdir / "kwok.yaml"
-    out.write_text("\n---\n".join(s.read_text() for s in stages))
+    out.write_text("\n---\n".join(s.read_text() for s in _kwok_stage_files(bin_dir)))
     return out
 
 
