@@ -1,0 +1,116 @@
+"""A real `pagoda serve` under pressure: SIGTERM drains in-flight streams (readiness flips first, exit
+0), and the waiting-queue limit answers 503 + Retry-After, then recovers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from pagoda.service.serve_process import ServeProcess
+
+NUM_STREAMS = 16
+MAX_TOKENS = 300
+
+
+def _server(llama_ckpt: Path, tmp_path: Path, *flags: str) -> ServeProcess:
+    args = ["--model", str(llama_ckpt), "--max-model-len", "512", "--kv-cache-memory-bytes", str(16 << 20)]
+    return ServeProcess([*args, *flags], log_path=tmp_path / "serve.log")
+
+
+async def _stream(http: httpx.AsyncClient, i: int, started: asyncio.Event) -> dict[str, Any]:
+    body = {
+        "prompt": f"Story number {i}:",
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    result: dict[str, Any] = {"text": "", "finish_reason": None, "usage": None, "done": False}
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                result["done"] = True
+                break
+            chunk = json.loads(line[6:])
+            started.set()
+            for choice in chunk["choices"]:
+                result["text"] += choice["text"]
+                result["finish_reason"] = choice["finish_reason"] or result["finish_reason"]
+            result["usage"] = chunk["usage"] or result["usage"]
+    return result
+
+
+def test_sigterm_drains_in_flight_streams_and_exits_0(llama_ckpt: Path, tmp_path: Path) -> None:
+    server = _server(llama_ckpt, tmp_path, "--drain-timeout", "120").start()
+
+    async def main() -> tuple[list[dict[str, Any]], int, int, int]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as http:
+            started = [asyncio.Event() for _ in range(NUM_STREAMS)]
+            tasks = [asyncio.create_task(_stream(http, i, started[i])) for i in range(NUM_STREAMS)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+            server.terminate()
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=10) as probe:
+                for _ in range(200):
+                    ready = (await probe.get("/v1/health/ready")).status_code
+                    if ready == 503:
+                        break
+                    await asyncio.sleep(0.01)
+                num_unfinished = sum(not t.done() for t in tasks)
+                late = await probe.post("/v1/completions", json={"prompt": "late", "max_tokens": 2})
+            return await asyncio.gather(*tasks), ready, num_unfinished, late.status_code
+
+    try:
+        results, ready, num_unfinished, late_status = asyncio.run(main())
+        assert ready == 503, "readiness must flip as soon as SIGTERM arrives"
+        assert num_unfinished > 0, "readiness flipped only after the streams ended"
+        assert late_status == 503, "a draining server takes no new requests"
+        for result in results:
+            assert result["done"] and result["finish_reason"] == "length"
+            assert result["usage"]["completion_tokens"] == MAX_TOKENS
+        assert server.wait(60) == 0
+    finally:
+        server.kill()
+    log = server.log()
+    assert "drain complete" in log
+
+
+def test_queue_limit_answers_503_with_retry_after_and_recovers(llama_ckpt: Path, tmp_path: Path) -> None:
+    flags = ["--max-num-seqs", "1", "--max-waiting-requests", "2"]
+
+    async def burst(base_url: str) -> list[httpx.Response]:
+        body = {"prompt": "Queue me", "max_tokens": 80, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=base_url, timeout=120) as http:
+            return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(10)))
+
+    with _server(llama_ckpt, tmp_path, *flags) as server:
+        responses = asyncio.run(burst(server.base_url))
+        statuses = [r.status_code for r in responses]
+        assert set(statuses) == {200, 503}, statuses
+        for response in responses:
+            if response.status_code == 503:
+                assert int(response.headers["Retry-After"]) >= 1
+                error = response.json()["error"]
+                assert error["code"] == "queue_full" and "limit 2" in error["message"]
+            else:
+                assert response.json()["usage"]["completion_tokens"] == 80
+        # Recovered: the queue drained, new requests are served.
+        again = httpx.post(
+            f"{server.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60
+        )
+        assert again.status_code == 200
+        metrics = httpx.get(f"{server.base_url}/metrics").text
+        assert f'pagoda_request_errors_total{{error="queue_full"}} {float(statuses.count(503))}' in metrics
+
+
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size=2", "--precision=fp8"])
+def test_unrunnable_profile_exits_2_before_loading(llama_ckpt: Path, tmp_path: Path, flag: str) -> None:
+    server = _server(llama_ckpt, tmp_path, flag)
+    with pytest.raises(RuntimeError, match="exited with 2"):
+        server.start(timeout_s=60)
