@@ -51,7 +51,9 @@ class LLM:
         return [final[rid] for rid in ids]
 
     def chat(
-        self, messages: list[dict[str, str]] | list[list[dict[str, str]]], params: SamplingParams | None = None
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        params: SamplingParams | None = None,
     ) -> list[RequestOutput]:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         # The template already holds the special tokens: encode without adding them again.

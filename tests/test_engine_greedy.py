@@ -60,10 +60,14 @@ def test_batch_invariance_under_preemption_and_chunking(llama_ckpt: Path) -> Non
     prompts = random_prompts(lengths, seed=3)
     max_tokens = [rng.randrange(4, 24) for _ in prompts]
 
-    alone_engine = LLMEngine(EngineConfig(model=str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=8 << 20))
+    alone_engine = LLMEngine(
+        EngineConfig(model=str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=8 << 20)
+    )
     alone = []
     for i, (prompt, n) in enumerate(zip(prompts, max_tokens, strict=True)):
-        alone_engine.add_request(f"a{i}", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        alone_engine.add_request(
+            f"a{i}", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        )
         while alone_engine.has_unfinished:
             for out in alone_engine.step():
                 if out.finished:
@@ -84,7 +88,9 @@ def test_batch_invariance_under_preemption_and_chunking(llama_ckpt: Path) -> Non
         for _ in range(3):  # three arrivals per step
             if pending:
                 i, (prompt, n) = pending.pop(0)
-                engine.add_request(f"b{i}", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+                engine.add_request(
+                    f"b{i}", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                )
         for out in engine.step():
             if out.finished:
                 results[out.request_id] = out.outputs[0].token_ids
@@ -112,16 +118,18 @@ def test_prefix_cache_computes_only_new_tokens(llama_ckpt: Path) -> None:
                     result = engine._make_output(client, 0.0)
         return result.outputs[0].token_ids, computed
 
-    run("first", shared + [5, 6, 7])
+    run("first", [*shared, 5, 6, 7])
     hits_before = engine.block_manager.prefix_hits_tokens
-    second_prompt = shared + [9, 10, 11, 12]
+    second_prompt = [*shared, 9, 10, 11, 12]
     tokens, computed = run("second", second_prompt)
     # 64 shared tokens = 4 full blocks come from the cache; only the 4 new prompt tokens and the
     # decode steps (one token each after the first) are computed.
     assert engine.block_manager.prefix_hits_tokens - hits_before == 64
     assert computed == len(second_prompt) - 64 + 7
     fresh = LLMEngine(
-        EngineConfig(model=str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=8 << 20, enable_prefix_caching=False)
+        EngineConfig(
+            model=str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=8 << 20, enable_prefix_caching=False
+        )
     )
     fresh.add_request("x", second_prompt, params)
     while fresh.has_unfinished:
@@ -154,6 +162,8 @@ def test_prompt_over_context_refused_with_numbers(llama_ckpt: Path) -> None:
     engine = LLMEngine(
         EngineConfig(model=str(llama_ckpt), dtype="float32", max_model_len=64, kv_cache_memory_bytes=4 << 20)
     )
-    with pytest.raises(InvalidRequestError, match=r"maximum context length is 64 tokens.*prompt has 80 tokens"):
+    with pytest.raises(
+        InvalidRequestError, match=r"maximum context length is 64 tokens.*prompt has 80 tokens"
+    ):
         engine.add_request("long", list(range(3, 83)), SamplingParams(max_tokens=1))
     assert not engine.scheduler.has_unfinished

@@ -19,7 +19,9 @@ def engine(llama_ckpt: Path) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=8 << 20))
 
 
-def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[RequestOutput]]:
+def run(
+    engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
+) -> dict[str, list[RequestOutput]]:
     """Submit all, step to the end; every streamed output per request."""
     streams: dict[str, list[RequestOutput]] = {rid: [] for rid in requests}
     for rid, (prompt, params) in requests.items():
@@ -46,7 +48,9 @@ def test_seed_gives_same_output_whatever_the_batch(engine: LLMEngine) -> None:
     others = {f"o{i}": ([7 + i, 8 + i, 9], SamplingParams(temperature=1.0, max_tokens=20)) for i in range(5)}
     batch = run(engine, {"seeded": (PROMPT, params), **others})
     assert batch["seeded"][-1].outputs[0].token_ids == alone
-    other_seed = final(engine, PROMPT, SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True))
+    other_seed = final(
+        engine, PROMPT, SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True)
+    )
     assert other_seed.outputs[0].token_ids != alone
 
 
@@ -102,14 +106,18 @@ def test_n_completions_share_the_prompt(engine: LLMEngine) -> None:
     greedy_tokens = final(engine, PROMPT, greedy(12)).outputs[0].token_ids
     both = final(engine, PROMPT, greedy(12, n=2))
     assert [o.token_ids for o in both.outputs] == [greedy_tokens, greedy_tokens]
-    sampled = final(engine, PROMPT, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True))
+    sampled = final(
+        engine, PROMPT, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
+    )
     assert [o.index for o in sampled.outputs] == [0, 1, 2]
     assert len({tuple(o.token_ids) for o in sampled.outputs}) == 3
 
 
 def test_penalties_reduce_repetition(engine: LLMEngine) -> None:
     plain = final(engine, PROMPT, greedy(48)).outputs[0].token_ids
-    penalized = final(engine, PROMPT, greedy(48, frequency_penalty=2.0, presence_penalty=1.0)).outputs[0].token_ids
+    penalized = (
+        final(engine, PROMPT, greedy(48, frequency_penalty=2.0, presence_penalty=1.0)).outputs[0].token_ids
+    )
     repeated = final(engine, PROMPT, greedy(48, repetition_penalty=3.0)).outputs[0].token_ids
     assert len(set(plain)) < 48, "the random model should repeat itself without penalties"
     assert len(set(penalized)) > len(set(plain))

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from pagoda.service.model import load_model, load_tokenizer
 
 pytestmark = pytest.mark.slow  # two loads of a 135M-parameter model: ~30 s on 2 CPU cores
@@ -18,7 +19,6 @@ def ours(smollm2_gguf: Path):
 
 @pytest.fixture(scope="module")
 def theirs(smollm2_gguf: Path):
-    pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF")
     from transformers import AutoModelForCausalLM
 
     folder, name = smollm2_gguf.parent, smollm2_gguf.name

@@ -84,11 +84,17 @@ class LLMEngine:
         self.runner = ModelRunner(config, model_path, self.tokenizer.eos_token_ids)
         mc = self.runner.model_config
         limit = config.max_model_len or mc.max_position_embeddings
+        if mc.sliding_window is not None and limit > mc.sliding_window:
+            # Attention here is full-context; within the window that is exactly sliding-window attention.
+            logger.warning("max_model_len clamped to the sliding window, %d tokens", mc.sliding_window)
+            limit = mc.sliding_window
         self.max_model_len = min(limit, self.runner.kv.num_tokens)
         if self.max_model_len < limit:
             logger.warning("max_model_len clamped to %d: the KV cache holds no more", self.max_model_len)
         self.model_name = config.served_model_name or model_path.rstrip("/").split("/")[-1]
-        self.block_manager = BlockManager(self.runner.kv.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            self.runner.kv.num_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self._requests: dict[str, _ClientRequest] = {}
         self._seq_owner: dict[str, _ClientRequest] = {}
@@ -139,9 +145,7 @@ class LLMEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         token_ids = validated_token_ids if validated_token_ids is not None else self.validate(prompt, params)
         now = time.monotonic() if arrival_time is None else arrival_time
-        seqs = [
-            Request(f"{request_id}#{i}", token_ids, params, now, index=i) for i in range(params.n)
-        ]
+        seqs = [Request(f"{request_id}#{i}", token_ids, params, now, index=i) for i in range(params.n)]
         seqs[0].pending_forks = seqs[1:]
         client = _ClientRequest(
             request_id,
@@ -203,7 +207,9 @@ class LLMEngine:
             results.append(self._make_output(client, now))
         return results
 
-    def _process_token(self, client: _ClientRequest, c: _Completion, sample: SampleResult, now: float) -> None:
+    def _process_token(
+        self, client: _ClientRequest, c: _Completion, sample: SampleResult, now: float
+    ) -> None:
         seq, params = c.seq, client.params
         token = seq.token_ids[-1]
         self.generation_tokens_total += 1

@@ -66,13 +66,17 @@ class Sampler:
         if logprobs is not None and num_logprobs is not None:
             chosen = logprobs.gather(1, tokens.view(-1, 1)).view(-1).tolist()
             top_vals, top_ids = (
-                logprobs.topk(num_logprobs, dim=-1) if num_logprobs > 0 else (logprobs[:, :0], tokens[:, None][:, :0])
+                logprobs.topk(num_logprobs, dim=-1)
+                if num_logprobs > 0
+                else (logprobs[:, :0], tokens[:, None][:, :0])
             )
             top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
             for i, p in enumerate(params):
                 if p.logprobs is not None:
                     results[i].logprob = chosen[i]
-                    results[i].top = list(zip(top_ids_l[i][: p.logprobs], top_vals_l[i][: p.logprobs], strict=True))
+                    results[i].top = list(
+                        zip(top_ids_l[i][: p.logprobs], top_vals_l[i][: p.logprobs], strict=True)
+                    )
         return results
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
@@ -93,7 +97,9 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         params = [r.params for r in reqs]
         device = logits.device
-        temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+        temperature = torch.tensor(
+            [p.temperature if p.temperature > 0 else 1.0 for p in params], device=device
+        )
         logits = logits / temperature.view(-1, 1)
 
         top_k = torch.tensor([p.top_k or self.vocab_size for p in params], device=device)

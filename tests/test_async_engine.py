@@ -1,0 +1,53 @@
+"""The async engine the HTTP and gRPC layers use: concurrent streams, early close aborts."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from pagoda.service.engine.async_engine import AsyncEngine
+from pagoda.service.engine.config import EngineConfig
+from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
+
+
+def test_concurrent_streams_cancel_and_errors(llama_ckpt: Path) -> None:
+    async def main() -> None:
+        engine = AsyncEngine(
+            EngineConfig(model=str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=8 << 20)
+        )
+        engine.start()
+        try:
+            params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+            async def collect(i: int) -> list[int]:
+                tokens: list[int] = []
+                async for out in engine.generate([10 + i, 20 + i, 30 + i], params, request_id=f"r{i}"):
+                    tokens += out.outputs[0].token_ids_delta
+                return tokens
+
+            results = await asyncio.gather(*(collect(i) for i in range(8)))
+            assert all(len(r) == 12 for r in results)
+
+            # A consumer that goes away mid-stream aborts its request and frees its blocks.
+            stream = engine.generate(
+                [1, 2, 3], SamplingParams(max_tokens=500, ignore_eos=True), request_id="gone"
+            )
+            await stream.__anext__()
+            await stream.aclose()
+            for _ in range(100):
+                if not engine.engine.has_unfinished:
+                    break
+                await asyncio.sleep(0.02)
+            bm = engine.engine.block_manager
+            assert not engine.engine.has_unfinished and bm.num_free_blocks == bm.num_blocks
+
+            with pytest.raises(InvalidRequestError):
+                async for _ in engine.generate([1, 2], SamplingParams(temperature=-1)):
+                    pass
+            assert engine.is_healthy
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
