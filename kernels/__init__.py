@@ -35,6 +35,8 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 def _triton_fn(module: str, name: str) -> Callable[..., Any]:
+    # Module names differ from the function names here: importing a submodule binds its name on
+    # this package, which would shadow the dispatcher of the same name.
     return getattr(importlib.import_module(f"pagoda.kernels.{module}"), name)
 
 
@@ -62,7 +64,7 @@ def paged_attention(
     max_seq_len: int,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's query tokens over its paged context (GQA aware)."""
-    fn = _triton_fn("paged_attention", "paged_attention") if use_triton(q) else reference.paged_attention
+    fn = _triton_fn("attention", "paged_attention") if use_triton(q) else reference.paged_attention
     return fn(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len)
 
 
@@ -73,7 +75,7 @@ def rms_norm(
     residual: torch.Tensor | None = None,  # [num_tokens, hidden]
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RMSNorm, with the residual add fused in front; returns `(normed, x + residual)`."""
-    fn = _triton_fn("rms_norm", "rms_norm") if use_triton(x) else reference.rms_norm
+    fn = _triton_fn("norm", "rms_norm") if use_triton(x) else reference.rms_norm
     return fn(x, weight, eps, residual)
 
 

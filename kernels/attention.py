@@ -50,13 +50,13 @@ def _load_kv_tile(
 ):
     if MASK:
         block_ids = tl.load(block_table_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        offs = block_ids * stride_block + (pos % BLOCK_SIZE) * stride_slot + kv_head * stride_head
+        tile = tl.load(cache_ptr + offs[:, None] + dims[None, :], mask=pos_ok[:, None], other=0.0)
     else:
         block_ids = tl.load(block_table_row + pos // BLOCK_SIZE).to(tl.int64)
-    offs = block_ids * stride_block + (pos % BLOCK_SIZE) * stride_slot + kv_head * stride_head
-    ptrs = cache_ptr + offs[:, None] + dims[None, :]
-    if MASK:
-        return tl.load(ptrs, mask=pos_ok[:, None], other=0.0)
-    return tl.load(ptrs)
+        offs = block_ids * stride_block + (pos % BLOCK_SIZE) * stride_slot + kv_head * stride_head
+        tile = tl.load(cache_ptr + offs[:, None] + dims[None, :])
+    return tile  # [TILE_N, HEAD_DIM]
 
 
 @triton.jit
@@ -211,11 +211,13 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
-    q_block = tl.program_id(0)
+    # Last query blocks first: under the causal mask they see the most keys, so the long programs
+    # start in the first wave and the short ones fill the tail.
+    q_block = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     # The sequence owning this query block: the last s with query_start_loc[s] // BLOCK_Q + s <= q_block.
-    lo = 0
-    hi = num_seqs
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
         if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= q_block:

@@ -18,7 +18,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("needs TRITON_INTERPRET=1 or a CUDA GPU", allow_module_level=True)
 
-from pagoda.kernels.paged_attention import DecodeConfig, PrefillConfig, paged_attention  # noqa: E402
+from pagoda.kernels.attention import DecodeConfig, PrefillConfig, paged_attention  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 # The triton 3.9 interpreter computes bf16 tl.dot wrongly; bf16 is checked on the GPU only.

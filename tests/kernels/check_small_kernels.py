@@ -22,7 +22,7 @@ if not INTERPRET and not torch.cuda.is_available():
 import pagoda.kernels as kernels  # noqa: E402
 from pagoda.kernels.activation import silu_and_mul  # noqa: E402
 from pagoda.kernels.kv_cache import write_kv  # noqa: E402
-from pagoda.kernels.rms_norm import rms_norm  # noqa: E402
+from pagoda.kernels.norm import rms_norm  # noqa: E402
 from pagoda.kernels.rotary import rotary_embedding  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -178,3 +178,22 @@ def test_rotary_refuses_wrong_cache_width() -> None:
     q, k = randn(2, 4, 64), randn(2, 1, 64)
     with pytest.raises(ValueError, match="cos_sin_cache"):
         rotary_embedding(torch.zeros(2, dtype=torch.int64, device=DEVICE), q, k, cos_sin_cache(16, 32))
+
+
+def test_dispatchers_survive_kernel_imports() -> None:
+    """Importing the kernel submodules must not shadow the package's dispatch functions."""
+    x = randn(4, 64)
+    kernels.silu_and_mul(x)
+    kernels.rms_norm(x, randn(64), 1e-6)
+    q, k = randn(4, 2, 64), randn(4, 1, 64)
+    kernels.rotary_embedding(torch.arange(4, device=DEVICE), q, k, cos_sin_cache(8, 64))
+    cache = randn(2, 16, 1, 64)
+    kernels.write_kv(k, k, cache, cache.clone(), torch.arange(4, device=DEVICE))
+    loc = torch.tensor([0, 4], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([4], dtype=torch.int32, device=DEVICE)
+    table = torch.tensor([[1]], dtype=torch.int32, device=DEVICE)
+    kernels.paged_attention(q, cache, cache, table, lens, loc, 0.125, 4, 4)
+    for name in kernels.__all__:
+        assert callable(getattr(kernels, name)) and not isinstance(getattr(kernels, name), type(kernels)), (
+            name
+        )

@@ -1,0 +1,410 @@
+"""Kernel benchmark: time, bytes moved and bandwidth against a device-to-device copy measured in the run.
+
+    python -m pagoda.kernels.bench [--quick] [--sweep] [--markdown PATH] [--json PATH]
+
+Every time is the median of CUDA-graph replays (`triton.testing.do_bench_cudagraph`: no host launch
+overhead, as the engine's decode steps run), in microseconds. "bytes" is the least traffic the
+operation needs (each input read once, each output written once; for attention the K/V of every
+context token); "of copy" is that traffic's rate over the copy's, both counting reads plus writes.
+Peers: PyTorch SDPA on contiguous tensors for attention (flash backend for prefill, as the goal
+asks), the plain-PyTorch reference for the rest. Llama-3-8B shapes: 32 query heads, 8 KV heads,
+head dim 128, hidden 4096, intermediate 14336, bfloat16, block size 16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+HELP = "time the Triton kernels on this GPU against a device-to-device copy and PyTorch peers"
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+DEVICE = "cuda"
+
+
+@dataclass
+class Row:
+    kernel: str
+    shape: str
+    us: float
+    bytes: float
+    tflops: float = 0.0
+    peer: str = ""
+    peer_us: float = math.nan
+    note: str = ""
+    frac_copy: float = math.nan
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    parser.add_argument("--sweep", action="store_true", help="also time tile/warp/stage/split variants")
+    parser.add_argument("--markdown", help="write the results table to this file")
+    parser.add_argument("--json", help="write every row to this file")
+
+
+def _time(fn: Callable[[], object]) -> float:
+    """Median microseconds of graph replays, falling back to eager launches if capture fails."""
+    import torch
+    import triton
+
+    try:
+        return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+    except Exception:
+        torch.cuda.synchronize()
+        return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _copy_bandwidth() -> float:
+    import torch
+
+    src = torch.randn(1 << 29, device=DEVICE, dtype=torch.bfloat16)  # 1 GiB
+    dst = torch.empty_like(src)
+    us = _time(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / (us * 1e-6)
+
+
+def _paged_batch(seq_lens: list[int], query_lens: list[int]) -> dict:
+    """A batch over a shuffled block table (the fragmentation a long-running server has)."""
+    import torch
+
+    blocks = [math.ceil(n / BLOCK_SIZE) for n in seq_lens]
+    ids = torch.randperm(sum(blocks), device=DEVICE, dtype=torch.int32)
+    table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device=DEVICE)
+    used = 0
+    for s, n in enumerate(blocks):
+        table[s, :n] = ids[used : used + n]
+        used += n
+    shape = (sum(blocks), BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    return dict(
+        q=torch.randn(sum(query_lens), HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16),
+        k_cache=torch.randn(shape, device=DEVICE, dtype=torch.bfloat16),
+        v_cache=torch.randn(shape, device=DEVICE, dtype=torch.bfloat16),
+        block_tables=table,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        query_start_loc=torch.tensor([0, *query_lens], device=DEVICE).cumsum(0).to(torch.int32),
+        scale=HEAD_DIM**-0.5,
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+
+
+def _sdpa(q, k, v, *, is_causal: bool, flash: bool) -> tuple[Callable[[], object], str]:
+    """SDPA with native GQA if the backend takes it, else on K/V expanded beforehand (not timed).
+
+    flash pins the flash backend; otherwise PyTorch picks, as a plain call would.
+    """
+    import contextlib
+
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def backend() -> contextlib.AbstractContextManager:
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION]) if flash else contextlib.nullcontext()
+
+    try:
+        with backend():
+            F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
+        torch.cuda.synchronize()
+
+        def gqa() -> object:
+            with backend():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
+
+        return gqa, "gqa"
+    except RuntimeError:
+        group = q.shape[1] // k.shape[1]
+        k2, v2 = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+
+        def expanded() -> object:
+            with backend():
+                return F.scaled_dot_product_attention(q, k2, v2, is_causal=is_causal)
+
+        return expanded, "K/V expanded"
+
+
+def bench_decode(quick: bool) -> list[Row]:
+    import torch
+    from pagoda.kernels.attention import DecodeConfig, paged_attention
+
+    cases = [(64, 1024), (64, 2048), (64, 4096), (64, 8192), (128, 1024), (128, 4096), (256, 512), (8, 8192)]
+    cases += [(1, 32768), (256, 128)]
+    if quick:
+        cases = [(64, 1024), (64, 4096)]
+    rows = []
+    for batch, ctx in cases:
+        b = _paged_batch([ctx] * batch, [1] * batch)
+        kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2
+        io_bytes = kv_bytes + 2 * b["q"].numel() * 2
+        us = _time(lambda b=b: paged_attention(**b))
+        eager_us = 1e3 * _eager(lambda b=b: paged_attention(**b))
+        q = b["q"].view(batch, HEADS, 1, HEAD_DIM)
+        k = torch.randn(batch, KV_HEADS, ctx, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        peer, how = _sdpa(q, k, v, is_causal=False, flash=False)
+        row = Row("paged decode", f"batch {batch} x ctx {ctx}", us, io_bytes, peer="SDPA " + how)
+        row.peer_us = _time(peer)
+        row.note = f"eager {eager_us:.0f} us"
+        rows.append(row)
+        if batch <= 8:  # what splitting the context buys when batch x kv heads cannot fill 132 SMs
+            nosplit = _time(lambda b=b: paged_attention(**b, decode_config=DecodeConfig(num_splits=1)))
+            rows.append(Row("paged decode, 1 split", f"batch {batch} x ctx {ctx}", nosplit, io_bytes))
+        del b, k, v, q
+    # Ragged: 64 rows of 1k-8k tokens, no SDPA peer (it would pad).
+    gen = torch.Generator().manual_seed(0)
+    lens = torch.randint(1024, 8193, (64,), generator=gen).tolist()
+    b = _paged_batch(lens, [1] * 64)
+    kv_bytes = 2 * sum(lens) * KV_HEADS * HEAD_DIM * 2
+    rows.append(
+        Row("paged decode", "batch 64 x ctx 1k-8k ragged", _time(lambda: paged_attention(**b)), kv_bytes)
+    )
+    return rows
+
+
+def _eager(fn: Callable[[], object]) -> float:
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def bench_prefill(quick: bool) -> list[Row]:
+    import torch
+    from pagoda.kernels.attention import paged_attention
+
+    cases = [(1, 4096), (4, 2048), (8, 1024), (16, 512)]
+    if quick:
+        cases = [(2, 2048)]
+    rows = []
+    for batch, length in cases:
+        b = _paged_batch([length] * batch, [length] * batch)
+        flops = 4 * HEADS * HEAD_DIM * batch * length * (length + 1) / 2
+        us = _time(lambda b=b: paged_attention(**b))
+        q = b["q"].view(batch, length, HEADS, HEAD_DIM).transpose(1, 2).contiguous()
+        k = torch.randn(batch, KV_HEADS, length, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        peer, how = _sdpa(q, k, v, is_causal=True, flash=True)
+        row = Row(
+            "paged prefill", f"{batch} x {length} causal", us, 0.0, flops / us / 1e6, "SDPA flash " + how
+        )
+        row.peer_us = _time(peer)
+        rows.append(row)
+        del b, q, k, v
+    # A chunk of 512 new tokens over 7.5k cached ones, 8 sequences (no SDPA equivalent mask).
+    ctx, chunk = 8192, 512
+    b = _paged_batch([ctx] * 8, [chunk] * 8)
+    flops = 4 * HEADS * HEAD_DIM * 8 * chunk * (ctx - chunk + (chunk + 1) / 2)
+    us = _time(lambda: paged_attention(**b))
+    rows.append(Row("paged chunked prefill", f"8 x {chunk} new over {ctx} ctx", us, 0.0, flops / us / 1e6))
+    return rows
+
+
+def _row(
+    kernel: str, shape: str, fn: Callable[[], object], nbytes: float, peer: Callable[[], object] | None
+) -> Row:
+    row = Row(kernel, shape, _time(fn), nbytes)
+    if peer is not None:
+        row.peer, row.peer_us = "torch reference", _time(peer)
+    return row
+
+
+def bench_small(quick: bool) -> list[Row]:
+    import torch
+    from pagoda.kernels import reference
+    from pagoda.kernels.activation import silu_and_mul
+    from pagoda.kernels.kv_cache import write_kv
+    from pagoda.kernels.norm import rms_norm
+    from pagoda.kernels.rotary import rotary_embedding
+
+    tokens = 4096 if quick else 16384
+    hidden, inter, bf16 = 4096, 14336, torch.bfloat16
+    x = torch.randn(tokens, hidden, device=DEVICE, dtype=bf16)
+    res = torch.randn_like(x)
+    w = torch.randn(hidden, device=DEVICE, dtype=bf16)
+    n = x.numel() * 2
+    shape = f"{tokens} x {hidden}"
+    rows = [
+        _row("rms_norm", shape, lambda: rms_norm(x, w, 1e-5), 2 * n, lambda: reference.rms_norm(x, w, 1e-5)),
+        _row(
+            "rms_norm + residual",
+            shape,
+            lambda: rms_norm(x, w, 1e-5, res),
+            4 * n,
+            lambda: reference.rms_norm(x, w, 1e-5, res),
+        ),
+    ]
+
+    t = tokens // 2
+    gate_up = torch.randn(t, 2 * inter, device=DEVICE, dtype=bf16)
+    rows.append(
+        _row(
+            "silu_and_mul",
+            f"{t} x {inter}",
+            lambda: silu_and_mul(gate_up),
+            3 * t * inter * 2,
+            lambda: reference.silu_and_mul(gate_up),
+        )
+    )
+
+    qkv = torch.randn(tokens, HEADS + 2 * KV_HEADS, HEAD_DIM, device=DEVICE, dtype=bf16)
+    q, k = qkv[:, :HEADS], qkv[:, HEADS : HEADS + KV_HEADS]
+    positions = torch.randint(0, 131072, (tokens,), device=DEVICE)
+    cos_sin = torch.randn(131072, HEAD_DIM, device=DEVICE)
+    rows.append(
+        _row(
+            "rotary_embedding",
+            f"{tokens} tok, {HEADS}+{KV_HEADS} heads",
+            lambda: rotary_embedding(positions, q, k, cos_sin),
+            2 * tokens * (HEADS + KV_HEADS) * HEAD_DIM * 2 + tokens * HEAD_DIM * 4 + tokens * 8,
+            lambda: reference.rotary_embedding(positions, q, k, cos_sin),
+        )
+    )
+
+    key = torch.randn(tokens, KV_HEADS, HEAD_DIM, device=DEVICE, dtype=bf16)
+    value = torch.randn_like(key)
+    num_blocks = 65536
+    k_cache = torch.empty(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device=DEVICE, dtype=bf16)
+    v_cache = torch.empty_like(k_cache)
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, device=DEVICE)[:tokens]
+    rows.append(
+        _row(
+            "write_kv",
+            f"{tokens} tok, {KV_HEADS}x{HEAD_DIM}, scattered",
+            lambda: write_kv(key, value, k_cache, v_cache, slots),
+            4 * key.numel() * 2 + tokens * 8,
+            None,
+        )
+    )
+    return rows
+
+
+def sweep(copy_bw: float) -> list[str]:
+    """Tile, warp, stage and split variants of both attention kernels, for picking the defaults."""
+    from pagoda.kernels.attention import DecodeConfig, PrefillConfig, paged_attention
+
+    lines = [
+        "decode sweep (us, fraction of copy bandwidth) at batch x ctx 64x1024 | 64x4096 | 8x8192 | 256x512:"
+    ]
+    decode_cases = [(64, 1024), (64, 4096), (8, 8192), (256, 512)]
+    batches = {c: _paged_batch([c[1]] * c[0], [1] * c[0]) for c in decode_cases}
+    variants = [
+        DecodeConfig(tile_n=t, num_warps=w, num_stages=s)
+        for t in (32, 64, 128)
+        for w in (4, 8)
+        for s in (2, 3)
+    ]
+    variants += [DecodeConfig(num_stages=4), DecodeConfig(tile_n=32, num_stages=4)]
+    variants += [DecodeConfig(programs_per_sm=p) for p in (2, 4, 16)]
+    variants += [DecodeConfig(min_partition=m) for m in (128, 1024)]
+    for cfg in variants:
+        cells = []
+        for (batch, ctx), b in batches.items():
+            try:
+                us = _time(lambda b=b, cfg=cfg: paged_attention(**b, decode_config=cfg))
+                frac = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2 / (us * 1e-6) / copy_bw
+                cells.append(f"{us:7.1f} {frac:4.2f}")
+            except Exception as e:
+                cells.append(f"error {type(e).__name__}")
+        name = f"tile {cfg.tile_n} warps {cfg.num_warps} stages {cfg.num_stages} pps {cfg.programs_per_sm}"
+        lines.append(f"  {name} min_part {cfg.min_partition}: " + " | ".join(cells))
+        print(lines[-1], flush=True)
+    del batches
+    lines.append("prefill sweep (us, TFLOP/s) at 1x4096 | 4x2048 | 16x512 causal:")
+    prefill_cases = [(1, 4096), (4, 2048), (16, 512)]
+    batches = {c: _paged_batch([c[1]] * c[0], [c[1]] * c[0]) for c in prefill_cases}
+    variants_p = [
+        PrefillConfig(m, n, w, s)
+        for m, n, w, s in [
+            (128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 64, 4, 3), (128, 128, 8, 2),
+            (128, 32, 4, 3), (64, 64, 4, 3), (64, 128, 4, 2), (128, 32, 8, 4), (256, 64, 8, 2),
+        ]
+    ]  # fmt: skip
+    for cfg in variants_p:
+        cells = []
+        for (batch, length), b in batches.items():
+            try:
+                us = _time(lambda b=b, cfg=cfg: paged_attention(**b, prefill_config=cfg))
+                flops = 4 * HEADS * HEAD_DIM * batch * length * (length + 1) / 2
+                cells.append(f"{us:8.1f} {flops / us / 1e6:5.0f}")
+            except Exception as e:
+                cells.append(f"error {type(e).__name__}")
+        name = f"block_m {cfg.block_m} tile {cfg.tile_n} warps {cfg.num_warps} stages {cfg.num_stages}"
+        lines.append(f"  {name}: " + " | ".join(cells))
+        print(lines[-1], flush=True)
+    return lines
+
+
+def _table(rows: list[Row], copy_bw: float, gpu: str, versions: str) -> str:
+    out = [
+        f"GPU: {gpu}; {versions}; copy bandwidth (device-to-device, read + write) {copy_bw / 1e12:.2f} TB/s",
+        "",
+        "| kernel | shape | time (us) | bytes (MB) | TB/s | of copy | TFLOP/s | peer | peer (us) "
+        "| ours / peer | note |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        tbps = r.bytes / (r.us * 1e-6) / 1e12 if r.bytes else math.nan
+        r.frac_copy = tbps * 1e12 / copy_bw if r.bytes else math.nan
+        cells = [
+            r.kernel,
+            r.shape,
+            f"{r.us:.1f}",
+            f"{r.bytes / 1e6:.0f}" if r.bytes else "",
+            f"{tbps:.2f}" if r.bytes else "",
+            f"{r.frac_copy:.0%}" if r.bytes else "",
+            f"{r.tflops:.0f}" if r.tflops else "",
+            r.peer,
+            f"{r.peer_us:.1f}" if not math.isnan(r.peer_us) else "",
+            f"{r.us / r.peer_us:.2f}" if not math.isnan(r.peer_us) else "",
+            r.note,
+        ]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    import triton
+
+    if not torch.cuda.is_available():
+        print("pagoda bench kernels: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    gpu = torch.cuda.get_device_name()
+    versions = f"torch {torch.__version__}, triton {triton.__version__}"
+    copy_bw = _copy_bandwidth()
+    print(f"{gpu}; {versions}; copy {copy_bw / 1e12:.2f} TB/s", flush=True)
+    rows: list[Row] = []
+    for section in (bench_decode, bench_prefill, bench_small):
+        try:
+            rows += section(args.quick)
+        except Exception as e:  # report what ran; a broken section must not hide the others
+            print(f"{section.__name__} failed: {e!r}", flush=True)
+        torch.cuda.empty_cache()
+    table = _table(rows, copy_bw, gpu, versions)
+    print(table, flush=True)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": gpu, "copy_bw": copy_bw, "rows": [asdict(r) for r in rows]}, f, indent=1)
+    if args.sweep:
+        sweep_lines = sweep(copy_bw)
+        if args.markdown:
+            with open(args.markdown, "a") as f:
+                f.write("\n" + "\n".join(sweep_lines) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagoda bench kernels", description=HELP)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
