@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
 from pagoda.kernels import reference
 
 __all__ = ["paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "write_kv"]

@@ -129,6 +129,7 @@ def _sdpa(q, k, v, *, is_causal: bool, flash: bool) -> tuple[Callable[[], object
 
 def bench_decode(quick: bool) -> list[Row]:
     import torch
+
     from pagoda.kernels.attention import DecodeConfig, paged_attention
 
     cases = [(64, 1024), (64, 2048), (64, 4096), (64, 8192), (128, 1024), (128, 4096), (256, 512), (8, 8192)]
@@ -173,6 +174,7 @@ def _eager(fn: Callable[[], object]) -> float:
 
 def bench_prefill(quick: bool) -> list[Row]:
     import torch
+
     from pagoda.kernels.attention import paged_attention
 
     cases = [(1, 4096), (4, 2048), (8, 1024), (16, 512)]
@@ -213,6 +215,7 @@ def _row(
 
 def bench_small(quick: bool) -> list[Row]:
     import torch
+
     from pagoda.kernels import reference
     from pagoda.kernels.activation import silu_and_mul
     from pagoda.kernels.kv_cache import write_kv

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+
 from pagoda.kernels import reference
 
 TOLERANCES = {  # dtype: (rel_l2, atol, rtol)

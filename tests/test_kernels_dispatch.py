@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import pagoda.kernels as kernels
 import pytest
 import torch
+
+import pagoda.kernels as kernels
 from pagoda.kernels import reference
 
 

@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+
 from pagoda.kernels import reference
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
