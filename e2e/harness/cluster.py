@@ -207,6 +207,8 @@ def _wait(what: str, check: Callable[[], bool], procs: dict[str, subprocess.Pope
     while time.monotonic() < deadline:
         for name, proc in procs.items():
             if proc.poll() is not None:
+                if "address already in use" in _tail(workdir, name):
+                    raise PortTaken(f"{name}: {_tail(workdir, name, 1)}")
                 raise RuntimeError(
                     f"{name} exited {proc.returncode} while waiting for {what}:\n" + _tail(workdir, name)
                 )
@@ -288,6 +290,10 @@ def _kwok_config(workdir: Path, bin_dir: Path) -> Path:
     return out
 
 
+class PortTaken(RuntimeError):
+    pass
+
+
 def start(
     workdir: Path,
     bin_dir: Path,
@@ -298,8 +304,19 @@ def start(
     """Starts a fresh cluster in `workdir` (wiped first) and waits until nodes are Ready.
 
     attached=True: the components die with this process (PR_SET_PDEATHSIG), for test sessions.
+    A free port picked here can be taken by someone else before the component binds it: then the
+    whole start is tried again with new ports.
     """
-    workdir = Path(workdir).resolve()
+    for attempt in range(3):
+        try:
+            return _start(Path(workdir).resolve(), bin_dir, attached, catalogue, hpa_sync_period)
+        except PortTaken:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start(workdir: Path, bin_dir: Path, attached: bool, catalogue: Path, hpa_sync_period: str) -> Cluster:
     if workdir.exists():
         stop(workdir)
         shutil.rmtree(workdir)
