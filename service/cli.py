@@ -153,6 +153,7 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    check_gpu(args.precision, args.device)
     server = ServerConfig(
         host=args.host,
         port=args.port,
@@ -176,6 +177,34 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         seed=args.seed,
     )
     return server, engine
+
+
+def check_gpu(precision: str, device: str) -> None:
+    """Refuse, before loading anything, what the GPU cannot run: read through NVML, no torch import."""
+    if device == "cpu" or (precision != "bf16" and not device.startswith("cuda")):
+        return
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        num_gpus = pynvml.nvmlDeviceGetCount()
+    except Exception:
+        num_gpus = 0
+    if num_gpus == 0:
+        if device.startswith("cuda"):
+            raise ValueError(f"--device {device}: no NVIDIA GPU found (NVML)")
+        return  # --precision bf16 with --device auto on a machine without GPU: the engine runs on the CPU
+    index = int(device.split(":", 1)[1]) if device.startswith("cuda:") else 0
+    if index >= num_gpus:
+        raise ValueError(f"--device {device}: only {num_gpus} GPU(s) visible")
+    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+    if precision == "bf16" and major < 8:
+        name = pynvml.nvmlDeviceGetName(handle)
+        raise ValueError(
+            f"--precision bf16 needs compute capability 8.0 (Ampere) or newer; GPU {index} ({name}) has "
+            f"{major}.{minor}: use --precision fp16"
+        )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,9 +12,10 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from pagoda.service.outputs import RequestMetrics, RequestOutput
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+
+from pagoda.service.outputs import RequestMetrics, RequestOutput
 
 logger = logging.getLogger(__name__)
 

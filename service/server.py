@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
+
 from pagoda.service.api.engine_client import EngineClient, ServingState
 from pagoda.service.api.grpc_server import GrpcServer
 from pagoda.service.api.http_server import build_app

@@ -85,6 +85,24 @@ def test_refuses_what_the_engine_cannot_run(argv: list[str], message: str) -> No
         serve_cli.build_configs(parse(*argv))
 
 
+def test_cuda_device_without_gpu_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    pynvml = pytest.importorskip("pynvml")
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: (_ for _ in ()).throw(pynvml.NVMLError(1)))
+    with pytest.raises(ValueError, match="no NVIDIA GPU found"):
+        serve_cli.build_configs(parse("--device", "cuda"))
+
+
+def test_bf16_refused_on_a_gpu_older_than_ampere(monkeypatch: pytest.MonkeyPatch) -> None:
+    pynvml = pytest.importorskip("pynvml")
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 1)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda i: i)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCudaComputeCapability", lambda h: (7, 5))
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetName", lambda h: "Tesla T4")
+    with pytest.raises(ValueError, match=r"bf16 needs compute capability 8.0.*Tesla T4.*7.5"):
+        serve_cli.build_configs(parse("--precision", "bf16", "--device", "cuda"))
+
+
 def test_refusal_exits_2_with_the_reason() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "pagoda.cli", "serve", "--precision", "fp8"], capture_output=True, text=True

@@ -12,6 +12,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
 from pagoda.service.grpc_gen import inference_pb2 as pb
 from pagoda.service.grpc_gen import inference_pb2_grpc as pb_grpc
 from pagoda.service.serve_process import ServeProcess

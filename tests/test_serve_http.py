@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
 from pagoda.service.serve_process import ServeProcess
 
 MODEL = "tiny-llama"

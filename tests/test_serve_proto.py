@@ -34,7 +34,7 @@ def test_committed_stubs_match_the_proto(tmp_path: Path) -> None:
         for field in message.field:
             field.ClearField("json_name")
     committed = descriptor_pb2.FileDescriptorProto.FromString(inference_pb2.DESCRIPTOR.serialized_pb)
-    assert fresh == committed, "service/grpc_gen drifted from proto/: run python -m pagoda.service.api.protogen"
+    assert fresh == committed, "service/grpc_gen drifted from proto/: python -m pagoda.service.api.protogen"
 
     generated = protogen.generate(tmp_path / "gen")
     fresh_grpc = next(p for p in generated if p.name == "inference_pb2_grpc.py").read_text()

@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from pagoda.service.serve_process import ServeProcess
 
 NUM_STREAMS = 16

@@ -9,6 +9,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
 from pagoda.service.api.engine_client import APIError, EngineClient, ServingState
 from pagoda.service.grpc_gen import inference_pb2 as pb
 from pagoda.service.grpc_gen import inference_pb2_grpc as pb_grpc

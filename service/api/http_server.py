@@ -7,13 +7,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagoda import __version__
 from pagoda.service.api.engine_client import APIError, EngineClient, ServingState
 from pagoda.service.api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from pagoda.service.api.openai_serving import OpenAIServing
 from pagoda.service.metrics import CONTENT_TYPE
-from starlette.exceptions import HTTPException as StarletteHTTPException
-
-from pagoda import __version__
 
 # APIError kind -> (HTTP status, OpenAI error type).
 HTTP_ERRORS: dict[str, tuple[int, str]] = {

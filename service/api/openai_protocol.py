@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
 from pydantic import BaseModel, ConfigDict, Field
+
+from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
 
 
 class _Request(BaseModel):
