@@ -78,11 +78,10 @@ def cluster() -> Iterator[object]:
     _reap_stale_clusters()
     bin_dir = harness.ensure_binaries()
     workdir = Path(tempfile.mkdtemp(prefix="pagoda-e2e-"))
-    c = harness.start(workdir, bin_dir, attached=True)
     try:
-        yield c
+        yield harness.start(workdir, bin_dir, attached=True)
     finally:
-        c.stop()
+        harness.stop(workdir)
         if not os.environ.get("PAGODA_E2E_KEEP"):
             shutil.rmtree(workdir, ignore_errors=True)
 
