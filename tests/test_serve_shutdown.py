@@ -1,5 +1,6 @@
-"""A real `pagoda serve` under pressure: SIGTERM drains in-flight streams (readiness flips first, exit
-0), and the waiting-queue limit answers 503 + Retry-After, then recovers."""
+"""A real `pagoda serve` under pressure: SIGTERM drains in-flight streams (readiness and gRPC health
+flip first, new requests get 503/UNAVAILABLE, exit 0), and the waiting-queue limit answers 503 +
+Retry-After, then recovers."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagoda.service.grpc_gen import inference_pb2 as pb
+from pagoda.service.grpc_gen import inference_pb2_grpc as pb_grpc
 from pagoda.service.serve_process import ServeProcess
 
 NUM_STREAMS = 16
@@ -48,6 +53,20 @@ async def _stream(http: httpx.AsyncClient, i: int, started: asyncio.Event) -> di
     return result
 
 
+def _grpc_while_draining(target: str) -> tuple[int, grpc.StatusCode | None]:
+    with grpc.insecure_channel(target) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=10
+        )
+        request = pb.GenerateRequest(text="late", sampling=pb.SamplingParameters(max_new_tokens=2))
+        try:
+            list(pb_grpc.InferenceStub(channel).Generate(request, timeout=10))
+            code = None
+        except grpc.RpcError as exc:
+            code = exc.code()
+    return health.status, code
+
+
 def test_sigterm_drains_in_flight_streams_and_exits_0(llama_ckpt: Path, tmp_path: Path) -> None:
     server = _server(llama_ckpt, tmp_path, "--drain-timeout", "120").start()
 
@@ -65,6 +84,9 @@ def test_sigterm_drains_in_flight_streams_and_exits_0(llama_ckpt: Path, tmp_path
                     await asyncio.sleep(0.01)
                 num_unfinished = sum(not t.done() for t in tasks)
                 late = await probe.post("/v1/completions", json={"prompt": "late", "max_tokens": 2})
+                grpc_health, grpc_code = await asyncio.to_thread(_grpc_while_draining, server.grpc_target)
+            assert grpc_health == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert grpc_code == grpc.StatusCode.UNAVAILABLE
             return await asyncio.gather(*tasks), ready, num_unfinished, late.status_code
 
     try:
