@@ -192,9 +192,14 @@ def _rank(decision: Decision) -> tuple[int, tuple[int, int], int]:
 
 def _nothing_fits(request: ProfileRequest, groups: list[GpuGroup], rejected: list[Rejection]) -> Decision:
     if not groups:
-        return Decision(
-            False, "no schedulable GPU nodes (none has the nvidia.com/gpu.product label)", rejected=()
-        )
+        return Decision(False, "no schedulable GPU nodes (none has the nvidia.com/gpu.product label)")
+    if request.preferences:
+        wanted_products = [p.product for p in request.preferences]
+        preferred = [g for g in groups if any(matches_product(g.product, w) for w in wanted_products)]
+        if not preferred:
+            reason = f"no schedulable node has a preferred GPU ({', '.join(wanted_products)})"
+            return Decision(False, reason, rejected=tuple(rejected))
+        groups = preferred
     largest = max(groups, key=lambda g: (g.num_gpus * g.memory_mib, g.memory_mib))
     precision = request.precision
     if precision == "auto":

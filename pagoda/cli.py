@@ -12,6 +12,7 @@ import sys
 
 # name -> module implementing it. Listed here only once the subcommand does its job.
 SUBCOMMANDS: dict[str, str] = {
+    "operator": "pagoda.operator.cmd_operator",
     "profile": "pagoda.operator.cmd_profile",
     "serve": "pagoda.service.cli",
 }

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+
+from pagoda.cli import main
 from pagoda.operator.catalogue import catalogue_key, parse_num_params, resolve
 from pagoda.operator.gpus import base_product, gpu_groups, is_schedulable, matches_product
 from pagoda.operator.profile import GpuPreference, ProfileRequest, select_profile
-
-from pagoda.cli import main
 
 # product label, compute capability, memory MiB, GPUs per node: what GPU Feature Discovery reports.
 CATALOGUE = {
@@ -229,3 +229,10 @@ def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
     rc = main(["profile", "--model", "x", "--parameters", "7B", "--gpu", "RTX-9999", *args])
     assert rc == 0
     assert json.loads(capsys.readouterr().out)["precision"] == "fp8"
+
+
+def test_nothing_fits_explains_the_preferred_gpus() -> None:
+    d = decide("llama-3.1-8b", ALL, preferences=(GpuPreference("T4"),))
+    assert d.reason == "8B fp16 needs 2 x 15 GiB; largest node has 1 x 15 GiB (Tesla-T4)"
+    d = decide("llama-3.1-8b", ALL, preferences=(GpuPreference("B200"), GpuPreference("GB200")))
+    assert d.reason == "no schedulable node has a preferred GPU (B200, GB200)"

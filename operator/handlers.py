@@ -1,0 +1,131 @@
+"""kopf wiring: every trigger calls the same reconcile(); handlers hold no logic of their own.
+
+Triggers: create, update and resume of an InferenceService; a per-object timer (the periodic
+re-check that notices nodes coming and going and hand edits); and events on the children it owns
+(a deleted Service comes back, Deployment progress reaches the status at once).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from pagoda.operator.kube import Kube, KubeError
+from pagoda.operator.reconcile import Result, reconcile
+from pagoda.operator.spec import GROUP, KIND, PLURAL, VERSION, OperatorConfig
+
+MANAGED = {"app.kubernetes.io/managed-by": "pagoda-operator"}
+CHILD_RESOURCES = (
+    ("", "v1", "services"),
+    ("apps", "v1", "deployments"),
+    ("autoscaling", "v2", "horizontalpodautoscalers"),
+    ("policy", "v1", "poddisruptionbudgets"),
+)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class Reconciler:
+    """Runs reconcile() for one object at a time and writes its status and events, under a lock.
+
+    Status is written here, not through kopf's handler patch, so that the writes of the InferenceService
+    handlers and of child events are serialised; the last status written is kept, because a trigger's
+    body may predate it (and events would repeat).
+    """
+
+    def __init__(self, kube: Kube, config: OperatorConfig) -> None:
+        self.kube = kube
+        self.config = config
+        self._locks: dict[str, threading.Lock] = {}
+        self._written: dict[str, dict[str, Any]] = {}
+        self._guard = threading.Lock()
+
+    def _lock(self, uid: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(uid, threading.Lock())
+
+    def run(self, body: Mapping[str, Any]) -> Result:
+        meta = body["metadata"]
+        uid = meta["uid"]
+        with self._lock(uid):
+            known = self._written.get(uid)
+            if known is not None:
+                body = {**body, "status": {**(body.get("status") or {}), **known}}
+            result = reconcile(body, self.kube, self.config, _now())
+            try:
+                self.kube.patch_status(meta["namespace"], meta["name"], result.status)
+            except KubeError as err:
+                if err.status != 404:  # deleted meanwhile: nothing to report to
+                    raise
+                return result
+            self._written[uid] = result.status
+            for event in result.events:
+                kopf.event(dict(body), type=event.type, reason=event.reason, message=event.message)
+        return result
+
+    def run_by_name(self, namespace: str, name: str, uid: str) -> None:
+        """For child events: read the owner fresh and reconcile it."""
+        owner = self.kube.get_inference_service(namespace, name)
+        if owner is None or owner["metadata"]["uid"] != uid or owner["metadata"].get("deletionTimestamp"):
+            return
+        self.run(owner)
+
+    def forget(self, uid: str) -> None:
+        with self._guard:
+            self._locks.pop(uid, None)
+            self._written.pop(uid, None)
+
+
+def configure(settings: kopf.OperatorSettings) -> None:
+    """Keep kopf's bookkeeping under our own group, post only our events, and need fewer permissions."""
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    settings.posting.level = logging.WARNING  # kopf's own "handler succeeded" lines are not events
+    settings.scanning.disabled = True  # no CRD/namespace watching: serve the resources found at start
+
+
+def register(registry: kopf.OperatorRegistry, reconciler: Reconciler) -> None:
+    config = reconciler.config
+    resource = dict(group=GROUP, version=VERSION, plural=PLURAL, registry=registry)
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        return kopf.login_via_client(**kwargs)  # the same credentials as Kube.from_environment()
+
+    @kopf.on.create(**resource, id="reconcile-create")
+    def on_create(body: kopf.Body, **_: Any) -> None:
+        reconciler.run(body)
+
+    @kopf.on.update(**resource, id="reconcile-update")
+    def on_update(body: kopf.Body, **_: Any) -> None:
+        reconciler.run(body)
+
+    @kopf.on.resume(**resource, id="reconcile-resume")
+    def on_resume(body: kopf.Body, **_: Any) -> None:
+        reconciler.run(body)
+
+    @kopf.timer(**resource, id="resync", interval=config.resync_seconds, initial_delay=config.resync_seconds)
+    def on_timer(body: kopf.Body, **_: Any) -> None:
+        reconciler.run(body)
+
+    @kopf.on.delete(**resource, id="forget", optional=True)
+    def on_delete(uid: str, **_: Any) -> None:
+        reconciler.forget(uid)  # the children go with garbage collection (owner references)
+
+    for group, version, plural in CHILD_RESOURCES:
+
+        @kopf.on.event(group, version, plural, labels=MANAGED, registry=registry, id=f"child-{plural}")
+        def on_child(body: kopf.Body, **_: Any) -> None:
+            for ref in body.metadata.get("ownerReferences") or ():
+                if ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(GROUP + "/"):
+                    reconciler.run_by_name(body.metadata.namespace, ref["name"], ref["uid"])

@@ -1,0 +1,114 @@
+"""A small Kubernetes REST client over the `kubernetes` package's authenticated transport.
+
+Objects stay plain dicts end to end (the manifest builders' output is sent as is), writes are
+server-side apply under one field manager, and a 404 on read is None rather than an exception.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from pagoda.operator.spec import GROUP, PLURAL, VERSION
+
+FIELD_MANAGER = "pagoda-operator"
+
+# (apiVersion, kind) -> plural, for every kind the operator writes or reads.
+PLURALS = {
+    ("v1", "Service"): "services",
+    ("v1", "Node"): "nodes",
+    ("apps/v1", "Deployment"): "deployments",
+    ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    (f"{GROUP}/{VERSION}", "InferenceService"): PLURAL,
+}
+
+
+class KubeError(Exception):
+    def __init__(self, status: int, method: str, path: str, body: Any) -> None:
+        message = body.get("message") if isinstance(body, dict) else str(body)
+        super().__init__(f"{method} {path}: {status} {message}")
+        self.status = status
+        self.reason = body.get("reason", "") if isinstance(body, dict) else ""
+
+
+def object_path(api_version: str, kind: str, namespace: str | None, name: str | None = None) -> str:
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    path = prefix + (f"/namespaces/{namespace}" if namespace else "") + f"/{PLURALS[(api_version, kind)]}"
+    return path + (f"/{name}" if name else "")
+
+
+class Kube:
+    """The operator's API calls: get, apply, delete, list nodes, patch an InferenceService's status."""
+
+    def __init__(self, api_client: Any) -> None:
+        self._api = api_client
+
+    @classmethod
+    def from_environment(cls) -> Kube:
+        """In-cluster credentials when running in a pod, else KUBECONFIG / ~/.kube/config."""
+        from kubernetes import client, config
+
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+        return cls(client.ApiClient())
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        query: list[tuple[str, str]] | None = None,
+        content_type: str = "application/json",
+    ) -> Any:
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        prepared = self._api.param_serialize(
+            method,
+            path,
+            query_params=query or [],
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        response = self._api.call_api(*prepared)
+        data = response.read()
+        parsed = json.loads(data) if data else None
+        if not 200 <= response.status <= 299:
+            raise KubeError(response.status, method, path, parsed)
+        return parsed
+
+    def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        try:
+            return self.request("GET", object_path(api_version, kind, namespace, name))
+        except KubeError as err:
+            if err.status == 404:
+                return None
+            raise
+
+    def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """Server-side apply; `force` takes back fields someone else changed (drift correction)."""
+        meta = obj["metadata"]
+        path = object_path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
+        query = [("fieldManager", FIELD_MANAGER), ("force", "true")]
+        return self.request("PATCH", path, body=obj, query=query, content_type="application/apply-patch+yaml")
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        try:
+            body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
+            self.request("DELETE", object_path(api_version, kind, namespace, name), body=body)
+        except KubeError as err:
+            if err.status != 404:
+                raise
+
+    def list_nodes(self) -> list[dict[str, Any]]:
+        return self.request("GET", "/api/v1/nodes")["items"]
+
+    def get_inference_service(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.get(f"{GROUP}/{VERSION}", "InferenceService", namespace, name)
+
+    def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
+        path = object_path(f"{GROUP}/{VERSION}", "InferenceService", namespace, name) + "/status"
+        self.request("PATCH", path, body={"status": status}, content_type="application/merge-patch+json")

@@ -1,0 +1,329 @@
+"""The Kubernetes objects of one InferenceService, as pure functions returning dicts.
+
+No API calls and no owner references here: reconcile.py adopts and applies what these return. The
+contract with the pod is only the container's args and env (`pagoda serve --help`).
+"""
+
+from __future__ import annotations
+
+import copy
+import posixpath
+from typing import Any
+
+from pagoda.operator.gpus import GPU_TOLERATION, PRODUCT, RESOURCE
+from pagoda.operator.profile import Decision
+from pagoda.operator.spec import OperatorConfig, ServiceSpec
+
+HTTP_PORT = 8000  # OpenAI API, /v1/health/*, /metrics
+GRPC_PORT = 8001
+METRICS_PORT = 9090  # a Service port named for scrapers; the server serves /metrics on HTTP_PORT
+# The server's metric names (service/metrics.py; tests/test_operator_manifests.py holds them together).
+QUEUE_METRIC = "pagoda_requests_waiting"
+KV_CACHE_METRIC = "pagoda_kv_cache_usage_ratio"
+DCGM_METRIC = "DCGM_FI_PROF_GR_ENGINE_ACTIVE"
+MODEL_DIR = "/models"
+KERNEL_CACHE_DIR = "/var/cache/pagoda/triton"
+SHUTDOWN_MARGIN_SECONDS = 15  # closing the servers after the drain
+ANNOTATION_PROFILE = "serving.pagoda.dev/profile"
+
+
+def selector_labels(spec: ServiceSpec) -> dict[str, str]:
+    """Two labels, never changed after creation (a Deployment's selector is immutable)."""
+    return {"app.kubernetes.io/name": "pagoda-server", "app.kubernetes.io/instance": spec.name}
+
+
+def labels(spec: ServiceSpec) -> dict[str, str]:
+    return selector_labels(spec) | {
+        "app.kubernetes.io/component": "inference-server",
+        "app.kubernetes.io/part-of": "pagoda",
+        "app.kubernetes.io/managed-by": "pagoda-operator",
+    }
+
+
+def _meta(spec: ServiceSpec) -> dict[str, Any]:
+    return {"name": spec.name, "namespace": spec.namespace, "labels": labels(spec)}
+
+
+def _quantity(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{round(value * 1000)}m"
+
+
+def server_args(spec: ServiceSpec, decision: Decision, config: OperatorConfig) -> list[str]:
+    """The profile and engine settings as `pagoda serve` flags."""
+    engine = spec.engine
+    args = [
+        "--model", model_path(spec),
+        "--served-model-name", spec.model_name,
+        "--precision", str(decision.precision),
+        "--tensor-parallel-size", str(decision.tensor_parallel_size),
+        "--gpu-memory-utilization", str(engine.kv_cache_fraction),
+        "--enable-prefix-caching" if engine.is_prefix_caching else "--no-enable-prefix-caching",
+        "--host", "0.0.0.0",
+        "--port", str(HTTP_PORT),
+        "--grpc-port", str(GRPC_PORT),
+        "--drain-timeout", str(config.drain_seconds),
+    ]  # fmt: skip
+    if engine.max_model_len is not None:
+        args += ["--max-model-len", str(engine.max_model_len)]
+    if engine.max_num_seqs is not None:
+        args += ["--max-num-seqs", str(engine.max_num_seqs)]
+    return args + list(engine.extra_args)
+
+
+def model_path(spec: ServiceSpec) -> str:
+    source = spec.source
+    if source.kind == "imagePath":
+        return source.location
+    if source.kind == "pvc":
+        return posixpath.join(MODEL_DIR, source.path) if source.path else MODEL_DIR
+    if source.kind == "hostPath":
+        return posixpath.join(MODEL_DIR, posixpath.basename(source.location.rstrip("/")))
+    repo = source.location.removeprefix("hf://").split("@")[0]
+    return posixpath.join(MODEL_DIR, repo.split("/")[1])
+
+
+def _model_volumes(spec: ServiceSpec, config: OperatorConfig) -> tuple[list, list, list]:
+    """(volumes, server mounts, init containers) that put the weights at model_path()."""
+    source = spec.source
+    if source.kind == "imagePath":
+        return [], [], []
+    if source.kind == "pvc":
+        volume = {"name": "model", "persistentVolumeClaim": {"claimName": source.location, "readOnly": True}}
+        return [volume], [{"name": "model", "mountPath": MODEL_DIR, "readOnly": True}], []
+    if source.kind == "hostPath":
+        volume = {"name": "model", "hostPath": {"path": source.location}}
+        return [volume], [{"name": "model", "mountPath": model_path(spec), "readOnly": True}], []
+    repo, _, revision = source.location.removeprefix("hf://").partition("@")
+    env = [
+        {"name": "HF_REPO", "value": repo},
+        {"name": "HF_REVISION", "value": revision or "main"},
+        {"name": "HF_TARGET", "value": model_path(spec)},
+        {"name": "HOME", "value": "/tmp"},
+    ]
+    if source.token_secret is not None:
+        name, key = source.token_secret
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
+    script = (
+        "pip install --quiet --no-cache-dir --target /tmp/hf 'huggingface_hub>=0.23' && "
+        "PYTHONPATH=/tmp/hf python -c 'import os; from huggingface_hub import snapshot_download; "
+        'snapshot_download(repo_id=os.environ["HF_REPO"], revision=os.environ["HF_REVISION"], '
+        'local_dir=os.environ["HF_TARGET"])\''
+    )
+    fetch = {
+        "name": "fetch-model",
+        "image": config.downloader_image,
+        "command": ["sh", "-c", script],
+        "env": env,
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR}],
+        "securityContext": _container_security(),
+    }
+    return [{"name": "model", "emptyDir": {}}], [{"name": "model", "mountPath": MODEL_DIR}], [fetch]
+
+
+def _container_security() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
+def _affinity(spec: ServiceSpec, decision: Decision) -> dict[str, Any]:
+    """The user's affinity, with `gpu.product in (chosen)` ANDed into every required node term."""
+    assert decision.gpu is not None
+    affinity = copy.deepcopy(dict(spec.affinity or {}))
+    expression = {"key": PRODUCT, "operator": "In", "values": list(decision.gpu.labels)}
+    node = affinity.setdefault("nodeAffinity", {})
+    required = node.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    terms = required.get("nodeSelectorTerms") or [{}]
+    for term in terms:
+        term["matchExpressions"] = [*term.get("matchExpressions", []), expression]
+    required["nodeSelectorTerms"] = terms
+    return affinity
+
+
+def _resources(spec: ServiceSpec, tp: int) -> dict[str, Any]:
+    resources = copy.deepcopy(dict(spec.resources))
+    for kind in ("limits", "requests"):
+        resources[kind] = {**resources.get(kind, {}), RESOURCE: str(tp)}
+    return resources
+
+
+def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
+
+
+def deployment(spec: ServiceSpec, decision: Decision, config: OperatorConfig) -> dict[str, Any]:
+    gpu, tp = decision.gpu, decision.tensor_parallel_size
+    if gpu is None or tp is None:
+        raise ValueError("a Deployment needs a selected profile")
+    arch = f"sm{gpu.compute_capability[0]}{gpu.compute_capability[1]}"
+    volumes, mounts, init_containers = _model_volumes(spec, config)
+    cache_dir = f"{KERNEL_CACHE_DIR}/{arch}"  # kernels compiled for one architecture never mix
+    if config.kernel_cache_pvc:
+        volumes.append(
+            {"name": "kernel-cache", "persistentVolumeClaim": {"claimName": config.kernel_cache_pvc}}
+        )
+        mounts.append({"name": "kernel-cache", "mountPath": cache_dir, "subPath": arch})
+    else:
+        volumes.append({"name": "kernel-cache", "emptyDir": {}})
+        mounts.append({"name": "kernel-cache", "mountPath": cache_dir})
+    if tp > 1:
+        # NCCL moves data between ranks through /dev/shm; the container default of 64 MiB crashes it.
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{2 * tp}Gi"}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    container = {
+        "name": "server",
+        "image": spec.image or config.server_image,
+        "command": ["pagoda", "serve"],
+        "args": server_args(spec, decision, config),
+        "env": [{"name": "TRITON_CACHE_DIR", "value": cache_dir}, *spec.env],
+        "ports": [
+            {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
+            {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
+        ],
+        "resources": _resources(spec, tp),
+        "volumeMounts": mounts,
+        # Startup gates liveness until the model is loaded; loads of large checkpoints take minutes.
+        "startupProbe": _probe("/v1/health/ready", 10, max(1, config.startup_timeout_seconds // 10)),
+        "readinessProbe": _probe("/v1/health/ready", 5, 3),
+        "livenessProbe": _probe("/v1/health/live", 10, 6),
+        "securityContext": _container_security(),
+    }
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "affinity": _affinity(spec, decision),
+        "tolerations": [*spec.tolerations, GPU_TOLERATION],
+        "terminationGracePeriodSeconds": config.drain_seconds + SHUTDOWN_MARGIN_SECONDS,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 1000,
+            "runAsGroup": 1000,
+            "fsGroup": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    if init_containers:
+        pod_spec["initContainers"] = init_containers
+    optional = {
+        "nodeSelector": dict(spec.node_selector) or None,
+        "runtimeClassName": spec.runtime_class_name,
+        "priorityClassName": spec.priority_class_name,
+        "serviceAccountName": spec.service_account_name,
+        "imagePullSecrets": [{"name": s} for s in spec.image_pull_secrets] or None,
+    }
+    pod_spec |= {k: v for k, v in optional.items() if v is not None}
+    # A replica that takes every GPU of a node can rarely surge: replace it in place instead.
+    whole_node = tp >= gpu.num_gpus
+    rolling = {"maxSurge": 0, "maxUnavailable": 1} if whole_node else {"maxSurge": 1, "maxUnavailable": 0}
+    profile = f"{gpu.product}/{decision.precision}/tp{tp}"
+    body: dict[str, Any] = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(spec) | {"annotations": {ANNOTATION_PROFILE: profile}},
+        "spec": {
+            "selector": {"matchLabels": selector_labels(spec)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
+            "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": config.startup_timeout_seconds + 600,
+            "template": {
+                "metadata": {
+                    "labels": labels(spec),
+                    "annotations": {
+                        ANNOTATION_PROFILE: profile,
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(HTTP_PORT),
+                        "prometheus.io/path": "/metrics",
+                    },
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+    if spec.autoscaling is None:  # with autoscaling the HPA owns the Deployment's replicas
+        body["spec"]["replicas"] = spec.replicas
+    return body
+
+
+def service(spec: ServiceSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(spec),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(spec),
+            "ports": [
+                {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+                {
+                    "name": "grpc",
+                    "port": GRPC_PORT,
+                    "targetPort": "grpc",
+                    "protocol": "TCP",
+                    "appProtocol": "grpc",
+                },
+                {"name": "metrics", "port": METRICS_PORT, "targetPort": "http", "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def _pods_metric(name: str, target: float) -> dict[str, Any]:
+    return {
+        "type": "Pods",
+        "pods": {
+            "metric": {"name": name},
+            "target": {"type": "AverageValue", "averageValue": _quantity(target)},
+        },
+    }
+
+
+def hpa(spec: ServiceSpec) -> dict[str, Any] | None:
+    scaling = spec.autoscaling
+    if scaling is None:
+        return None
+    metrics = [
+        _pods_metric(QUEUE_METRIC, scaling.target_queue_depth),
+        _pods_metric(KV_CACHE_METRIC, scaling.target_kv_cache_usage),
+    ]
+    if scaling.target_gpu_activity is not None:
+        metrics.append(_pods_metric(DCGM_METRIC, scaling.target_gpu_activity))
+    body: dict[str, Any] = {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": _meta(spec),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": spec.name},
+            "minReplicas": scaling.min_replicas,
+            "maxReplicas": scaling.max_replicas,
+            "metrics": metrics,
+        },
+    }
+    if scaling.behavior:
+        body["spec"]["behavior"] = copy.deepcopy(dict(scaling.behavior))
+    return body
+
+
+def pdb(spec: ServiceSpec) -> dict[str, Any]:
+    # maxUnavailable, not minAvailable: a single replica must not block node drains forever.
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(spec),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(spec)}},
+    }
+
+
+def children(spec: ServiceSpec, decision: Decision, config: OperatorConfig) -> list[dict[str, Any]]:
+    """Every object this InferenceService should own, in apply order."""
+    objects = [service(spec), pdb(spec), deployment(spec, decision, config), hpa(spec)]
+    return [o for o in objects if o is not None]
+
+
+def urls(spec: ServiceSpec, config: OperatorConfig) -> dict[str, str]:
+    host = f"{spec.name}.{spec.namespace}.svc.{config.cluster_domain}"
+    return {"url": f"http://{host}:{HTTP_PORT}/v1", "grpcAddress": f"{host}:{GRPC_PORT}"}

@@ -1,0 +1,177 @@
+"""The InferenceService spec as typed, frozen values, and the operator's own settings.
+
+The API server has already checked the object against the CRD schema and CEL rules; parsing here
+only fills defaults and turns a few shapes (TP `auto`, the model source) into Python values. What
+the schema cannot know (a model name outside the catalogue without a size) raises ValueError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pagoda.operator.catalogue import ModelShape, resolve
+from pagoda.operator.profile import DEFAULT_KV_CACHE_FRACTION, GpuPreference, ProfileRequest
+
+SourceKind = Literal["pvc", "hostPath", "imagePath", "uri"]
+
+GROUP = "serving.pagoda.dev"
+VERSION = "v1alpha1"
+PLURAL = "inferenceservices"
+KIND = "InferenceService"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    kind: SourceKind
+    location: str  # claim name, host path, image path, or hf://org/name[@revision]
+    path: str = ""  # inside the PVC
+    token_secret: tuple[str, str] | None = None  # (secret name, key)
+
+
+@dataclasses.dataclass(frozen=True)
+class Autoscaling:
+    min_replicas: int
+    max_replicas: int
+    target_queue_depth: int
+    target_kv_cache_usage: float
+    target_gpu_activity: float | None = None
+    behavior: Mapping[str, Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSettings:
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION
+    is_prefix_caching: bool = True
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceSpec:
+    name: str
+    namespace: str
+    model_name: str
+    model: ModelShape
+    source: ModelSource
+    precision: str = "auto"
+    tensor_parallel_size: int | None = None
+    preferences: tuple[GpuPreference, ...] = ()
+    replicas: int = 1
+    autoscaling: Autoscaling | None = None
+    engine: EngineSettings = EngineSettings()
+    image: str | None = None
+    image_pull_policy: str | None = None
+    image_pull_secrets: tuple[str, ...] = ()
+    resources: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    env: tuple[Mapping[str, Any], ...] = ()
+    node_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] | None = None
+    runtime_class_name: str | None = None
+    priority_class_name: str | None = None
+    service_account_name: str | None = None
+
+    def profile_request(self) -> ProfileRequest:
+        return ProfileRequest(
+            model=self.model,
+            precision=self.precision,  # type: ignore[arg-type]  # enum checked by the CRD
+            tensor_parallel_size=self.tensor_parallel_size,
+            preferences=self.preferences,
+            kv_cache_fraction=self.engine.kv_cache_fraction,
+            max_model_len=self.engine.max_model_len,
+        )
+
+
+def _source(raw: Mapping[str, Any]) -> ModelSource:
+    if "pvc" in raw:
+        return ModelSource("pvc", raw["pvc"]["claimName"], path=raw["pvc"].get("path", "").strip("/"))
+    for kind in ("hostPath", "imagePath"):
+        if kind in raw:
+            return ModelSource(kind, raw[kind])  # type: ignore[arg-type]
+    if "uri" in raw:
+        secret = raw.get("tokenSecret")
+        token = (secret["name"], secret.get("key", "token")) if secret else None
+        return ModelSource("uri", raw["uri"], token_secret=token)
+    raise ValueError("model.source: give exactly one of pvc, hostPath, imagePath or uri")
+
+
+def _autoscaling(raw: Mapping[str, Any] | None) -> Autoscaling | None:
+    if raw is None:
+        return None
+    return Autoscaling(
+        min_replicas=int(raw.get("minReplicas", 1)),
+        max_replicas=int(raw["maxReplicas"]),
+        target_queue_depth=int(raw.get("targetQueueDepth", 8)),
+        target_kv_cache_usage=float(raw.get("targetKvCacheUsage", 0.8)),
+        target_gpu_activity=raw.get("targetGpuActivity"),
+        behavior=raw.get("behavior"),
+    )
+
+
+def _engine(raw: Mapping[str, Any]) -> EngineSettings:
+    return EngineSettings(
+        max_model_len=raw.get("maxModelLen"),
+        max_num_seqs=raw.get("maxNumSeqs"),
+        kv_cache_fraction=float(raw.get("kvCacheFraction", DEFAULT_KV_CACHE_FRACTION)),
+        is_prefix_caching=bool(raw.get("prefixCaching", True)),
+        extra_args=tuple(raw.get("extraArgs") or ()),
+    )
+
+
+def parse_spec(body: Mapping[str, Any]) -> ServiceSpec:
+    """An InferenceService object (as the API returns it) -> ServiceSpec; ValueError on what cannot work."""
+    meta, spec = body["metadata"], body.get("spec") or {}
+    model = spec.get("model") or {}
+    tp = spec.get("tensorParallelSize", "auto")
+    preferences = tuple(
+        GpuPreference(p["product"], p.get("precision"), p.get("tensorParallelSize"))
+        for p in spec.get("gpuPreferences") or ()
+    )
+    return ServiceSpec(
+        name=meta["name"],
+        namespace=meta.get("namespace", "default"),
+        model_name=model["name"],
+        model=resolve(model["name"], model.get("parameters")),
+        source=_source(model.get("source") or {}),
+        precision=spec.get("precision", "auto"),
+        tensor_parallel_size=None if tp in (None, "auto") else int(tp),
+        preferences=preferences,
+        replicas=int(spec.get("replicas", 1)),
+        autoscaling=_autoscaling(spec.get("autoscaling")),
+        engine=_engine(spec.get("engine") or {}),
+        image=spec.get("image"),
+        image_pull_policy=spec.get("imagePullPolicy"),
+        image_pull_secrets=tuple(s["name"] for s in spec.get("imagePullSecrets") or ()),
+        resources=spec.get("resources") or {},
+        env=tuple(spec.get("env") or ()),
+        node_selector=spec.get("nodeSelector") or {},
+        tolerations=tuple(spec.get("tolerations") or ()),
+        affinity=spec.get("affinity"),
+        runtime_class_name=spec.get("runtimeClassName"),
+        priority_class_name=spec.get("priorityClassName"),
+        service_account_name=spec.get("serviceAccountName"),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class OperatorConfig:
+    """The operator process's settings: built once by `pagoda operator` from flags/env."""
+
+    server_image: str = "ghcr.io/pagoda-serving/pagoda-server:0.1.0"
+    downloader_image: str = "python:3.11-slim"
+    kernel_cache_pvc: str | None = None  # a shared RWX claim; an emptyDir per pod otherwise
+    resync_seconds: float = 60.0
+    startup_timeout_seconds: int = 1800  # the startup probe's budget for a model load
+    drain_seconds: int = 120  # how long in-flight requests may take after SIGTERM
+    cluster_domain: str = "cluster.local"
+
+    def __post_init__(self) -> None:
+        if self.resync_seconds <= 0:
+            raise ValueError(f"resync interval {self.resync_seconds}: must be positive")
+        if self.startup_timeout_seconds < 10:
+            raise ValueError(f"startup timeout {self.startup_timeout_seconds}s: must be at least 10")
+        if self.drain_seconds < 0:
+            raise ValueError(f"drain seconds {self.drain_seconds}: must not be negative")

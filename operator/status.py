@@ -1,0 +1,157 @@
+"""The InferenceService status: conditions from the profile and the Deployment, pure functions.
+
+Conditions follow the Kubernetes convention (metav1.Condition): CamelCase `reason`, a human
+`message`, and `lastTransitionTime` that moves only when `status` flips. No phase state machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pagoda.operator.profile import Decision
+
+READY, PROFILE_SELECTED, PROGRESSING, DEGRADED = "Ready", "ProfileSelected", "Progressing", "Degraded"
+CONDITION_TYPES = (READY, PROFILE_SELECTED, PROGRESSING, DEGRADED)
+
+
+@dataclasses.dataclass(frozen=True)
+class Condition:
+    type: str
+    is_true: bool
+    reason: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """What the Deployment says about itself."""
+
+    desired: int
+    replicas: int
+    ready: int
+    is_complete: bool
+    failure: str | None = None  # why the rollout cannot finish, if it cannot
+
+
+def rollout(deployment: Mapping[str, Any] | None) -> Rollout | None:
+    if deployment is None:
+        return None
+    spec, status = deployment.get("spec") or {}, deployment.get("status") or {}
+    desired = int(spec.get("replicas", 1))
+    updated = int(status.get("updatedReplicas", 0))
+    available = int(status.get("availableReplicas", 0))
+    total = int(status.get("replicas", 0))
+    observed = int(status.get("observedGeneration", 0)) >= int(deployment["metadata"].get("generation", 0))
+    failure = None
+    for cond in status.get("conditions") or ():
+        if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
+            failure = f"rollout stalled: {cond.get('message', '')}".strip()
+        if cond.get("type") == "ReplicaFailure" and cond.get("status") == "True":
+            failure = f"pods cannot be created: {cond.get('message', '')}".strip()
+    is_complete = observed and updated == desired and total == desired and available == desired
+    return Rollout(desired, total, int(status.get("readyReplicas", 0)), is_complete, failure)
+
+
+def conditions(
+    decision: Decision,
+    state: Rollout | None,
+    conflicts: Sequence[str] = (),
+    is_kept: bool = False,
+) -> list[Condition]:
+    """The four conditions for one observation; is_kept: no profile now, but the old workload runs on."""
+    selected = Condition(
+        PROFILE_SELECTED,
+        decision.is_selected,
+        "Selected" if decision.is_selected else "NoFittingGpu",
+        decision.reason,
+    )
+    if conflicts:
+        message = "; ".join(conflicts)
+        return [
+            selected,
+            Condition(READY, False, "Conflict", message),
+            Condition(PROGRESSING, False, "Conflict", message),
+            Condition(DEGRADED, True, "Conflict", message),
+        ]
+    if state is None:
+        why = "no workload: " + decision.reason if not decision.is_selected else "creating the Deployment"
+        reason = "NoProfile" if not decision.is_selected else "Creating"
+        return [
+            selected,
+            Condition(READY, False, reason, why),
+            Condition(PROGRESSING, decision.is_selected, reason, why),
+            Condition(DEGRADED, not decision.is_selected, reason, why),
+        ]
+    counts = f"{state.ready}/{state.desired} replicas ready"
+    if state.desired == 0:
+        ready = Condition(READY, False, "ScaledToZero", "0 replicas requested")
+    elif state.is_complete and state.ready >= state.desired:
+        ready = Condition(READY, True, "ReplicasReady", counts)
+    else:
+        ready = Condition(READY, False, "ReplicasNotReady", counts)
+    if state.is_complete:
+        progressing = Condition(PROGRESSING, False, "RolloutComplete", counts)
+    else:
+        progressing = Condition(PROGRESSING, True, "RollingOut", f"rolling out: {counts}")
+    if state.failure:
+        degraded = Condition(DEGRADED, True, "RolloutFailed", state.failure)
+    elif is_kept:
+        degraded = Condition(DEGRADED, True, "NoFittingGpu", f"kept the running workload; {decision.reason}")
+    else:
+        degraded = Condition(DEGRADED, False, "AsExpected", counts)
+    return [selected, ready, progressing, degraded]
+
+
+def merge_conditions(
+    old: Sequence[Mapping[str, Any]], new: Sequence[Condition], now: str, generation: int
+) -> list[dict[str, Any]]:
+    """As status.conditions: lastTransitionTime carried over unless the status flipped."""
+    before = {c.get("type"): c for c in old or ()}
+    out = []
+    for cond in new:
+        status = "True" if cond.is_true else "False"
+        prior = before.get(cond.type)
+        since = prior.get("lastTransitionTime") if prior and prior.get("status") == status else None
+        out.append(
+            {
+                "type": cond.type,
+                "status": status,
+                "reason": cond.reason,
+                "message": cond.message,
+                "lastTransitionTime": since or now,
+                "observedGeneration": generation,
+            }
+        )
+    return out
+
+
+def profile_status(decision: Decision) -> dict[str, Any]:
+    """status.profile; keys that no longer apply are None so that a merge patch removes them."""
+    out: dict[str, Any] = {"gpu": None, "precision": None, "tensorParallelSize": None, "kvCacheDtype": None}
+    return out | decision.to_dict()
+
+
+def status(
+    *,
+    old: Mapping[str, Any],
+    decision: Decision,
+    state: Rollout | None,
+    generation: int,
+    now: str,
+    urls: Mapping[str, str],
+    selector: str,
+    conflicts: Sequence[str] = (),
+    is_kept: bool = False,
+) -> dict[str, Any]:
+    conds = conditions(decision, state, conflicts, is_kept)
+    return {
+        "observedGeneration": generation,
+        "conditions": merge_conditions(old.get("conditions") or (), conds, now, generation),
+        "profile": profile_status(decision),
+        "replicas": state.replicas if state else 0,
+        "readyReplicas": state.ready if state else 0,
+        "selector": selector,
+        **urls,
+    }
