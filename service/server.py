@@ -4,7 +4,8 @@ shutdown sequence.
 Start-up: both servers listen first (liveness answers at once, readiness says "loading"), then the
 model loads in a worker thread; readiness and the gRPC health service flip to serving after it.
 SIGTERM/SIGINT: readiness flips to not-ready and new requests get 503/UNAVAILABLE, in-flight requests
-finish (up to the drain timeout, then they are aborted), the servers close, the process exits 0.
+finish (up to the drain timeout or a second signal, then they are aborted), the servers close, the
+process exits 0.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from pagoda.service.api.grpc_server import GrpcServer
 from pagoda.service.api.http_server import build_app
 
 logger = logging.getLogger(__name__)
+
+
+_CLOSE_GRACE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -104,12 +108,16 @@ async def serve(
         logger.error("the HTTP server stopped unexpectedly")
         exit_code = 1
 
-    # Drain: not-ready first, then let in-flight requests finish.
+    # Drain: not-ready first, then let in-flight requests finish; a second signal aborts them.
     logger.info("shutting down: draining %d in-flight requests", client.num_in_flight)
+    force = asyncio.Event()
+    if install_signal_handlers:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, force.set)
     client.start_drain()
     await grpc_server.set_serving(False)
     if load_task.done() and exit_code == 0:
-        drained = await client.wait_idle(server_config.drain_timeout_s)
+        drained = await client.wait_idle(server_config.drain_timeout_s, force)
         logger.info("drain %s", "complete" if drained else "timed out; the rest were aborted")
     else:
         load_task.cancel()
@@ -117,7 +125,7 @@ async def serve(
     stop_task.cancel()
     http.should_exit = True
     await asyncio.gather(http_task, return_exceptions=True)
-    await grpc_server.stop(grace_s=1.0)
+    await grpc_server.stop(grace_s=_CLOSE_GRACE_S)
     if load_task.done() and not load_task.cancelled() and load_task.exception() is None:
         await client.shutdown()
     if install_signal_handlers:

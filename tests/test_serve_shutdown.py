@@ -137,3 +137,41 @@ def test_unrunnable_profile_exits_2_before_loading(llama_ckpt: Path, tmp_path: P
     server = _server(llama_ckpt, tmp_path, flag)
     with pytest.raises(RuntimeError, match="exited with 2"):
         server.start(timeout_s=60)
+
+
+def test_second_sigterm_aborts_the_drain(llama_ckpt: Path, tmp_path: Path) -> None:
+    args = ["--model", str(llama_ckpt), "--max-model-len", "2048", "--kv-cache-memory-bytes", str(16 << 20)]
+    server = ServeProcess([*args, "--drain-timeout", "300"], log_path=tmp_path / "serve.log").start()
+    max_tokens = 2000
+
+    async def one(http: httpx.AsyncClient, started: asyncio.Event) -> int:
+        body = {"prompt": "Go", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        num_chunks = 0
+        try:
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        num_chunks += 1
+                        started.set()
+        except httpx.HTTPError:
+            pass  # cut off: the process is going away
+        return num_chunks
+
+    async def main() -> list[int]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+            started = [asyncio.Event() for _ in range(4)]
+            tasks = [asyncio.create_task(one(http, e)) for e in started]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+            server.terminate()
+            while server.ready_status() == 200:
+                await asyncio.sleep(0.01)
+            server.terminate()
+            return await asyncio.gather(*tasks)
+
+    try:
+        chunks = asyncio.run(main())
+        assert server.wait(30) == 0
+    finally:
+        server.kill()
+    assert all(n < max_tokens for n in chunks), chunks
+    assert "second signal: aborting" in server.log()

@@ -9,7 +9,6 @@ hold no engine logic.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import time
@@ -105,18 +104,24 @@ class EngineClient:
         if self._state is not ServingState.UNHEALTHY:
             self._state = ServingState.DRAINING
 
-    async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait for in-flight requests to finish; past `timeout_s`, abort them. True if all finished."""
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
+    async def wait_idle(self, timeout_s: float, force: asyncio.Event | None = None) -> bool:
+        """Wait for in-flight requests to finish. Past `timeout_s` (or once `force` is set) abort them in
+        the engine, freeing their KV cache, and return False; the caller then closes their connections."""
+        waits = {asyncio.ensure_future(self._idle.wait())}
+        if force is not None:
+            waits.add(asyncio.ensure_future(force.wait()))
+        _, pending = await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        if self._idle.is_set():
             return True
-        except TimeoutError:
-            logger.warning("drain timeout (%.1f s): aborting %d requests", timeout_s, len(self._in_flight))
-            for request_id in list(self._in_flight):
-                self.abort(request_id)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._idle.wait(), 5.0)
-            return False
+        reason = (
+            "second signal" if force is not None and force.is_set() else f"drain timeout ({timeout_s:.1f} s)"
+        )
+        logger.warning("%s: aborting %d requests", reason, len(self._in_flight))
+        for request_id in list(self._in_flight):
+            self.abort(request_id)
+        return False
 
     async def shutdown(self) -> None:
         if self._engine is not None:
