@@ -1,0 +1,183 @@
+"""`pagoda bench`: measure the engine against its peer on the same model, the same machine, the same run.
+
+- `pagoda bench offline`: N prompts of fixed length through the engine's offline API, against Hugging
+  Face `transformers` `generate()` on the same checkpoint; also single-stream decode latency.
+- `pagoda bench kernels`: the Triton kernels against their peers (see `pagoda.kernels.bench`).
+
+Results print as a Markdown table; `--output FILE` appends it with the command and the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+HELP = "Benchmark the engine or the kernels against their peers (results for BENCHMARKS.md)."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    offline = sub.add_parser(
+        "offline",
+        help="engine vs transformers generate() on N fixed-length prompts",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    offline.add_argument(
+        "--model", default=None, help="checkpoint folder or .gguf (default: embedded SmolLM2)"
+    )
+    offline.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    offline.add_argument("--device", default="auto")
+    offline.add_argument("--num-prompts", type=int, default=16)
+    offline.add_argument("--input-len", type=int, default=128)
+    offline.add_argument("--output-len", type=int, default=128)
+    offline.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    offline.add_argument("--peer", choices=["transformers", "none"], default="transformers")
+    offline.add_argument("--output", default=None, help="append the Markdown result to this file")
+    kernels = sub.add_parser("kernels", help="Triton kernels vs references and SDPA (needs a CUDA GPU)")
+    kernels.add_argument("args", nargs=argparse.REMAINDER, help="passed to pagoda.kernels.bench")
+
+
+@dataclass
+class Result:
+    system: str
+    batch: int
+    seconds: float
+    output_tokens: int
+    decode_ms_per_token: float | None = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def _prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(num)]
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if getattr(device, "type", "cpu") == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Any]:
+    from pagoda.service.llm import LLM
+    from pagoda.service.sampling_params import SamplingParams
+
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=max(args.num_prompts, 1),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    runner = llm.engine.runner
+    vocab = runner.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(
+        _prompts(2, 16, vocab, seed=99), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    )
+    results = []
+    for batch in (1, args.num_prompts):
+        prompts = _prompts(batch, args.input_len, vocab)
+        _sync(runner.device)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        _sync(runner.device)
+        seconds = time.perf_counter() - start
+        decode_ms = None
+        if batch == 1:
+            m = outs[0].metrics
+            assert m.first_token_time is not None and m.last_token_time is not None
+            decode_ms = 1000 * (m.last_token_time - m.first_token_time) / max(args.output_len - 1, 1)
+        results.append(Result("pagoda", batch, seconds, batch * args.output_len, decode_ms))
+    return results, runner
+
+
+def bench_transformers(args: argparse.Namespace, runner: Any) -> list[Result]:
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pagoda.service.model import default_model_path
+
+    path = Path(args.model) if args.model else default_model_path()
+    kwargs: dict[str, Any] = {"dtype": runner.dtype}
+    if path.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model = model.to(runner.device).eval()
+    vocab = runner.model_config.vocab_size
+    results = []
+    with torch.inference_mode():
+        for batch in (1, args.num_prompts):
+            ids = torch.tensor(_prompts(batch, args.input_len, vocab), device=runner.device)
+            gen = dict(
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                pad_token_id=0,
+            )
+            model.generate(ids[:, :16], max_new_tokens=4, min_new_tokens=4, **gen)  # warm-up
+            _sync(runner.device)
+            start = time.perf_counter()
+            model.generate(ids, max_new_tokens=args.output_len, min_new_tokens=args.output_len, **gen)
+            _sync(runner.device)
+            seconds = time.perf_counter() - start
+            decode_ms = None
+            if batch == 1:
+                _sync(runner.device)
+                t0 = time.perf_counter()
+                model.generate(ids, max_new_tokens=1, min_new_tokens=1, **gen)
+                _sync(runner.device)
+                prefill = time.perf_counter() - t0
+                decode_ms = 1000 * (seconds - prefill) / max(args.output_len - 1, 1)
+            results.append(
+                Result("transformers generate()", batch, seconds, batch * args.output_len, decode_ms)
+            )
+    return results
+
+
+def _device_name(runner: Any) -> str:
+    import torch
+
+    if runner.device.type == "cuda":
+        return torch.cuda.get_device_name(runner.device)
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.bench == "kernels":
+        from pagoda.kernels.bench import main as kernels_main
+
+        return kernels_main(args.args)
+    results, runner = bench_engine(args)
+    if args.peer == "transformers":
+        results += bench_transformers(args, runner)
+    model = args.model or "SmolLM2-135M-Instruct Q4_1 GGUF (embedded)"
+    lines = [
+        f"### offline: {model}, {args.input_len} in / {args.output_len} out, {runner.dtype}",
+        "",
+        f"Device: {_device_name(runner)}. Command: `pagoda bench {shlex.join(sys.argv[2:])}`",
+        "",
+        "| system | requests | wall s | output tok/s | single-stream decode ms/token |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        decode = f"{r.decode_ms_per_token:.1f}" if r.decode_ms_per_token is not None else ""
+        lines.append(f"| {r.system} | {r.batch} | {r.seconds:.2f} | {r.tokens_per_second:.1f} | {decode} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.output:
+        with open(args.output, "a") as f:
+            f.write("\n" + text)
+    return 0
