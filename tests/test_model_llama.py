@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from pagoda.service.model import load_model
 
 
@@ -80,10 +81,11 @@ def test_tied_model_shares_embedding(tied_llama_ckpt: Path) -> None:
 
 
 def test_rope_cache_matches_transformers(llama_ckpt: Path, sharded_llama_ckpt: Path) -> None:
-    from pagoda.service.model.config import ModelConfig
-    from pagoda.service.model.llama import rope_inv_freq
     from transformers import AutoConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from pagoda.service.model.config import ModelConfig
+    from pagoda.service.model.llama import rope_inv_freq
 
     for folder, rope_type in ((llama_ckpt, "llama3"), (sharded_llama_ckpt, "linear")):
         hf_inv_freq, _ = ROPE_INIT_FUNCTIONS[rope_type](AutoConfig.from_pretrained(folder), "cpu")

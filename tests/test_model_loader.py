@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from pagoda.service import model as model_pkg
 from pagoda.service.model import default_model_path, load_model
 from pagoda.service.model.config import ModelConfig

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from pagoda.service.model import load_tokenizer
 from pagoda.service.tokenizer import IncrementalDetokenizer, Tokenizer
 

@@ -10,6 +10,7 @@ from pagoda.service.model.config import ModelConfig
 
 if TYPE_CHECKING:
     import torch
+
     from pagoda.service.model.llama import LlamaForCausalLM
     from pagoda.service.tokenizer import Tokenizer
 

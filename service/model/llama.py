@@ -11,11 +11,11 @@ from __future__ import annotations
 import math
 
 import torch
-from pagoda.service.model.attention import AttentionMetadata, PagedAttention
-from pagoda.service.model.config import ModelConfig
 from torch import nn
 
 from pagoda import kernels
+from pagoda.service.model.attention import AttentionMetadata, PagedAttention
+from pagoda.service.model.config import ModelConfig
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:  # [head_dim // 2] float32

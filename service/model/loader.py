@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from torch import nn
+
 from pagoda.service.model.config import ModelConfig
 from pagoda.service.model.llama import LlamaForCausalLM
-from torch import nn
 
 logger = logging.getLogger(__name__)
 
