@@ -1,0 +1,158 @@
+"""The Helm chart: the CRD is the one in crds/, values are documented and typed, the operator's
+settings and the RBAC match what the code uses. `helm` runs when it is there (the e2e cluster's
+binaries, PAGODA_K8S_BIN, or PATH); the e2e suite installs the chart into a real API server."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pagoda.operator import cmd_operator, kube
+from pagoda.operator.spec import OperatorConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "charts" / "pagoda"
+CRD = "serving.pagoda.dev_inferenceservices.yaml"
+
+
+def find_helm() -> str | None:
+    candidates = [
+        os.environ.get("PAGODA_K8S_BIN", ""),
+        *glob.glob(os.path.expanduser("~/.cache/pagoda/k8s/*/bin")),
+    ]
+    for directory in candidates:
+        if directory and os.access(os.path.join(directory, "helm"), os.X_OK):
+            return os.path.join(directory, "helm")
+    return shutil.which("helm")
+
+
+HELM = find_helm()
+needs_helm = pytest.mark.skipif(HELM is None, reason="no helm binary (run e2e/tools/build.sh)")
+
+
+def render(*args: str) -> list[dict]:
+    assert HELM is not None
+    out = subprocess.run(
+        [HELM, "template", "pagoda", str(CHART), "--namespace", "pagoda-system", *args],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def test_crd_in_the_chart_is_the_one_source() -> None:
+    assert (CHART / "crds" / CRD).read_bytes() == (ROOT / "crds" / CRD).read_bytes()
+
+
+def test_every_value_is_documented() -> None:
+    """Each key has a `# --` comment above it, or sits under a key that has one."""
+    undocumented = []
+    stack: list[tuple[int, bool]] = []  # (indent, documented) of the enclosing keys
+    comment: list[str] = []  # the comment block right above the current line
+    for line in (CHART / "values.yaml").read_text().splitlines():
+        match = re.match(r"^(\s*)([A-Za-z][\w.-]*):", line)
+        if match:
+            indent = len(match.group(1))
+            while stack and stack[-1][0] >= indent:
+                stack.pop()
+            documented = any(c.startswith("# --") for c in comment) or any(d for _, d in stack)
+            value = line.split(":", 1)[1].strip()
+            is_leaf = value not in ("",)
+            if is_leaf and not documented:
+                undocumented.append(line.strip())
+            stack.append((indent, documented))
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            comment.append(stripped)
+        elif stripped:
+            comment = []
+    assert undocumented == []
+
+
+def test_values_schema_is_strict_and_matches_values() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert schema["additionalProperties"] is False
+    assert set(values) == set(schema["properties"])
+
+
+def test_chart_defaults_match_the_operator() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    server = values["inferenceDefaults"]["server"]["image"]
+    assert f"{server['repository']}:{server['tag'] or chart['appVersion']}" == OperatorConfig().server_image
+    defaults = values["inferenceDefaults"]
+    assert defaults["drainSeconds"] == OperatorConfig().drain_seconds
+    assert defaults["startupTimeoutSeconds"] == OperatorConfig().startup_timeout_seconds
+
+
+@needs_helm
+def test_helm_lint_is_clean() -> None:
+    assert HELM is not None
+    out = subprocess.run([HELM, "lint", "--strict", str(CHART)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "[WARNING]" not in out.stdout and "[ERROR]" not in out.stdout
+
+
+@needs_helm
+def test_operator_env_are_operator_flags() -> None:
+    (deployment,) = [d for d in render() if d["kind"] == "Deployment"]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"] == ["operator"]
+    import argparse
+
+    flags = set()
+    parser = argparse.ArgumentParser()
+    cmd_operator.add_arguments(parser)
+    for action in parser._actions:
+        flags |= {f"PAGODA_OPERATOR_{o[2:].upper().replace('-', '_')}" for o in action.option_strings}
+    env = {e["name"] for e in container["env"]}
+    assert env <= flags
+    assert {"PAGODA_OPERATOR_SERVER_IMAGE", "PAGODA_OPERATOR_DRAIN_SECONDS"} <= env
+
+
+@needs_helm
+def test_rbac_covers_every_kind_the_operator_writes() -> None:
+    (role,) = [d for d in render() if d["kind"] == "ClusterRole"]
+    granted: dict[tuple[str, str], set[str]] = {}
+    for rule in role["rules"]:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                granted.setdefault((group, resource), set()).update(rule["verbs"])
+    for (api_version, kind), plural in kube.PLURALS.items():
+        group = api_version.rpartition("/")[0]
+        need = {"get", "list", "watch"}
+        if kind not in ("Node", "InferenceService"):
+            need |= {"patch", "delete"}  # server-side apply creates with patch
+        assert need <= granted.get((group, plural), set()), (kind, granted.get((group, plural)))
+    assert "patch" in granted[("serving.pagoda.dev", "inferenceservices/status")]
+    assert "create" in granted[("", "events")]
+    # Least privilege: no wildcards, no secrets, no pods.
+    assert not any("*" in r["verbs"] or "*" in r["resources"] for r in role["rules"])
+    assert not {("", "secrets"), ("", "pods")} & set(granted)
+
+
+@needs_helm
+def test_values_reach_the_operator() -> None:
+    docs = render(
+        "--set", "operator.watchNamespaces={a,b}", "--set", "inferenceDefaults.kernelCachePvc=cache"
+    )
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    env = {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["PAGODA_OPERATOR_NAMESPACE"] == "a,b"
+    assert env["PAGODA_OPERATOR_KERNEL_CACHE_PVC"] == "cache"
+    labels = deployment["metadata"]["labels"]
+    assert labels["app.kubernetes.io/name"] == "pagoda" and labels["app.kubernetes.io/instance"] == "pagoda"
+    assert deployment["spec"]["selector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "pagoda",
+        "app.kubernetes.io/instance": "pagoda",
+    }

@@ -1,0 +1,236 @@
+"""reconcile() against an in-memory API: children, ownership, idempotence, status and events."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pagoda.operator import status as status_mod
+from pagoda.operator.reconcile import reconcile
+from pagoda.operator.spec import OperatorConfig
+
+CONFIG = OperatorConfig()
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def gpu_node(name: str, product: str, cc: str, memory: int, count: int) -> dict:
+    major, minor = cc.split(".")
+    labels = {
+        "nvidia.com/gpu.product": product,
+        "nvidia.com/gpu.compute.major": major,
+        "nvidia.com/gpu.compute.minor": minor,
+        "nvidia.com/gpu.memory": str(memory),
+        "nvidia.com/gpu.count": str(count),
+    }
+    return {
+        "metadata": {"name": name, "labels": labels},
+        "status": {"allocatable": {"nvidia.com/gpu": str(count)}},
+    }
+
+
+H100 = gpu_node("h100", "NVIDIA-H100-80GB-HBM3", "9.0", 81559, 8)
+T4 = gpu_node("t4", "Tesla-T4", "7.5", 15360, 1)
+
+
+class FakeKube:
+    def __init__(self, nodes: list[dict]) -> None:
+        self.nodes = nodes
+        self.objects: dict[tuple[str, str, str], dict] = {}
+        self.writes: list[str] = []
+
+    def list_nodes(self) -> list[dict]:
+        return copy.deepcopy(self.nodes)
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
+        obj = self.objects.get((kind, namespace, name))
+        return copy.deepcopy(obj) if obj else None
+
+    def apply(self, obj: dict) -> dict:
+        key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
+        before = self.objects.get(key)
+        stored = copy.deepcopy(obj)
+        generation = (before or {}).get("metadata", {}).get("generation", 0)
+        if before is None or before.get("spec") != obj.get("spec"):
+            generation += 1
+            self.writes.append(f"apply {obj['kind']}")
+        stored["metadata"]["generation"] = generation
+        if before is not None and "status" in before:  # apply never touches status
+            stored["status"] = before["status"]
+        self.objects[key] = stored
+        return copy.deepcopy(stored)
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        self.writes.append(f"delete {kind}")
+        self.objects.pop((kind, namespace, name), None)
+
+
+def inference_service(**spec: Any) -> dict:
+    base = {"model": {"name": "llama-3.1-8b", "source": {"imagePath": "/models/llama"}}}
+    return {
+        "apiVersion": "serving.pagoda.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {
+            "name": "llm",
+            "namespace": "ns",
+            "uid": "uid-1",
+            "generation": 1,
+            "labels": {"team": "a"},
+        },
+        "spec": base | spec,
+    }
+
+
+def run(kube: FakeKube, body: dict, now: str = "2026-01-01T00:00:00Z"):
+    result = reconcile(body, kube, CONFIG, now)  # type: ignore[arg-type]
+    body["status"] = result.status
+    return result
+
+
+def conditions(result) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in result.status["conditions"]}
+
+
+def test_creates_owned_children_and_reports() -> None:
+    kube, body = FakeKube([H100, T4]), inference_service()
+    result = run(kube, body)
+    assert sorted(kind for kind, _, _ in kube.objects) == ["Deployment", "PodDisruptionBudget", "Service"]
+    for obj in kube.objects.values():
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert (ref["kind"], ref["uid"], ref["controller"]) == ("InferenceService", "uid-1", True)
+        assert obj["metadata"]["labels"]["team"] == "a"  # kopf.adopt copies the owner's labels
+    profile = result.status["profile"]
+    assert (profile["gpu"]["product"], profile["precision"], profile["tensorParallelSize"]) == (
+        "NVIDIA-H100-80GB-HBM3",
+        "fp8",
+        1,
+    )
+    assert conditions(result)[status_mod.PROFILE_SELECTED] == ("True", "Selected")
+    assert conditions(result)[status_mod.READY][0] == "False"
+    assert result.status["selector"] == "app.kubernetes.io/name=pagoda-server,app.kubernetes.io/instance=llm"
+    assert result.status["url"] == "http://llm.ns.svc.cluster.local:8000/v1"
+    reasons = [e.reason for e in result.events]
+    assert reasons.count("Created") == 3 and "ProfileSelected" in reasons
+
+
+def test_second_pass_changes_nothing_and_ready_follows_the_deployment() -> None:
+    kube, body = FakeKube([H100]), inference_service()
+    run(kube, body)
+    kube.writes.clear()
+    dep = kube.objects[("Deployment", "ns", "llm")]
+    dep["status"] = {"observedGeneration": 1, "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1}
+    dep["status"]["availableReplicas"] = 1
+    result = run(kube, body, now="2026-01-01T00:05:00Z")
+    assert kube.writes == []
+    assert result.events == ()
+    assert conditions(result)[status_mod.READY] == ("True", "ReplicasReady")
+    assert conditions(result)[status_mod.PROGRESSING] == ("False", "RolloutComplete")
+    times = {c["type"]: c["lastTransitionTime"] for c in result.status["conditions"]}
+    assert times[status_mod.PROFILE_SELECTED] == "2026-01-01T00:00:00Z"  # unchanged status keeps its time
+    assert times[status_mod.READY] == "2026-01-01T00:05:00Z"
+
+
+def test_spec_change_rolls_the_deployment() -> None:
+    kube, body = FakeKube([H100]), inference_service()
+    run(kube, body)
+    body["spec"]["precision"] = "bf16"
+    body["metadata"]["generation"] = 2
+    result = run(kube, body)
+    args = kube.objects[("Deployment", "ns", "llm")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--precision") + 1] == "bf16"
+    assert "RollingOut" in [e.reason for e in result.events]
+    assert result.status["observedGeneration"] == 2
+
+
+def test_refuses_objects_it_does_not_own() -> None:
+    kube, body = FakeKube([H100]), inference_service()
+    kube.objects[("Service", "ns", "llm")] = {
+        "kind": "Service",
+        "metadata": {"name": "llm", "namespace": "ns"},
+    }
+    result = run(kube, body)
+    assert kube.writes == []
+    assert conditions(result)[status_mod.DEGRADED] == ("True", "Conflict")
+    assert any(e.reason == "Conflict" and "Service llm" in e.message for e in result.events)
+
+
+def test_no_fitting_gpu_creates_nothing() -> None:
+    kube, body = FakeKube([T4]), inference_service()
+    result = run(kube, body)
+    assert kube.objects == {}
+    assert conditions(result)[status_mod.PROFILE_SELECTED] == ("False", "NoFittingGpu")
+    assert result.status["profile"]["reason"].startswith("8B fp16 needs 2 x 15 GiB")
+    assert [e.reason for e in result.events] == ["NoFittingGpu"]
+    assert run(kube, body).events == ()  # the same warning is not repeated
+
+
+def test_autoscaling_replaces_replicas_and_hpa_goes_when_turned_off() -> None:
+    kube, body = FakeKube([H100]), inference_service(autoscaling={"maxReplicas": 3})
+    run(kube, body)
+    assert ("HorizontalPodAutoscaler", "ns", "llm") in kube.objects
+    assert "replicas" not in kube.objects[("Deployment", "ns", "llm")]["spec"]
+    del body["spec"]["autoscaling"]
+    body["spec"]["replicas"] = 2
+    body["metadata"]["generation"] = 2
+    run(kube, body)
+    assert ("HorizontalPodAutoscaler", "ns", "llm") not in kube.objects
+    assert kube.objects[("Deployment", "ns", "llm")]["spec"]["replicas"] == 2
+
+
+def test_node_set_change_reselects_and_a_lost_gpu_keeps_the_workload() -> None:
+    kube, body = (
+        FakeKube([T4]),
+        inference_service(model={"name": "llama-3.2-3b", "source": {"imagePath": "/m"}}),
+    )
+    run(kube, body)
+    assert run(kube, body).status["profile"]["gpu"]["product"] == "Tesla-T4"
+    kube.nodes = [T4, H100]  # a better GPU arrives: the periodic re-check moves the service
+    result = run(kube, body)
+    assert result.status["profile"]["gpu"]["product"] == "NVIDIA-H100-80GB-HBM3"
+    assert "ProfileSelected" in [e.reason for e in result.events]
+    kube.nodes = []  # every GPU node gone, spec unchanged: keep what runs, say so
+    result = run(kube, body)
+    assert ("Deployment", "ns", "llm") in kube.objects
+    assert conditions(result)[status_mod.DEGRADED] == ("True", "NoFittingGpu")
+
+
+def test_invalid_spec_is_a_status_not_a_crash() -> None:
+    kube = FakeKube([H100])
+    body = inference_service(model={"name": "mystery-model", "source": {"imagePath": "/m"}})
+    result = run(kube, body)
+    assert kube.objects == {}
+    assert conditions(result)[status_mod.PROFILE_SELECTED][0] == "False"
+    assert "not in the built-in catalogue" in result.status["profile"]["reason"]
+
+
+def _schema_keys(schema: dict, prefix: str = "") -> set[str]:
+    keys = set()
+    for name, sub in (schema.get("properties") or {}).items():
+        keys.add(prefix + name)
+        keys |= _schema_keys(sub.get("items", sub), f"{prefix}{name}.")
+    return keys
+
+
+def _value_keys(value: Any, prefix: str = "") -> set[str]:
+    keys = set()
+    if isinstance(value, list):
+        for item in value:
+            keys |= _value_keys(item, prefix)
+    elif isinstance(value, dict):
+        for name, sub in value.items():
+            keys.add(prefix + name)
+            keys |= _value_keys(sub, f"{prefix}{name}.")
+    return keys
+
+
+def test_status_fits_the_crd_schema() -> None:
+    """The API server prunes unknown status fields silently: every key written must be in the schema."""
+    crd = yaml.safe_load((ROOT / "crds" / "serving.pagoda.dev_inferenceservices.yaml").read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    allowed = _schema_keys(schema)
+    kube = FakeKube([H100])
+    for body in (inference_service(), inference_service(gpuPreferences=[{"product": "T4"}])):
+        status = run(kube, body).status
+        assert _value_keys(status) <= allowed
