@@ -36,7 +36,7 @@ test-fast: setup
 test: lint test-fast e2e
 
 # The control plane binaries (kube-*, kubectl, etcd, kwok, helm), built once into ~/.cache/pagoda/k8s
-# (e2e/tools/build.sh; about 25 min cold on 2 cores, nothing once built). Skipped for an existing cluster.
+# (e2e/tools/build.sh; 5-13 min cold on 2 cores, nothing once built). Skipped for an existing cluster.
 .PHONY: k8s-bin
 k8s-bin:
 	@if [ -z "$$PAGODA_E2E_KUBECONFIG" ]; then bash e2e/tools/build.sh >/dev/null; fi
