@@ -77,6 +77,9 @@ async def serve(
             log_level=server_config.log_level,
             access_log=False,
             timeout_keep_alive=5,
+            # Only requests still open after the drain (timed out, or a second signal) are left by
+            # then: their handlers are cancelled, which aborts them in the engine.
+            timeout_graceful_shutdown=_CLOSE_GRACE_S,
         )
     )
     grpc_server = GrpcServer(client, server_config.host, server_config.grpc_port)
