@@ -28,7 +28,7 @@ from pagoda.service.api.http_server import build_app
 logger = logging.getLogger(__name__)
 
 
-_CLOSE_GRACE_S = 2.0
+_CLOSE_GRACE_S = 2  # seconds
 
 
 @dataclass(frozen=True)
