@@ -13,6 +13,16 @@ from typing import Any
 
 import pytest
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    # One intra-op thread: on a shared 2-core machine OpenMP threads that wait for a descheduled peer
+    # make small ops 100x slower, and a fixed thread count keeps float reductions in one order, so
+    # the engine-vs-transformers comparisons are reproducible.
+    import torch
+
+    torch.set_num_threads(1)
+
+
 VOCAB_SIZE = 49152  # SmolLM2's tokenizer
 BOS_ID, EOS_ID = 1, 2
 _COMMON = dict(

@@ -43,6 +43,14 @@ def test_concurrent_streams_cancel_and_errors(llama_ckpt: Path) -> None:
             bm = engine.engine.block_manager
             assert not engine.engine.has_unfinished and bm.num_free_blocks == bm.num_blocks
 
+            # An abort from outside (the server's drain timeout) ends the stream with a final output.
+            outputs = []
+            async for out in engine.generate([4, 5, 6], SamplingParams(max_tokens=500), request_id="cut"):
+                outputs.append(out)
+                if len(outputs) == 2:
+                    engine.abort("cut")
+            assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
+
             with pytest.raises(InvalidRequestError):
                 async for _ in engine.generate([1, 2], SamplingParams(temperature=-1)):
                     pass

@@ -137,6 +137,9 @@ def test_abort_frees_blocks_at_once(engine: LLMEngine) -> None:
     engine.step()
     engine.step()
     assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
-    engine.abort("gone")
+    final = engine.abort("gone")
+    assert final is not None and final.finished
+    assert final.outputs[0].finish_reason == "abort" and len(final.outputs[0].token_ids) >= 1
+    assert engine.abort("gone") is None  # idempotent
     assert not engine.has_unfinished
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

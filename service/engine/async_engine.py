@@ -115,7 +115,7 @@ class AsyncEngine:
         assert self._loop is not None
         engine = self.engine
         while not self._stopping.is_set():
-            failed: list[tuple[str, Any]] = []
+            failed: list[tuple[str, Any]] = []  # errors and abort outputs, for their streams
             while True:
                 try:
                     command = self._commands.get_nowait()
@@ -128,7 +128,9 @@ class AsyncEngine:
                     except Exception as exc:  # reported on that request's stream
                         failed.append((request_id, exc))
                 else:
-                    engine.abort(command[1])
+                    final = engine.abort(command[1])
+                    if final is not None:
+                        failed.append((final.request_id, final))
             if failed:
                 self._loop.call_soon_threadsafe(self._deliver, failed)
             if not engine.has_unfinished:

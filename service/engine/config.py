@@ -22,6 +22,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # overrides the fraction; the CPU default is 512 MiB
     enable_prefix_caching: bool = True
     seed: int = 0
+    enforce_eager: bool = False  # on a GPU, never replay decode steps from CUDA graphs
 
     def __post_init__(self) -> None:
         positive = {

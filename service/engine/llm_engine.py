@@ -82,15 +82,7 @@ class LLMEngine:
         model_path = str(config.model) if config.model else str(default_model_path())
         self.tokenizer: Tokenizer = load_tokenizer(model_path)
         self.runner = ModelRunner(config, model_path, self.tokenizer.eos_token_ids)
-        mc = self.runner.model_config
-        limit = config.max_model_len or mc.max_position_embeddings
-        if mc.sliding_window is not None and limit > mc.sliding_window:
-            # Attention here is full-context; within the window that is exactly sliding-window attention.
-            logger.warning("max_model_len clamped to the sliding window, %d tokens", mc.sliding_window)
-            limit = mc.sliding_window
-        self.max_model_len = min(limit, self.runner.kv.num_tokens)
-        if self.max_model_len < limit:
-            logger.warning("max_model_len clamped to %d: the KV cache holds no more", self.max_model_len)
+        self.max_model_len = self.runner.max_model_len
         self.model_name = config.served_model_name or model_path.rstrip("/").split("/")[-1]
         self.block_manager = BlockManager(
             self.runner.kv.num_blocks, config.block_size, config.enable_prefix_caching
@@ -167,13 +159,17 @@ class LLMEngine:
         self.scheduler.add(seqs[0])
         self.prompt_tokens_total += len(token_ids)
 
-    def abort(self, request_id: str) -> None:
-        client = self._requests.pop(request_id, None)
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request at once and free its blocks; its final output says `finish_reason="abort"`
+        for every completion that had not finished (None: no such request, or already done)."""
+        client = self._requests.get(request_id)
         if client is None:
-            return
+            return None
         for c in client.completions:
+            if c.finish_reason is None:
+                c.finish_reason = "abort"
             self.scheduler.finish(c.seq)
-            self._seq_owner.pop(c.seq.request_id, None)
+        return self._make_output(client, time.monotonic())
 
     # ---- stepping ------------------------------------------------------------------------------
 

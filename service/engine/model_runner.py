@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from pagoda.service.engine.config import EngineConfig
+from pagoda.service.engine.cuda_graphs import DecodeGraphs
 from pagoda.service.engine.sampler import Sampler, SampleResult
 from pagoda.service.engine.scheduler import SchedulerOutput
 from pagoda.service.model import load_model
@@ -71,7 +72,14 @@ class ModelRunner:
         for i, layer in enumerate(self.model.attention_layers()):
             layer.k_cache = self.kv_cache[0, i]
             layer.v_cache = self.kv_cache[1, i]
+        self.max_model_len = self._max_model_len()
         self.sampler = Sampler(mc.vocab_size, eos_token_ids)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = DecodeGraphs(
+                self.model, self.device, config.max_num_seqs, self.max_model_len, config.block_size
+            )
+            self.graphs.capture()
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s on %s)",
             self.kv.num_blocks,
@@ -81,6 +89,18 @@ class ModelRunner:
             self.dtype,
             self.device,
         )
+
+    def _max_model_len(self) -> int:
+        mc = self.model_config
+        limit = self.config.max_model_len or mc.max_position_embeddings
+        if mc.sliding_window is not None and limit > mc.sliding_window:
+            # Attention here is full-context; within the window that is exactly sliding-window attention.
+            logger.warning("max_model_len clamped to the sliding window, %d tokens", mc.sliding_window)
+            limit = mc.sliding_window
+        if limit > self.kv.num_tokens:
+            logger.warning("max_model_len clamped to %d: the KV cache holds no more", self.kv.num_tokens)
+            limit = self.kv.num_tokens
+        return limit
 
     def _kv_cache_layout(self) -> KVCacheLayout:
         mc, cfg = self.model_config, self.config
@@ -107,7 +127,8 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _prepare(self, out: SchedulerOutput) -> dict[str, np.ndarray]:
+        """The flattened batch as host arrays: no padding, one row per scheduled token."""
         reqs, counts = out.requests, np.asarray(out.num_scheduled_tokens, dtype=np.int64)
         starts = np.asarray([r.num_computed_tokens for r in reqs], dtype=np.int64)
         query_start_loc = np.zeros(len(reqs) + 1, dtype=np.int64)
@@ -126,33 +147,53 @@ class ModelRunner:
             block_tables[i, : len(r.block_ids)] = r.block_ids
         bs = self.kv.block_size
         slot_mapping = block_tables[row, positions // bs].astype(np.int64) * bs + positions % bs
-        seq_lens = starts + counts
+        return {
+            "input_ids": input_ids,
+            "positions": positions,
+            "slot_mapping": slot_mapping,
+            "block_tables": block_tables,
+            "seq_lens": starts + counts,
+            "query_start_loc": query_start_loc,
+            "max_query_len": counts.max(),
+        }
 
-        def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(a).to(device=self.device, dtype=dtype, non_blocking=True)
+    def _forward_eager(self, batch: dict[str, np.ndarray], rows: list[int]) -> torch.Tensor:
+        def dev(name: str, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(batch[name]).to(device=self.device, dtype=dtype, non_blocking=True)
 
         meta = AttentionMetadata(
-            slot_mapping=dev(slot_mapping, torch.int64),
-            block_tables=dev(block_tables, torch.int32),
-            seq_lens=dev(seq_lens, torch.int32),
-            query_start_loc=dev(query_start_loc, torch.int32),
-            max_query_len=int(counts.max()),
-            max_seq_len=int(seq_lens.max()),
+            slot_mapping=dev("slot_mapping", torch.int64),
+            block_tables=dev("block_tables", torch.int32),
+            seq_lens=dev("seq_lens", torch.int32),
+            query_start_loc=dev("query_start_loc", torch.int32),
+            max_query_len=int(batch["max_query_len"]),
+            max_seq_len=int(batch["seq_lens"].max()),
         )
-        return dev(input_ids, torch.int64), dev(positions, torch.int64), meta
+        hidden = self.model(dev("input_ids", torch.int64), dev("positions", torch.int64), meta)
+        last = torch.from_numpy(batch["query_start_loc"][1:][rows] - 1).to(self.device)
+        return self.model.compute_logits(hidden[last])
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
         """Run one step; return the sampled token of every request that reached its last token."""
         for src, dst in out.copy_ops:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
-        input_ids, positions, meta = self._prepare(out)
-        hidden = self.model(input_ids, positions, meta)
+        batch = self._prepare(out)
         rows = [i for i in range(len(out.requests)) if out.needs_sample(i)]
-        if not rows:
-            return {}
-        last = meta.query_start_loc[1:][torch.tensor(rows, device=self.device)].long() - 1
-        logits = self.model.compute_logits(hidden[last])
+        is_decode = batch["max_query_len"] == 1 and len(rows) == len(out.requests)
+        if self.graphs is not None and is_decode and len(rows) <= self.graphs.max_batch_size:
+            logits = self.graphs.run(
+                batch["input_ids"],
+                batch["positions"],
+                batch["slot_mapping"],
+                batch["seq_lens"],
+                batch["block_tables"],
+            )
+        else:
+            if not rows:
+                self._forward_eager(batch, [len(out.requests) - 1])  # fills the KV cache only
+                return {}
+            logits = self._forward_eager(batch, rows)
         sample_reqs = [out.requests[i] for i in rows]
         results = self.sampler(logits, sample_reqs)
         return {r.request_id: res for r, res in zip(sample_reqs, results, strict=True)}
