@@ -11,7 +11,7 @@ import datetime
 import logging
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
@@ -67,7 +67,12 @@ class Reconciler:
                 return result
             self._written[uid] = result.status
             for event in result.events:
-                kopf.event(dict(body), type=event.type, reason=event.reason, message=event.message)
+                kopf.event(
+                    kopf.Body(cast(kopf.RawBody, dict(body))),
+                    type=event.type,
+                    reason=event.reason,
+                    message=event.message,
+                )
         return result
 
     def run_by_name(self, namespace: str, name: str, uid: str) -> None:
@@ -128,4 +133,4 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler) -> None:
         def on_child(body: kopf.Body, **_: Any) -> None:
             for ref in body.metadata.get("ownerReferences") or ():
                 if ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(GROUP + "/"):
-                    reconciler.run_by_name(body.metadata.namespace, ref["name"], ref["uid"])
+                    reconciler.run_by_name(str(body.metadata.namespace), ref["name"], ref["uid"])

@@ -201,7 +201,7 @@ def _nothing_fits(request: ProfileRequest, groups: list[GpuGroup], rejected: lis
             return Decision(False, reason, rejected=tuple(rejected))
         groups = preferred
     largest = max(groups, key=lambda g: (g.num_gpus * g.memory_mib, g.memory_mib))
-    precision = request.precision
+    precision: str = request.precision
     if precision == "auto":
         precision = auto_precision(largest.compute_capability)
     able = [g for g in groups if g.compute_capability >= _MIN_CC[precision]]

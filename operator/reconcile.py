@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import kopf
 
@@ -109,7 +109,7 @@ def reconcile(body: Mapping[str, Any], kube: Kube, config: OperatorConfig, now: 
     elif not is_kept:
         desired = manifests.children(spec, decision, config) if decision.is_selected else []
         for obj in desired:
-            kopf.adopt(obj, owner=dict(body))
+            kopf.adopt(obj, owner=kopf.Body(cast(kopf.RawBody, dict(body))))
             applied = kube.apply(obj)
             if obj["kind"] == "Deployment":
                 before = owned.get("Deployment")

@@ -1,0 +1,419 @@
+"""The operator against a real control plane: the chart installed with Helm, `pagoda operator` run as a
+local process with the chart's ServiceAccount token (so a permission the chart lacks fails here), the
+examples applied on the simulated GPU catalogue (e2e/gpu_nodes.yaml), pods scheduled by the real
+scheduler onto kwok nodes, garbage collection by the real kube-controller-manager.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "charts" / "pagoda"
+EXAMPLES = ROOT / "examples"
+RELEASE, RELEASE_NS = "pagoda-e2e", "pagoda-system"
+RESYNC_SECONDS = 3
+
+
+class Operator:
+    def __init__(self, proc: subprocess.Popen, log: Path) -> None:
+        self.proc = proc
+        self.log = log
+
+    def tail(self, lines: int = 40) -> str:
+        text = self.log.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+
+def wait_for(
+    what: str, check: Callable[[], Any], timeout: float = 60.0, context: Callable[[], str] = str
+) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{context()}")
+        time.sleep(0.5)
+
+
+def helm(cluster, *args: str) -> subprocess.CompletedProcess:
+    cmd = [str(cluster.bin_dir / "helm"), "--kubeconfig", str(cluster.kubeconfig), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=cluster.env, check=True, timeout=300)
+
+
+def get(cluster, namespace: str, *what: str) -> dict | None:
+    out = cluster.kubectl("get", *what, "-n", namespace, "-o", "json", check=False)
+    return json.loads(out.stdout) if out.returncode == 0 else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def operator(cluster, tmp_path_factory) -> Iterator[Operator]:
+    helm(cluster, "install", RELEASE, str(CHART), "-n", RELEASE_NS, "--create-namespace")
+    kubeconfig = cluster.serviceaccount_kubeconfig(RELEASE_NS, RELEASE)
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    port = free_port()
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONSAFEPATH": "1"}
+    cmd = [sys.executable, "-m", "pagoda.cli", "operator", f"--resync-seconds={RESYNC_SECONDS}"]
+    cmd += [f"--liveness=http://127.0.0.1:{port}/healthz", "--drain-seconds=30"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    op = Operator(proc, log)
+    try:
+        wait_for("the operator's liveness endpoint", lambda: healthy(f"http://127.0.0.1:{port}/healthz"),
+                 context=op.tail)  # fmt: skip
+        yield op
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        helm(cluster, "uninstall", RELEASE, "-n", RELEASE_NS)
+
+
+def apply(cluster, namespace: str, obj: dict | Path) -> None:
+    text = obj.read_text() if isinstance(obj, Path) else json.dumps(obj)
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=text)
+
+
+def condition(isvc: dict | None, kind: str) -> str | None:
+    for cond in ((isvc or {}).get("status") or {}).get("conditions") or ():
+        if cond["type"] == kind:
+            return cond["status"]
+    return None
+
+
+def ready_service(cluster, namespace: str, name: str, op: Operator, timeout: float = 90.0) -> dict:
+    def check() -> dict | None:
+        isvc = get(cluster, namespace, "inferenceservice", name)
+        return isvc if condition(isvc, "Ready") == "True" else None
+
+    def context() -> str:
+        isvc = get(cluster, namespace, "inferenceservice", name)
+        pods = cluster.kubectl("get", "pods", "-n", namespace, "-o", "wide", check=False).stdout
+        status = json.dumps((isvc or {}).get("status"), indent=1)
+        return f"status: {status}\npods:\n{pods}\noperator log:\n{op.tail()}"
+
+    return wait_for(f"InferenceService {name} Ready=True", check, timeout, context)
+
+
+def running_pods(cluster, namespace: str, name: str) -> list[dict]:
+    selector = f"app.kubernetes.io/instance={name}"
+    pods = get(cluster, namespace, "pods", "-l", selector) or {"items": []}
+    return [
+        p
+        for p in pods["items"]
+        if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")
+    ]
+
+
+def server_args(deployment: dict) -> dict[str, str]:
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    return {a: b for a, b in zip(args, [*args[1:], ""], strict=True) if a.startswith("--")}
+
+
+def test_chart_lints_and_renders_into_the_api_server(cluster) -> None:
+    out = helm(cluster, "lint", "--strict", str(CHART))
+    assert "[WARNING]" not in out.stdout and "[ERROR]" not in out.stdout
+    for values in ([], ["--set", "operator.watchNamespaces={a,b}", "--set", "rbac.create=true"]):
+        rendered = helm(
+            cluster, "template", "dry", str(CHART), "-n", "default", "--include-crds", *values
+        ).stdout
+        result = cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=rendered)
+        assert "deployment.apps/dry-pagoda" in result.stdout
+
+
+INVALID = [
+    ({"replicas": 2, "autoscaling": {"maxReplicas": 3}}, "set either replicas or autoscaling, not both"),
+    (
+        {"autoscaling": {"minReplicas": 5, "maxReplicas": 3}},
+        "autoscaling.minReplicas must be less than or equal to autoscaling.maxReplicas",
+    ),
+    (
+        {"precision": "fp8", "gpuPreferences": [{"product": "H100"}, {"product": "NVIDIA-A100-SXM4-80GB"}]},
+        "precision fp8 needs compute capability 8.9 or newer",
+    ),
+    (
+        {"gpuPreferences": [{"product": "Tesla-T4", "precision": "fp8"}]},
+        "fp8 needs compute capability 8.9 or newer (Ada, Hopper, Blackwell); this GPU is older",
+    ),
+    (
+        {"model": {"name": "m", "source": {"imagePath": "/a", "hostPath": "/b"}}},
+        "give exactly one of pvc, hostPath, imagePath or uri",
+    ),
+    ({"model": {"name": "m", "source": {}}}, "give exactly one of pvc, hostPath, imagePath or uri"),
+    ({"tensorParallelSize": 3}, "tensorParallelSize must be auto, 1, 2, 4 or 8"),
+]
+
+
+@pytest.mark.parametrize(("spec", "message"), INVALID, ids=[m[:40] for _, m in INVALID])
+def test_invalid_objects_are_refused_with_their_message(cluster, namespace, spec: dict, message: str) -> None:
+    body = {
+        "apiVersion": "serving.pagoda.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "bad"},
+        "spec": {"model": {"name": "llama-3.1-8b", "source": {"imagePath": "/m"}}} | spec,
+    }
+    if not get(cluster, "default", "crd", "inferenceservices.serving.pagoda.dev"):
+        cluster.kubectl(
+            "apply", "--server-side", "-f", str(ROOT / "crds" / "serving.pagoda.dev_inferenceservices.yaml")
+        )
+        cluster.kubectl("wait", "--for=condition=Established", "crd/inferenceservices.serving.pagoda.dev")
+    out = cluster.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(body), check=False)
+    assert out.returncode != 0
+    assert message in out.stderr
+
+
+# example file -> (node, precision, TP), or None: ProfileSelected=False and no workload.
+CATALOGUE_CASES = {
+    "llama-3.1-8b.yaml": ("gpu-h200-0", "fp8", 1),
+    "llama-3.1-8b-a100.yaml": ("gpu-a100-80gb-0", "bf16", 1),
+    "llama-3.1-8b-l4.yaml": ("gpu-l4-0", "fp8", 1),
+    "llama-3.1-70b.yaml": ("gpu-h100-0", "bf16", 4),
+    "llama-3.1-70b-fp8.yaml": ("gpu-h100-0", "fp8", 2),
+    "llama-3.2-3b-t4.yaml": ("gpu-t4-0", "fp16", 1),
+    "llama-3.1-8b-t4.yaml": None,
+}
+
+
+def models_volume(cluster, namespace: str) -> str:
+    """A statically bound PV + PVC named `models` for the examples that read weights from a claim."""
+    pv = f"models-{namespace}"
+    cluster.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
+        "spec": {"capacity": {"storage": "1Ti"}, "accessModes": ["ReadOnlyMany"], "storageClassName": "",
+                 "hostPath": {"path": "/data/models"}, "persistentVolumeReclaimPolicy": "Retain",
+                 "claimRef": {"namespace": namespace, "name": "models"}},
+    }))  # fmt: skip
+    apply(cluster, namespace, {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models"},
+        "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": pv,
+                 "resources": {"requests": {"storage": "1Ti"}}},
+    })  # fmt: skip
+    return pv
+
+
+def test_examples_get_the_right_profile_on_the_gpu_catalogue(cluster, namespace, operator) -> None:
+    pv = models_volume(cluster, namespace)
+    try:
+        extra = yaml.safe_load((EXAMPLES / "llama-3.1-8b.yaml").read_text())
+        extra["metadata"]["name"] = "llama-3-1-8b-h100"
+        extra["spec"]["gpuPreferences"] = [{"product": "H100"}]
+        apply(cluster, namespace, extra)
+        for example in CATALOGUE_CASES:
+            apply(cluster, namespace, EXAMPLES / example)
+        cases = {
+            yaml.safe_load((EXAMPLES / f).read_text())["metadata"]["name"]: want
+            for f, want in CATALOGUE_CASES.items()
+        }
+        cases["llama-3-1-8b-h100"] = ("gpu-h100-0", "fp8", 1)
+        for name, want in cases.items():
+            if want is None:
+                isvc = wait_for(
+                    f"{name} ProfileSelected=False",
+                    lambda name=name: (
+                        (i := get(cluster, namespace, "inferenceservice", name))
+                        and condition(i, "ProfileSelected") == "False"
+                        and i
+                    ),
+                    context=operator.tail,
+                )
+                assert isvc["status"]["profile"]["reason"] == (
+                    "8B fp16 needs 2 x 15 GiB; largest node has 1 x 15 GiB (Tesla-T4)"
+                )
+                assert condition(isvc, "Ready") == "False"
+                assert get(cluster, namespace, "deployment", name) is None
+                continue
+            node, precision, tp = want
+            isvc = ready_service(cluster, namespace, name, operator)
+            profile = isvc["status"]["profile"]
+            assert (profile["precision"], profile["tensorParallelSize"]) == (precision, tp), profile["reason"]
+            assert node in profile["gpu"]["nodes"]
+            deployment = get(cluster, namespace, "deployment", name)
+            assert deployment is not None
+            args = server_args(deployment)
+            assert (args["--precision"], args["--tensor-parallel-size"]) == (precision, str(tp))
+            container = deployment["spec"]["template"]["spec"]["containers"][0]
+            assert container["resources"]["limits"]["nvidia.com/gpu"] == str(tp)
+            pods = running_pods(cluster, namespace, name)
+            assert pods and {p["spec"]["nodeName"] for p in pods} == {node}
+            owners = deployment["metadata"]["ownerReferences"]
+            assert [(o["kind"], o["name"]) for o in owners] == [("InferenceService", name)]
+        # The autoscaled 70B service got its HPA, on the server's queue-depth and KV metrics.
+        hpa = get(cluster, namespace, "hpa", "llama-3-1-70b")
+        assert hpa is not None
+        assert {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]} == {
+            "pagoda_requests_waiting",
+            "pagoda_kv_cache_usage_ratio",
+        }
+        printed = cluster.kubectl("get", "pis", "-n", namespace).stdout
+        assert "NVIDIA-H100-80GB-HBM3" in printed and "fp8" in printed
+    finally:
+        cluster.kubectl(
+            "delete", "pis", "--all", "-n", namespace, "--wait=true", "--timeout=60s", check=False
+        )
+        cluster.kubectl("delete", "pv", pv, "--wait=false", check=False)
+
+
+def small_service(name: str, **spec: Any) -> dict:
+    return {
+        "apiVersion": "serving.pagoda.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"name": "llama-3.1-8b", "source": {"imagePath": "/models/llama"}},
+            "gpuPreferences": [{"product": "L40S"}],
+        }
+        | spec,
+    }
+
+
+def test_scale_roll_repair_and_delete(cluster, namespace, operator) -> None:
+    apply(cluster, namespace, small_service("life", replicas=1))
+    ready_service(cluster, namespace, "life", operator)
+
+    # `kubectl scale` goes through the scale subresource.
+    cluster.kubectl("scale", "pis/life", "-n", namespace, "--replicas=2")
+    wait_for("2 pods", lambda: len(running_pods(cluster, namespace, "life")) == 2, context=operator.tail)
+    isvc = ready_service(cluster, namespace, "life", operator)
+    assert isvc["status"]["readyReplicas"] == 2
+    assert get(cluster, namespace, "deployment", "life")["spec"]["replicas"] == 2
+
+    # A spec change rolls the Deployment out to new pods.
+    before = {p["metadata"]["name"] for p in running_pods(cluster, namespace, "life")}
+    cluster.kubectl(
+        "patch", "pis/life", "-n", namespace, "--type=merge", "-p", '{"spec":{"engine":{"maxNumSeqs":64}}}'
+    )
+
+    def rolled() -> bool:
+        dep = get(cluster, namespace, "deployment", "life")
+        pods = {p["metadata"]["name"] for p in running_pods(cluster, namespace, "life")}
+        return (
+            bool(dep)
+            and server_args(dep).get("--max-num-seqs") == "64"
+            and len(pods) == 2
+            and not pods & before
+        )
+
+    wait_for("the rollout to new pods", rolled, timeout=120, context=operator.tail)
+    isvc = ready_service(cluster, namespace, "life", operator)
+    assert isvc["status"]["observedGeneration"] == isvc["metadata"]["generation"]
+
+    # A hand-deleted Service comes back; a hand-edited Deployment is put back.
+    uid = get(cluster, namespace, "service", "life")["metadata"]["uid"]
+    cluster.kubectl("delete", "service", "life", "-n", namespace)
+    wait_for(
+        "the Service to come back",
+        lambda: (s := get(cluster, namespace, "service", "life")) and s["metadata"]["uid"] != uid,
+        context=operator.tail,
+    )
+    cluster.kubectl("set", "image", "deployment/life", "server=example.invalid/other:1", "-n", namespace)
+    wait_for(
+        "the image to be put back",
+        lambda: (
+            get(cluster, namespace, "deployment", "life")["spec"]["template"]["spec"]["containers"][0][
+                "image"
+            ]
+            != "example.invalid/other:1"
+        ),
+        context=operator.tail,
+    )
+
+    # Deleting the InferenceService removes every child (kube-controller-manager's garbage collector).
+    cluster.kubectl("delete", "pis/life", "-n", namespace, "--wait=true", "--timeout=60s")
+    for kind in ("deployment", "service", "poddisruptionbudget"):
+        wait_for(
+            f"the {kind} to be collected", lambda kind=kind: get(cluster, namespace, kind, "life") is None
+        )
+
+
+def test_objects_not_ours_are_left_alone(cluster, namespace, operator) -> None:
+    cluster.kubectl("create", "service", "clusterip", "taken", "--tcp=80:80", "-n", namespace)
+    apply(cluster, namespace, small_service("taken"))
+
+    def degraded() -> dict | None:
+        isvc = get(cluster, namespace, "inferenceservice", "taken")
+        return isvc if condition(isvc, "Degraded") == "True" else None
+
+    isvc = wait_for("Degraded=True", degraded, context=operator.tail)
+    conds = {c["type"]: c for c in isvc["status"]["conditions"]}
+    assert conds["Degraded"]["reason"] == "Conflict"
+    assert "Service taken exists and is not owned" in conds["Degraded"]["message"]
+    assert get(cluster, namespace, "deployment", "taken") is None
+    svc = get(cluster, namespace, "service", "taken")
+    assert svc is not None and not svc["metadata"].get("ownerReferences")
+
+
+def test_new_gpu_node_is_picked_up_by_the_periodic_check(
+    cluster, namespace, operator, cluster_harness
+) -> None:
+    apply(
+        cluster,
+        namespace,
+        small_service("movable", gpuPreferences=[{"product": "B200"}, {"product": "L40S"}]),
+    )
+    isvc = ready_service(cluster, namespace, "movable", operator)
+    assert isvc["status"]["profile"]["gpu"]["product"] == "NVIDIA-L40S"
+    gpus = {"NVIDIA-B200": {"family": "blackwell", "compute": "10.0", "memory": "183359"}}
+    entry = {"name": "gpu-b200-e2e", "product": "NVIDIA-B200", "gpus": 8, "cpu": "224", "memory": "2Ti"}
+    node = cluster_harness.nodes.node_manifest(entry, gpus)
+    cluster.kubectl("create", "-f", "-", input=json.dumps(node))
+    try:
+        wait_for(
+            "the service to move to the new B200 node",
+            lambda: (
+                [p["spec"]["nodeName"] for p in running_pods(cluster, namespace, "movable")]
+                == ["gpu-b200-e2e"]
+            ),
+            timeout=90,
+            context=operator.tail,
+        )
+        isvc = ready_service(cluster, namespace, "movable", operator)
+        assert (isvc["status"]["profile"]["gpu"]["product"], isvc["status"]["profile"]["precision"]) == (
+            "NVIDIA-B200",
+            "fp8",
+        )
+        events = cluster.kubectl(
+            "get", "events", "-n", namespace, "--field-selector", "reason=ProfileSelected"
+        )
+        assert "NVIDIA-B200" in events.stdout
+    finally:
+        cluster.kubectl(
+            "delete", "pis", "--all", "-n", namespace, "--wait=true", "--timeout=60s", check=False
+        )
+        cluster.kubectl("delete", "node", "gpu-b200-e2e", "--wait=false", check=False)
+
+
+def test_operator_log_has_no_permission_errors(operator) -> None:
+    """RBAC denials read `... is forbidden: User "system:serviceaccount:..." cannot <verb> ...`."""
+    text = operator.log.read_text(errors="replace")
+    assert "forbidden: User" not in text, operator.tail(80)
+    assert operator.proc.poll() is None, operator.tail(80)
