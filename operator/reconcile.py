@@ -30,6 +30,7 @@ CHILD_KINDS = (
     ("autoscaling/v2", "HorizontalPodAutoscaler"),
 )
 WORKLOAD_KINDS = {"Deployment", "HorizontalPodAutoscaler"}
+_RUNNING = ("gpu", "precision", "tensorParallelSize", "kvCacheDtype")  # status.profile of a workload
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +139,9 @@ def reconcile(body: Mapping[str, Any], kube: Kube, config: OperatorConfig, now: 
         conflicts=theirs,
         is_kept=is_kept,
     )
+    if is_kept:  # what runs is still the old profile: show it, with why it could not be chosen now
+        old_profile = old_status.get("profile") or {}
+        result["profile"] = {**result["profile"], **{k: v for k, v in old_profile.items() if k in _RUNNING}}
     return Result(result, tuple(events))
 
 

@@ -156,3 +156,23 @@ def test_values_reach_the_operator() -> None:
         "app.kubernetes.io/name": "pagoda",
         "app.kubernetes.io/instance": "pagoda",
     }
+
+
+@needs_helm
+def test_adapter_rules_serve_the_hpa_metric_names() -> None:
+    from pagoda.operator import manifests
+
+    (config_map,) = [d for d in render() if d["kind"] == "ConfigMap"]
+    rules = yaml.safe_load(config_map["data"]["config.yaml"])["rules"]
+    assert {r["name"]["as"] for r in rules} == {
+        manifests.QUEUE_METRIC,
+        manifests.KV_CACHE_METRIC,
+        manifests.DCGM_METRIC,
+    }
+    dcgm = next(r for r in rules if r["name"]["as"] == manifests.DCGM_METRIC)
+    assert set(dcgm["resources"]["overrides"]) == {"exported_namespace", "exported_pod"}
+    (config_map,) = [
+        d for d in render("--set", "prometheusAdapter.dcgmExportedLabels=false") if d["kind"] == "ConfigMap"
+    ]
+    dcgm = yaml.safe_load(config_map["data"]["config.yaml"])["rules"][2]
+    assert set(dcgm["resources"]["overrides"]) == {"namespace", "pod"}

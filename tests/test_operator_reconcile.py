@@ -194,6 +194,8 @@ def test_node_set_change_reselects_and_a_lost_gpu_keeps_the_workload() -> None:
     result = run(kube, body)
     assert ("Deployment", "ns", "llm") in kube.objects
     assert conditions(result)[status_mod.DEGRADED] == ("True", "NoFittingGpu")
+    assert result.status["profile"]["selected"] is False
+    assert result.status["profile"]["gpu"]["product"] == "NVIDIA-H100-80GB-HBM3"  # what still runs
 
 
 def test_invalid_spec_is_a_status_not_a_crash() -> None:
