@@ -10,6 +10,7 @@ Results print as a Markdown table; `--output FILE` appends it with the command a
 from __future__ import annotations
 
 import argparse
+import gc
 import platform
 import random
 import shlex
@@ -68,7 +69,17 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Any]:
+@dataclass
+class Setup:
+    """What the peer needs to run on the same device, dtype and vocabulary."""
+
+    device: Any
+    dtype: Any
+    vocab_size: int
+    max_model_len: int
+
+
+def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
     from pagoda.service.llm import LLM
     from pagoda.service.sampling_params import SamplingParams
 
@@ -99,10 +110,17 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Any]:
             assert m.first_token_time is not None and m.last_token_time is not None
             decode_ms = 1000 * (m.last_token_time - m.first_token_time) / max(args.output_len - 1, 1)
         results.append(Result("pagoda", batch, seconds, batch * args.output_len, decode_ms))
-    return results, runner
+    setup = Setup(runner.device, runner.dtype, vocab, runner.max_model_len)
+    del llm, runner  # free the weights and the KV cache before the peer loads its copy
+    gc.collect()
+    if setup.device.type == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+    return results, setup
 
 
-def bench_transformers(args: argparse.Namespace, runner: Any) -> list[Result]:
+def bench_transformers(args: argparse.Namespace, runner: Setup) -> list[Result]:
     from pathlib import Path
 
     import torch
@@ -117,7 +135,7 @@ def bench_transformers(args: argparse.Namespace, runner: Any) -> list[Result]:
     else:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     model = model.to(runner.device).eval()
-    vocab = runner.model_config.vocab_size
+    vocab = runner.vocab_size
     results = []
     with torch.inference_mode():
         for batch in (1, args.num_prompts):
@@ -147,12 +165,21 @@ def bench_transformers(args: argparse.Namespace, runner: Any) -> list[Result]:
     return results
 
 
-def _device_name(runner: Any) -> str:
+def _device_name(runner: Setup) -> str:
     import torch
 
     if runner.device.type == "cuda":
         return torch.cuda.get_device_name(runner.device)
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def _command(args: argparse.Namespace) -> str:
+    words = ["pagoda", "bench", args.bench]
+    for key, value in vars(args).items():
+        if key in ("bench", "command", "_module", "output") or value is None:
+            continue
+        words += [f"--{key.replace('_', '-')}", str(value)]
+    return shlex.join(words)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -167,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     lines = [
         f"### offline: {model}, {args.input_len} in / {args.output_len} out, {runner.dtype}",
         "",
-        f"Device: {_device_name(runner)}. Command: `pagoda bench {shlex.join(sys.argv[2:])}`",
+        f"Device: {_device_name(runner)}. Command: `{_command(args)}`",
         "",
         "| system | requests | wall s | output tok/s | single-stream decode ms/token |",
         "| --- | ---: | ---: | ---: | ---: |",
@@ -181,3 +208,14 @@ def run(args: argparse.Namespace) -> int:
         with open(args.output, "a") as f:
             f.write("\n" + text)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pagoda.service.bench ...`: the same as `pagoda bench ...` (needs no other extras)."""
+    parser = argparse.ArgumentParser(prog="pagoda bench", description=HELP)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from pagoda.service.model.attention import AttentionMetadata
+from pagoda.service.model.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         device: torch.device,
         max_num_seqs: int,
         max_model_len: int,

@@ -1,0 +1,245 @@
+"""The engine on a CUDA GPU against Hugging Face transformers, on random-weight checkpoints built here.
+
+Run on a GPU machine (no network needed): `python -m pagoda.service.gpu_check --tokenizer DIR`, where
+DIR holds a `tokenizer.json` + `tokenizer_config.json` (any byte-level BPE works: the checks feed
+token ids). Three checks per checkpoint, each printed as a row of a pass/fail table:
+
+1. float32, greedy: the engine (Triton kernels, decode CUDA graphs, a mixed batch) generates the same
+   tokens as transformers `generate()` (TF32 off on both sides).
+2. CUDA graphs vs eager: the same greedy tokens with `enforce_eager=True`.
+3. bfloat16, teacher-forced: fp32 transformers scores the engine's own bf16 greedy continuation. The
+   engine's tokens must equal fp32's top-1 on at least 99% of steps, or (random models have many
+   near-ties that bf16 rounding alone flips) at least as often as bf16 transformers' own top-1 does,
+   less 2 points; the engine's log-probabilities must stay within 1.5x transformers-bf16's worst
+   distance from fp32, plus 0.05 nats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import random
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagoda.service.llm import LLM
+from pagoda.service.sampling_params import SamplingParams
+
+TOP1_AGREEMENT = 0.99
+NEW_TOKENS = 48
+
+
+def build_checkpoint(kind: str, folder: Path, tokenizer: Path, vocab: int) -> Path:
+    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
+
+    common: dict[str, Any] = dict(
+        vocab_size=vocab, max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2
+    )
+    config: Any
+    if kind == "llama-gqa4-d64-llama3rope":
+        config = LlamaConfig(  # type: ignore[call-arg]
+            **common,
+            hidden_size=512,
+            intermediate_size=1536,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 512,
+            },
+            initializer_range=0.05,
+        )
+    else:  # qwen2, head dim 128, GQA 4, q/k/v bias
+        config = Qwen2Config(  # type: ignore[call-arg]
+            **common,
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            rope_theta=1000000.0,
+            initializer_range=0.05,
+        )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(folder)
+    GenerationConfig(bos_token_id=1, eos_token_id=[2]).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer / name, folder / name)
+    return folder
+
+
+def _release(llm: LLM) -> None:
+    del llm.engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def build_llama_8b(folder: Path, tokenizer: Path) -> Path:
+    """Llama-3.1-8B's shapes with random bf16 weights, built on the GPU (for `pagoda bench offline`)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
+
+    config: Any = LlamaConfig(  # type: ignore[call-arg]
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    GenerationConfig(bos_token_id=1, eos_token_id=[2]).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer / name, folder / name)
+    return folder
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    rng = random.Random(1)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in (1, 5, 16, 17, 33, 100, 257, 600)]
+
+
+def hf_generate(model: Any, batch: list[list[int]]) -> list[list[int]]:
+    out = []
+    for p in batch:
+        ids = torch.tensor([p], device=model.device)
+        gen = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        out.append(gen[0, len(p) :].tolist())
+    return out
+
+
+def check(kind: str, folder: Path, rows: list[tuple[str, str, bool, str]], device: str = "cuda") -> None:
+    from transformers import AutoModelForCausalLM
+
+    batch = prompts(49152)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+    llm = LLM(
+        str(folder), dtype="float32", device=device, max_num_batched_tokens=512, gpu_memory_utilization=0.3
+    )
+    assert device == "cpu" or llm.engine.runner.graphs is not None, "CUDA graphs should be on"
+    ours = [o.outputs[0].token_ids for o in llm.generate(batch, params)]
+    _release(llm)
+    hf: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    hf = hf.to(device).eval()
+    with torch.inference_mode():
+        theirs = hf_generate(hf, batch)
+    same = sum(a == b for a, b in zip(ours, theirs, strict=True))
+    rows.append(
+        (kind, "fp32 greedy == transformers", same == len(batch), f"{same}/{len(batch)} prompts identical")
+    )
+
+    eager = LLM(str(folder), dtype="float32", device=device, enforce_eager=True, gpu_memory_utilization=0.3)
+    eager_out = [o.outputs[0].token_ids for o in eager.generate(batch, params)]
+    _release(eager)
+    same = sum(a == b for a, b in zip(ours, eager_out, strict=True))
+    rows.append((kind, "fp32 graphs == eager", same == len(batch), f"{same}/{len(batch)} prompts identical"))
+
+    llm = LLM(str(folder), dtype="bfloat16", device=device, gpu_memory_utilization=0.3)
+    outs = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=1))
+    _release(llm)
+    # Teacher-forced on the engine's own bf16 continuation: fp32 transformers is the truth; bf16
+    # transformers shows how far bf16 rounding alone moves top-1 choices on a random model.
+    stats = {"ours": [0, 0.0], "hf_bf16": [0, 0.0]}  # top-1 agreements with fp32, worst |dlogprob|
+    total = 0
+    with torch.inference_mode():
+        truth_model, bf16_model = hf, copy.deepcopy(hf).to(torch.bfloat16)
+        for p, o in zip(batch, outs, strict=True):
+            tokens = o.outputs[0].token_ids
+            ids = torch.tensor([p + tokens], device=device)
+            target = torch.tensor(tokens, device=device)[:, None]
+            truth = torch.log_softmax(truth_model(ids).logits[0, len(p) - 1 : -1].float(), dim=-1)
+            half = torch.log_softmax(bf16_model(ids).logits[0, len(p) - 1 : -1].float(), dim=-1)
+            top1 = truth.argmax(dim=-1)
+            truth_lp = truth.gather(1, target)[:, 0]
+            ours_lp = torch.tensor([lp.logprob for lp in o.outputs[0].logprobs or []], device=device)
+            stats["ours"][0] += int((top1 == target[:, 0]).sum())
+            stats["ours"][1] = max(stats["ours"][1], float((ours_lp - truth_lp).abs().max()))
+            stats["hf_bf16"][0] += int((top1 == half.argmax(dim=-1)).sum())
+            stats["hf_bf16"][1] = max(
+                stats["hf_bf16"][1], float((half.gather(1, target)[:, 0] - truth_lp).abs().max())
+            )
+            total += len(tokens)
+        del bf16_model
+    ours_agree, hf_agree = stats["ours"][0] / total, stats["hf_bf16"][0] / total
+    ok = (
+        ours_agree >= min(TOP1_AGREEMENT, hf_agree - 0.02)
+        and stats["ours"][1] <= 1.5 * stats["hf_bf16"][1] + 0.05
+    )
+    rows.append(
+        (
+            kind,
+            "bf16 teacher-forced vs fp32 transformers",
+            ok,
+            f"top-1 ours {ours_agree:.1%} vs transformers-bf16 {hf_agree:.1%}; "
+            f"max |dlogprob| ours {stats['ours'][1]:.3f} vs transformers-bf16 {stats['hf_bf16'][1]:.3f}",
+        )
+    )
+    del hf
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokenizer", type=Path, required=True, help="folder with tokenizer.json")
+    parser.add_argument(
+        "--build-8b", type=Path, default=None, help="only build the 8B-shaped checkpoint here"
+    )
+    parser.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
+    parser.add_argument("--only", default=None, help="run one checkpoint kind")
+    args = parser.parse_args(argv)
+    if args.build_8b is not None:
+        build_llama_8b(args.build_8b, args.tokenizer)
+        return 0
+    rows: list[tuple[str, str, bool, str]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in ("llama-gqa4-d64-llama3rope", "qwen2-gqa4-d128-bias"):
+            if args.only and kind != args.only:
+                continue
+            folder = build_checkpoint(kind, Path(tmp) / kind, args.tokenizer, 49152)
+            try:
+                check(kind, folder, rows, args.device)
+            except Exception as exc:  # report and go on with the next checkpoint
+                rows.append((kind, "crashed", False, f"{type(exc).__name__}: {exc}"))
+    where = torch.cuda.get_device_name() if args.device == "cuda" else args.device
+    print(f"Device: {where}, torch {torch.__version__}")
+    print("| checkpoint | check | result | detail |\n| --- | --- | --- | --- |")
+    for kind, name, ok, detail in rows:
+        print(f"| {kind} | {name} | {'PASS' if ok else 'FAIL'} | {detail} |")
+    return 0 if all(ok for _, _, ok, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
