@@ -19,6 +19,7 @@ from pagoda.operator.kube import Kube, KubeError
 from pagoda.operator.reconcile import Result, reconcile
 from pagoda.operator.spec import GROUP, KIND, PLURAL, VERSION, OperatorConfig
 
+RETRY_SECONDS = 10.0  # after an API error (kopf waits 60 s by default)
 MANAGED = {"app.kubernetes.io/managed-by": "pagoda-operator"}
 CHILD_RESOURCES = (
     ("", "v1", "services"),
@@ -107,19 +108,25 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler) -> None:
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
         return kopf.login_via_client(**kwargs)  # the same credentials as Kube.from_environment()
 
-    @kopf.on.create(**resource, id="reconcile-create")
+    @kopf.on.create(**resource, id="reconcile-create", backoff=RETRY_SECONDS)
     def on_create(body: kopf.Body, **_: Any) -> None:
         reconciler.run(body)
 
-    @kopf.on.update(**resource, id="reconcile-update")
+    @kopf.on.update(**resource, id="reconcile-update", backoff=RETRY_SECONDS)
     def on_update(body: kopf.Body, **_: Any) -> None:
         reconciler.run(body)
 
-    @kopf.on.resume(**resource, id="reconcile-resume")
+    @kopf.on.resume(**resource, id="reconcile-resume", backoff=RETRY_SECONDS)
     def on_resume(body: kopf.Body, **_: Any) -> None:
         reconciler.run(body)
 
-    @kopf.timer(**resource, id="resync", interval=config.resync_seconds, initial_delay=config.resync_seconds)
+    @kopf.timer(
+        **resource,
+        id="resync",
+        interval=config.resync_seconds,
+        initial_delay=config.resync_seconds,
+        backoff=min(RETRY_SECONDS, config.resync_seconds),
+    )
     def on_timer(body: kopf.Body, **_: Any) -> None:
         reconciler.run(body)
 
