@@ -192,6 +192,13 @@ def test_invalid_objects_are_refused_with_their_message(cluster, namespace, spec
     assert message in out.stderr
 
 
+def test_names_that_cannot_name_a_service_are_refused(cluster, namespace, operator) -> None:
+    body = small_service("llama-3.1-8b")
+    out = cluster.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(body), check=False)
+    assert out.returncode != 0
+    assert "metadata.name must be a DNS-1035 label" in out.stderr
+
+
 # example file -> (node, precision, TP), or None: ProfileSelected=False and no workload.
 CATALOGUE_CASES = {
     "llama-3.1-8b.yaml": ("gpu-h200-0", "fp8", 1),
