@@ -33,7 +33,8 @@ lint: setup
 test-fast: setup
 	$(VENV)/bin/pytest tests
 
-test: lint test-fast e2e
+# k8s-bin first: the chart tests of the fast tier run the cluster's helm.
+test: lint k8s-bin test-fast e2e
 
 # The control plane binaries (kube-*, kubectl, etcd, kwok, helm), built once into ~/.cache/pagoda/k8s
 # (e2e/tools/build.sh; 5-13 min cold on 2 cores, nothing once built). Skipped for an existing cluster.

@@ -33,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", default=None, help="checkpoint folder or .gguf (default: embedded SmolLM2)"
     )
     offline.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    offline.add_argument("--quantization", choices=["fp8"], default=None, help="W8A8 fp8 projections")
     offline.add_argument("--device", default="auto")
     offline.add_argument("--num-prompts", type=int, default=16)
     offline.add_argument("--input-len", type=int, default=128)
@@ -86,6 +87,7 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
     llm = LLM(
         args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         max_num_seqs=max(args.num_prompts, 1),
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -191,8 +193,9 @@ def run(args: argparse.Namespace) -> int:
     if args.peer == "transformers":
         results += bench_transformers(args, runner)
     model = args.model or "SmolLM2-135M-Instruct Q4_1 GGUF (embedded)"
+    precision = f"{runner.dtype}" + (f" + {args.quantization} projections" if args.quantization else "")
     lines = [
-        f"### offline: {model}, {args.input_len} in / {args.output_len} out, {runner.dtype}",
+        f"### offline: {model}, {args.input_len} in / {args.output_len} out, {precision}",
         "",
         f"Device: {_device_name(runner)}. Command: `{_command(args)}`",
         "",

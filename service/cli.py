@@ -18,8 +18,15 @@ from typing import Any
 HELP = "Serve a model over the OpenAI-compatible HTTP API, gRPC and Prometheus /metrics."
 
 PRECISIONS = ("auto", "bf16", "fp16", "fp32", "fp8", "int8")
-# --precision -> EngineConfig.dtype; precisions without an entry are refused (no kernels for them yet).
-PRECISION_DTYPES = {"auto": "auto", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# --precision -> (EngineConfig.dtype, EngineConfig.quantization); precisions without an entry are
+# refused (no kernels for them yet). fp8 keeps bf16 (auto) for everything but the projections.
+PRECISION_DTYPES: dict[str, tuple[str, str | None]] = {
+    "auto": ("auto", None),
+    "bf16": ("bfloat16", None),
+    "fp16": ("float16", None),
+    "fp32": ("float32", None),
+    "fp8": ("auto", "fp8"),
+}
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
 
 
@@ -75,7 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flag(
         "--precision",
         "Weight and activation precision: auto (bf16 on GPUs that have it, fp32 on the CPU), bf16, fp16, "
-        "fp32. fp8 and int8 are refused: the engine has no kernels for them yet.",
+        "fp32, or fp8 (W8A8 projections on compute capability 8.9+; emulated on the CPU). int8 is "
+        "refused: the engine has no kernels for it yet.",
         "auto",
         choices=PRECISIONS,
     )
@@ -165,7 +173,8 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
     engine = EngineConfig(
         model=args.model,
         served_model_name=args.served_model_name,
-        dtype=PRECISION_DTYPES[args.precision],  # type: ignore[arg-type]
+        dtype=PRECISION_DTYPES[args.precision][0],  # type: ignore[arg-type]
+        quantization=PRECISION_DTYPES[args.precision][1],  # type: ignore[arg-type]
         device=args.device,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
@@ -181,7 +190,7 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
 
 def check_gpu(precision: str, device: str) -> None:
     """Refuse, before loading anything, what the GPU cannot run: read through NVML, no torch import."""
-    if device == "cpu" or (precision != "bf16" and not device.startswith("cuda")):
+    if device == "cpu" or (precision not in ("bf16", "fp8") and not device.startswith("cuda")):
         return
     try:
         import pynvml
@@ -199,6 +208,12 @@ def check_gpu(precision: str, device: str) -> None:
         raise ValueError(f"--device {device}: only {num_gpus} GPU(s) visible")
     handle = pynvml.nvmlDeviceGetHandleByIndex(index)
     major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+    if precision == "fp8" and (major, minor) < (8, 9):
+        name = pynvml.nvmlDeviceGetName(handle)
+        raise ValueError(
+            f"--precision fp8 needs compute capability 8.9 (Ada, Hopper) or newer; GPU {index} ({name}) has "
+            f"{major}.{minor}: use --precision bf16 or fp16"
+        )
     if precision == "bf16" and major < 8:
         name = pynvml.nvmlDeviceGetName(handle)
         raise ValueError(

@@ -12,6 +12,11 @@ token ids). Three checks per checkpoint, each printed as a row of a pass/fail ta
    near-ties that bf16 rounding alone flips) at least as often as bf16 transformers' own top-1 does,
    less 2 points; the engine's log-probabilities must stay within 1.5x transformers-bf16's worst
    distance from fp32, plus 0.05 nats.
+4. The same with fp8 (W8A8) projections: top-1 agreement with fp32 of at least 50%. (fp8 keeps 3
+   mantissa bits; on these small random models, whose top choices are near-ties, that flips many
+   steps; the point of the row is a broken scale, which gives ~0%.)
+5. The fp8 projection on the tensor cores (`torch._scaled_mm`) against its float32 emulation on the
+   same quantized numbers: relative L2 error under 1e-2.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from pagoda.service.llm import LLM
 from pagoda.service.sampling_params import SamplingParams
 
 TOP1_AGREEMENT = 0.99
+FP8_TOP1_AGREEMENT = 0.50
 NEW_TOKENS = 48
 
 
@@ -134,36 +140,18 @@ def hf_generate(model: Any, batch: list[list[int]]) -> list[list[int]]:
     return out
 
 
-def check(kind: str, folder: Path, rows: list[tuple[str, str, bool, str]], device: str = "cuda") -> None:
-    from transformers import AutoModelForCausalLM
-
-    batch = prompts(49152)
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-
+def teacher_forced(
+    kind: str,
+    folder: Path,
+    hf: Any,
+    batch: list[list[int]],
+    quantization: str | None,
+    device: str,
+    rows: list[tuple[str, str, bool, str]],
+) -> None:
     llm = LLM(
-        str(folder), dtype="float32", device=device, max_num_batched_tokens=512, gpu_memory_utilization=0.3
+        str(folder), dtype="bfloat16", quantization=quantization, device=device, gpu_memory_utilization=0.3
     )
-    assert device == "cpu" or llm.engine.runner.graphs is not None, "CUDA graphs should be on"
-    ours = [o.outputs[0].token_ids for o in llm.generate(batch, params)]
-    _release(llm)
-    hf: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    hf = hf.to(device).eval()
-    with torch.inference_mode():
-        theirs = hf_generate(hf, batch)
-    same = sum(a == b for a, b in zip(ours, theirs, strict=True))
-    rows.append(
-        (kind, "fp32 greedy == transformers", same == len(batch), f"{same}/{len(batch)} prompts identical")
-    )
-
-    eager = LLM(str(folder), dtype="float32", device=device, enforce_eager=True, gpu_memory_utilization=0.3)
-    eager_out = [o.outputs[0].token_ids for o in eager.generate(batch, params)]
-    _release(eager)
-    same = sum(a == b for a, b in zip(ours, eager_out, strict=True))
-    rows.append((kind, "fp32 graphs == eager", same == len(batch), f"{same}/{len(batch)} prompts identical"))
-
-    llm = LLM(str(folder), dtype="bfloat16", device=device, gpu_memory_utilization=0.3)
     outs = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=1))
     _release(llm)
     # Teacher-forced on the engine's own bf16 continuation: fp32 transformers is the truth; bf16
@@ -197,16 +185,62 @@ def check(kind: str, folder: Path, rows: list[tuple[str, str, bool, str]], devic
     rows.append(
         (
             kind,
-            "bf16 teacher-forced vs fp32 transformers",
+            f"{quantization or 'bf16'} teacher-forced vs fp32 transformers",
             ok,
             f"top-1 ours {ours_agree:.1%} vs transformers-bf16 {hf_agree:.1%}; "
             f"max |dlogprob| ours {stats['ours'][1]:.3f} vs transformers-bf16 {stats['hf_bf16'][1]:.3f}",
         )
     )
+
+
+def check(kind: str, folder: Path, rows: list[tuple[str, str, bool, str]], device: str = "cuda") -> None:
+    from transformers import AutoModelForCausalLM
+
+    batch = prompts(49152)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+    llm = LLM(
+        str(folder), dtype="float32", device=device, max_num_batched_tokens=512, gpu_memory_utilization=0.3
+    )
+    assert device == "cpu" or llm.engine.runner.graphs is not None, "CUDA graphs should be on"
+    ours = [o.outputs[0].token_ids for o in llm.generate(batch, params)]
+    _release(llm)
+    hf: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    hf = hf.to(device).eval()
+    with torch.inference_mode():
+        theirs = hf_generate(hf, batch)
+    same = sum(a == b for a, b in zip(ours, theirs, strict=True))
+    rows.append(
+        (kind, "fp32 greedy == transformers", same == len(batch), f"{same}/{len(batch)} prompts identical")
+    )
+
+    eager = LLM(str(folder), dtype="float32", device=device, enforce_eager=True, gpu_memory_utilization=0.3)
+    eager_out = [o.outputs[0].token_ids for o in eager.generate(batch, params)]
+    _release(eager)
+    same = sum(a == b for a, b in zip(ours, eager_out, strict=True))
+    rows.append((kind, "fp32 graphs == eager", same == len(batch), f"{same}/{len(batch)} prompts identical"))
+
+    for quantization in (None, "fp8"):
+        teacher_forced(kind, folder, hf, batch, quantization, device, rows)
     del hf
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def fp8_layer_check() -> tuple[str, str, bool, str]:
+    from pagoda.service.model.fp8 import Fp8Linear
+
+    torch.manual_seed(0)
+    layer = Fp8Linear(torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.02, None)
+    x = torch.randn(37, 4096, device="cuda", dtype=torch.bfloat16)
+    fast = layer(x).float()
+    layer.use_scaled_mm = False
+    emulated = layer(x).float()
+    err = float((fast - emulated).norm() / emulated.norm())
+    return ("Fp8Linear 37x4096x4096", "_scaled_mm == float32 emulation", err < 1e-2, f"relative L2 {err:.2e}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -233,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
                 check(kind, folder, rows, args.device)
             except Exception as exc:  # report and go on with the next checkpoint
                 rows.append((kind, "crashed", False, f"{type(exc).__name__}: {exc}"))
+    if args.device == "cuda":
+        rows.append(fp8_layer_check())
     where = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     print(f"Device: {where}, torch {torch.__version__}")
     print("| checkpoint | check | result | detail |\n| --- | --- | --- | --- |")

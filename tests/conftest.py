@@ -234,3 +234,15 @@ class PagedRunner:
 def paged_runner() -> type[PagedRunner]:
     """`paged_runner(model)`: runs flattened batches of `{seq_id: new tokens}` over a fresh paged KV cache."""
     return PagedRunner
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Under CI a skipped test fails the run: CI installs and builds everything the tests need."""
+    import os
+
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = len(reporter.stats.get("skipped", [])) if reporter is not None else 0
+    if os.environ.get("CI") and skipped and exitstatus == 0:
+        session.exitstatus = 1
+        if reporter is not None:
+            reporter.write_line(f"CI: {skipped} test(s) skipped; everything must run here", red=True)

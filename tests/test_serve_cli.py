@@ -72,7 +72,6 @@ def test_environment_sets_flags_and_command_line_wins(monkeypatch: pytest.Monkey
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--precision", "fp8"], "fp8 is not supported"),
         (["--precision", "int8"], "int8 is not supported"),
         (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2 is not supported"),
         (["--model", "/no/such/model"], "no such checkpoint"),
@@ -86,14 +85,16 @@ def test_refuses_what_the_engine_cannot_run(argv: list[str], message: str) -> No
 
 
 def test_cuda_device_without_gpu_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    pynvml = pytest.importorskip("pynvml")
+    import pynvml  # nvidia-ml-py, a server dependency
+
     monkeypatch.setattr(pynvml, "nvmlInit", lambda: (_ for _ in ()).throw(pynvml.NVMLError(1)))
     with pytest.raises(ValueError, match="no NVIDIA GPU found"):
         serve_cli.build_configs(parse("--device", "cuda"))
 
 
 def test_bf16_refused_on_a_gpu_older_than_ampere(monkeypatch: pytest.MonkeyPatch) -> None:
-    pynvml = pytest.importorskip("pynvml")
+    import pynvml  # nvidia-ml-py, a server dependency
+
     monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
     monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 1)
     monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda i: i)
@@ -103,9 +104,26 @@ def test_bf16_refused_on_a_gpu_older_than_ampere(monkeypatch: pytest.MonkeyPatch
         serve_cli.build_configs(parse("--precision", "bf16", "--device", "cuda"))
 
 
+def test_fp8_maps_to_quantized_projections() -> None:
+    _, engine = serve_cli.build_configs(parse("--precision", "fp8", "--device", "cpu"))
+    assert engine.quantization == "fp8" and engine.dtype == "auto"
+
+
+def test_fp8_refused_on_a_gpu_older_than_ada(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pynvml  # nvidia-ml-py, a server dependency
+
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 1)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda i: i)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCudaComputeCapability", lambda h: (8, 0))
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetName", lambda h: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ValueError, match=r"fp8 needs compute capability 8.9.*A100.*8.0"):
+        serve_cli.build_configs(parse("--precision", "fp8", "--device", "cuda"))
+
+
 def test_refusal_exits_2_with_the_reason() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "pagoda.cli", "serve", "--precision", "fp8"], capture_output=True, text=True
+        [sys.executable, "-m", "pagoda.cli", "serve", "--precision", "int8"], capture_output=True, text=True
     )
     assert result.returncode == 2
-    assert "fp8 is not supported" in result.stderr
+    assert "int8 is not supported" in result.stderr

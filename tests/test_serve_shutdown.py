@@ -132,7 +132,7 @@ def test_queue_limit_answers_503_with_retry_after_and_recovers(llama_ckpt: Path,
         assert f'pagoda_request_errors_total{{error="queue_full"}} {float(statuses.count(503))}' in metrics
 
 
-@pytest.mark.parametrize("flag", ["--tensor-parallel-size=2", "--precision=fp8"])
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size=2", "--precision=int8"])
 def test_unrunnable_profile_exits_2_before_loading(llama_ckpt: Path, tmp_path: Path, flag: str) -> None:
     server = _server(llama_ckpt, tmp_path, flag)
     with pytest.raises(RuntimeError, match="exited with 2"):

@@ -13,6 +13,7 @@ class EngineConfig:
     model: str | None = None  # checkpoint folder or .gguf file; None: the embedded SmolLM2-135M-Instruct
     served_model_name: str | None = None
     dtype: Dtype = "auto"  # auto: bf16 on GPUs that have it, else the checkpoint's; float32 on the CPU
+    quantization: Literal["fp8"] | None = None  # fp8: W8A8 decoder projections (dtype stays for the rest)
     device: str = "auto"  # auto: cuda if available, else cpu
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 256

@@ -15,6 +15,7 @@ from pagoda.service.engine.sampler import Sampler, SampleResult
 from pagoda.service.engine.scheduler import SchedulerOutput
 from pagoda.service.model import load_model
 from pagoda.service.model.attention import AttentionMetadata
+from pagoda.service.model.fp8 import quantize_model_fp8, supports_fp8_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,15 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
-        self.model, self.model_config = load_model(model_path, dtype=self.dtype, device=self.device)
+        if config.quantization == "fp8":
+            # Load in the model dtype on the CPU, quantize layer by layer onto the device: the device
+            # never holds more than one layer in 16 bits.
+            self.model, self.model_config = load_model(model_path, dtype=self.dtype, device="cpu")
+            count = quantize_model_fp8(self.model, self.device)
+            path = "torch._scaled_mm" if supports_fp8_matmul(self.device) else "float32 emulation"
+            logger.info("fp8: %d projections quantized (W8A8, per-row and per-token scales, %s)", count, path)
+        else:
+            self.model, self.model_config = load_model(model_path, dtype=self.dtype, device=self.device)
         mc = self.model_config
         self.kv = self._kv_cache_layout()
         self.kv_cache = torch.empty(
@@ -75,6 +84,8 @@ class ModelRunner:
         self.max_model_len = self._max_model_len()
         self.sampler = Sampler(mc.vocab_size, eos_token_ids)
         self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda":
+            self._warm_up()
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = DecodeGraphs(
                 self.model, self.device, config.max_num_seqs, self.max_model_len, config.block_size
@@ -156,6 +167,30 @@ class ModelRunner:
             "query_start_loc": query_start_loc,
             "max_query_len": counts.max(),
         }
+
+    def _warm_up(self) -> None:
+        """Compile the prefill kernels before the first request: on a slow host a Triton compile takes
+        about a second, which would land in some user's time to first token. Writes no KV (slot -1)."""
+        budget = min(self.config.max_num_batched_tokens, self.max_model_len)
+        for query_lens in ([budget], [max(budget // 4, 1)] * 4, [1, 1, min(17, budget)]):
+            lens = np.asarray(query_lens, dtype=np.int64)
+            starts = np.zeros(len(lens) + 1, dtype=np.int64)
+            np.cumsum(lens, out=starts[1:])
+            total = int(starts[-1])
+            batch = {
+                "input_ids": np.zeros(total, dtype=np.int64),
+                "positions": np.concatenate([np.arange(n) for n in lens]),
+                "slot_mapping": np.full(total, -1, dtype=np.int64),
+                "block_tables": np.zeros(
+                    (len(lens), -(-int(lens.max()) // self.kv.block_size)), dtype=np.int32
+                ),
+                "seq_lens": lens,
+                "query_start_loc": starts,
+                "max_query_len": lens.max(),
+            }
+            with torch.inference_mode():
+                self._forward_eager(batch, list(range(len(lens))))
+        torch.cuda.synchronize(self.device)
 
     def _forward_eager(self, batch: dict[str, np.ndarray], rows: list[int]) -> torch.Tensor:
         def dev(name: str, dtype: torch.dtype) -> torch.Tensor:
