@@ -101,8 +101,9 @@ def auto_precision(cc: tuple[int, int]) -> str:
 
 
 def kv_cache_dtype(precision: str, cc: tuple[int, int]) -> str:
+    # `pagoda serve --precision fp8` quantizes the projections only; its KV cache stays 16-bit.
     if precision == "fp8":
-        return "fp8"
+        return "bf16"
     return "bf16" if precision == "bf16" or (precision == "int8" and cc >= (8, 0)) else "fp16"
 
 

@@ -228,7 +228,9 @@ def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["--compute-capability", "8.9", "--memory-mib", "24564", "--output", "json"]
     rc = main(["profile", "--model", "x", "--parameters", "7B", "--gpu", "RTX-9999", *args])
     assert rc == 0
-    assert json.loads(capsys.readouterr().out)["precision"] == "fp8"
+    decision = json.loads(capsys.readouterr().out)
+    # The server's fp8 quantizes the projections only: its KV cache stays 16-bit, and is sized so.
+    assert decision["precision"] == "fp8" and decision["kvCacheDtype"] == "bf16"
 
 
 def test_nothing_fits_explains_the_preferred_gpus() -> None:
