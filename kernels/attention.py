@@ -67,11 +67,12 @@ def _decode_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq]
     seq_lens_ptr,  # [num_seqs]
     query_start_loc_ptr,  # [num_seqs + 1]
-    out_ptr,  # [num_tokens, num_heads, head_dim], written here when NUM_SPLITS == 1
-    part_out_ptr,  # [num_seqs, num_heads, NUM_SPLITS, head_dim] float32, each split's acc / l
-    part_lse_ptr,  # [num_seqs, num_heads, NUM_SPLITS] float32, each split's m + log2(l)
+    out_ptr,  # [num_tokens, num_heads, head_dim], written here when num_splits == 1
+    part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] float32, each split's acc / l
+    part_lse_ptr,  # [num_seqs, num_heads, num_splits] float32, each split's m + log2(l)
     scale_log2,
     partition_size,  # context tokens per split, a multiple of TILE_N
+    num_splits,  # a runtime value, not a constexpr: one compiled kernel serves every split count
     stride_qt,
     stride_qh,
     stride_kb,
@@ -88,7 +89,6 @@ def _decode_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -135,12 +135,12 @@ def _decode_kernel(
         m_i = m_new
 
     out = acc / l_i[:, None]
-    if NUM_SPLITS == 1:
+    if num_splits == 1:
         o_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
         num_heads = GROUP * tl.num_programs(1)
-        part = (seq.to(tl.int64) * num_heads + heads) * NUM_SPLITS + split  # [BLOCK_M]
+        part = (seq.to(tl.int64) * num_heads + heads) * num_splits + split  # [BLOCK_M]
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=row_ok[:, None])
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=row_ok)
 
@@ -148,16 +148,16 @@ def _decode_kernel(
 @triton.jit
 def _reduce_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
-    part_out_ptr,  # [num_seqs, num_heads, NUM_SPLITS, head_dim] float32
-    part_lse_ptr,  # [num_seqs, num_heads, NUM_SPLITS] float32
+    part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] float32
+    part_lse_ptr,  # [num_seqs, num_heads, num_splits] float32
     seq_lens_ptr,  # [num_seqs]
     query_start_loc_ptr,  # [num_seqs + 1]
     partition_size,
+    num_splits,
     stride_ot,
     stride_oh,
     HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,  # num_splits rounded up to a power of two
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -167,9 +167,9 @@ def _reduce_kernel(
         return
     num_used = tl.cdiv(tl.load(seq_lens_ptr + seq), partition_size)
     splits = tl.arange(0, SPLITS_PAD)
-    split_ok = splits < tl.minimum(num_used, NUM_SPLITS)
+    split_ok = splits < tl.minimum(num_used, num_splits)
     dims = tl.arange(0, HEAD_DIM)
-    part = (seq.to(tl.int64) * tl.num_programs(1) + head) * NUM_SPLITS + splits
+    part = (seq.to(tl.int64) * tl.num_programs(1) + head) * num_splits + splits
     lse = tl.load(part_lse_ptr + part, mask=split_ok, other=float("-inf"))
     weight = tl.where(split_ok, tl.exp2(lse - tl.max(lse, 0)), 0.0)
     parts = tl.load(
@@ -471,15 +471,16 @@ def paged_attention(
         part_out = part_lse = out  # unused
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse,
-        scale_log2, partition, *strides, out.stride(0), out.stride(1),
+        scale_log2, partition, num_splits, *strides, out.stride(0), out.stride(1),
         GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, TILE_N=dcfg.tile_n, NUM_SPLITS=num_splits, DOT_PRECISION=precision,
+        BLOCK_SIZE=block_size, TILE_N=dcfg.tile_n, DOT_PRECISION=precision,
         num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
-            out, part_out, part_lse, seq_lens, query_start_loc, partition, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            out, part_out, part_lse, seq_lens, query_start_loc, partition, num_splits,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits),
         )  # fmt: skip
 
     if max_query_len > 1:
