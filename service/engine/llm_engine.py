@@ -7,10 +7,9 @@ detokenized text; text that might be the start of a stop string is held back unt
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pagoda.service.engine.block_manager import BlockManager
 from pagoda.service.engine.config import EngineConfig
@@ -61,8 +60,6 @@ class _ClientRequest:
     params: SamplingParams
     completions: list[_Completion]
     metrics: RequestMetrics
-    delivered_final: bool = False
-    touched: bool = field(default=False)  # changed this step
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -90,7 +87,6 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self._requests: dict[str, _ClientRequest] = {}
         self._seq_owner: dict[str, _ClientRequest] = {}
-        self._ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
 
@@ -190,17 +186,12 @@ class LLMEngine:
         sampled = self.runner.execute(out)
         grew = self.scheduler.update(out, {k: v.token_id for k, v in sampled.items()})
         now = time.monotonic()
-        touched: list[_ClientRequest] = []
+        touched: dict[str, _ClientRequest] = {}  # in batch order
         for seq in grew:
             client = self._seq_owner[seq.request_id]
             self._process_token(client, client.completions[seq.index], sampled[seq.request_id], now)
-            if not client.touched:
-                client.touched = True
-                touched.append(client)
-        results = []
-        for client in touched:
-            client.touched = False
-            results.append(self._make_output(client, now))
+            touched[client.request_id] = client
+        results = [self._make_output(client, now) for client in touched.values()]
         return results
 
     def _process_token(
