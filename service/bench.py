@@ -52,6 +52,7 @@ class Result:
     seconds: float
     output_tokens: int
     decode_ms_per_token: float | None = None
+    ttft_ms: float | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -106,12 +107,13 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
         outs = llm.generate(prompts, params)
         _sync(runner.device)
         seconds = time.perf_counter() - start
-        decode_ms = None
+        decode_ms = ttft_ms = None
         if batch == 1:
             m = outs[0].metrics
             assert m.first_token_time is not None and m.last_token_time is not None
             decode_ms = 1000 * (m.last_token_time - m.first_token_time) / max(args.output_len - 1, 1)
-        results.append(Result("pagoda", batch, seconds, batch * args.output_len, decode_ms))
+            ttft_ms = 1000 * (m.first_token_time - m.arrival_time)
+        results.append(Result("pagoda", batch, seconds, batch * args.output_len, decode_ms, ttft_ms))
     setup = Setup(runner.device, runner.dtype, vocab, runner.max_model_len)
     del llm, runner  # free the weights and the KV cache before the peer loads its copy
     gc.collect()
@@ -153,7 +155,7 @@ def bench_transformers(args: argparse.Namespace, runner: Setup) -> list[Result]:
             model.generate(ids, max_new_tokens=args.output_len, min_new_tokens=args.output_len, **gen)
             _sync(runner.device)
             seconds = time.perf_counter() - start
-            decode_ms = None
+            decode_ms = ttft_ms = None
             if batch == 1:
                 _sync(runner.device)
                 t0 = time.perf_counter()
@@ -161,8 +163,9 @@ def bench_transformers(args: argparse.Namespace, runner: Setup) -> list[Result]:
                 _sync(runner.device)
                 prefill = time.perf_counter() - t0
                 decode_ms = 1000 * (seconds - prefill) / max(args.output_len - 1, 1)
+                ttft_ms = 1000 * prefill
             results.append(
-                Result("transformers generate()", batch, seconds, batch * args.output_len, decode_ms)
+                Result("transformers generate()", batch, seconds, batch * args.output_len, decode_ms, ttft_ms)
             )
     return results
 
@@ -199,12 +202,16 @@ def run(args: argparse.Namespace) -> int:
         "",
         f"Device: {_device_name(runner)}. Command: `{_command(args)}`",
         "",
-        "| system | requests | wall s | output tok/s | single-stream decode ms/token |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| system | requests | wall s | output tok/s | single-stream TTFT ms "
+        "| single-stream decode ms/token |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         decode = f"{r.decode_ms_per_token:.1f}" if r.decode_ms_per_token is not None else ""
-        lines.append(f"| {r.system} | {r.batch} | {r.seconds:.2f} | {r.tokens_per_second:.1f} | {decode} |")
+        ttft = f"{r.ttft_ms:.0f}" if r.ttft_ms is not None else ""
+        lines.append(
+            f"| {r.system} | {r.batch} | {r.seconds:.2f} | {r.tokens_per_second:.1f} | {ttft} | {decode} |"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     if args.output:

@@ -172,7 +172,10 @@ class ModelRunner:
         """Compile the prefill kernels before the first request: on a slow host a Triton compile takes
         about a second, which would land in some user's time to first token. Writes no KV (slot -1)."""
         budget = min(self.config.max_num_batched_tokens, self.max_model_len)
-        for query_lens in ([budget], [max(budget // 4, 1)] * 4, [1, 1, min(17, budget)]):
+        # Single prompts of 16, 32, ... tokens too: cuBLAS picks its GEMM kernels by shape, and loading
+        # each kernel's module the first time costs ~0.1 s on the GPU machine's host (CUDA lazy loading).
+        singles = [[n] for n in (2**i for i in range(4, 16)) if n < budget]
+        for query_lens in ([budget], *singles, [max(budget // 4, 1)] * 4, [1, 1, min(17, budget)]):
             lens = np.asarray(query_lens, dtype=np.int64)
             starts = np.zeros(len(lens) + 1, dtype=np.int64)
             np.cumsum(lens, out=starts[1:])
