@@ -73,6 +73,11 @@ def paged_attention(
         token_idx = query_start_loc[rows].long()
         positions = torch.arange(num_ctx, device=q.device).view(1, 1, 1, -1)
         mask = positions < seq_lens[rows].view(-1, 1, 1, 1)  # [B, 1, 1, T]
+        # Rows shorter than the longest read slots nobody wrote: zero them, or a NaN bit pattern left
+        # there would survive as 0 * NaN in the weighted sum although its weight is 0.
+        valid = mask.view(len(decode_rows), num_ctx, 1, 1)
+        k = k.masked_fill(~valid, 0.0)
+        v = v.masked_fill(~valid, 0.0)
         o = F.scaled_dot_product_attention(
             q[token_idx].unsqueeze(2).float(),  # [B, H, 1, D]
             k.transpose(1, 2).float(),
