@@ -131,6 +131,25 @@ def test_queue_limit_answers_503_with_retry_after_and_recovers(llama_ckpt: Path,
         metrics = httpx.get(f"{server.base_url}/metrics").text
         assert f'pagoda_request_errors_total{{error="queue_full"}} {float(statuses.count(503))}' in metrics
 
+        # The same limit over gRPC answers RESOURCE_EXHAUSTED.
+        async def grpc_burst() -> list[grpc.StatusCode]:
+            sampling = pb.SamplingParameters(max_new_tokens=80, ignore_eos=True)
+            async with grpc.aio.insecure_channel(server.grpc_target) as channel:
+                stub = pb_grpc.InferenceStub(channel)
+
+                async def one() -> grpc.StatusCode:
+                    try:
+                        async for _ in stub.Generate(pb.GenerateRequest(text="Queue me", sampling=sampling)):
+                            pass
+                    except grpc.aio.AioRpcError as error:
+                        return error.code()
+                    return grpc.StatusCode.OK
+
+                return await asyncio.gather(*(one() for _ in range(10)))
+
+        codes = asyncio.run(grpc_burst())
+        assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+
 
 @pytest.mark.parametrize("flag", ["--tensor-parallel-size=2", "--precision=int8"])
 def test_unrunnable_profile_exits_2_before_loading(llama_ckpt: Path, tmp_path: Path, flag: str) -> None:
