@@ -65,3 +65,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     prompt: str | None = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
+    # precedes it); complete from the first output that carries a generated token.
+    prompt_logprobs: list[Logprob | None] | None = None

@@ -105,18 +105,11 @@ def test_prefix_cache_computes_only_new_tokens(llama_ckpt: Path) -> None:
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
     def run(rid: str, prompt: list[int]) -> tuple[list[int], int]:
-        computed = 0
+        before = engine.computed_tokens_total
         engine.add_request(rid, prompt, params)
         while engine.has_unfinished:
-            out = engine.scheduler.schedule()
-            computed += out.total_num_tokens
-            sampled = engine.runner.execute(out)
-            for seq in engine.scheduler.update(out, {k: v.token_id for k, v in sampled.items()}):
-                client = engine._seq_owner[seq.request_id]
-                engine._process_token(client, client.completions[seq.index], sampled[seq.request_id], 0.0)
-                if client.completions[0].finish_reason:
-                    result = engine._make_output(client, 0.0)
-        return result.outputs[0].token_ids, computed
+            outs = engine.step()
+        return outs[-1].outputs[0].token_ids, engine.computed_tokens_total - before
 
     run("first", [*shared, 5, 6, 7])
     hits_before = engine.block_manager.prefix_hits_tokens
@@ -167,3 +160,33 @@ def test_prompt_over_context_refused_with_numbers(llama_ckpt: Path) -> None:
     ):
         engine.add_request("long", list(range(3, 83)), SamplingParams(max_tokens=1))
     assert not engine.scheduler.has_unfinished
+
+
+def test_prompt_logprobs_match_transformers_across_chunks(llama_ckpt: Path) -> None:
+    """Scored in chunks of 16 (chunked prefill), with a cached copy of the prompt already in the
+    prefix cache (which such requests must not use), and with n = 2 sharing the prompt."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = random_prompts([45], seed=5)[0]
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(llama_ckpt), dtype="float32", max_num_batched_tokens=16, kv_cache_memory_bytes=8 << 20
+        )
+    )
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, n=2, prompt_logprobs=3)
+    for rid, p in (("warm", SamplingParams(max_tokens=1)), ("scored", params)):
+        engine.add_request(rid, prompt, p)
+        while engine.has_unfinished:
+            outs = engine.step()
+    scored = outs[-1].prompt_logprobs
+    assert scored is not None and len(scored) == len(prompt) and scored[0] is None
+
+    model = AutoModelForCausalLM.from_pretrained(llama_ckpt, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(model(torch.tensor([prompt])).logits[0, :-1], dim=-1)
+    expected = logprobs.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    got = torch.tensor([lp.logprob for lp in scored[1:] if lp is not None])
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    for lp, row in zip(scored[1:], logprobs, strict=True):
+        assert lp is not None and [t.token_id for t in lp.top] == row.topk(3).indices.tolist()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -112,6 +112,34 @@ def test_completions_prompt_forms_and_echo(client: openai.OpenAI) -> None:
     assert echoed.choices[0].text == "Hello" + plain.choices[0].text
 
 
+def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI, llama_ckpt: Path) -> None:
+    """What evaluation harnesses send to score a text: echo + logprobs; checked against transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokens = [1, 520, 1741, 282, 3065, 77, 9000]
+    reply = client.completions.create(
+        model=MODEL, prompt=tokens, max_tokens=1, temperature=0, echo=True, logprobs=2
+    )
+    scored = reply.choices[0].logprobs
+    assert scored is not None and scored.token_logprobs is not None and scored.top_logprobs is not None
+    assert len(scored.token_logprobs) == len(tokens) + 1
+    assert scored.token_logprobs[0] is None and scored.top_logprobs[0] is None
+    model = AutoModelForCausalLM.from_pretrained(llama_ckpt, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = torch.log_softmax(model(torch.tensor([tokens])).logits[0, :-1], -1)
+    expected = expected.gather(1, torch.tensor(tokens[1:])[:, None])[:, 0].tolist()
+    assert scored.token_logprobs[1 : len(tokens)] == pytest.approx(expected, abs=1e-4)
+    assert all(len(top) == 2 for top in scored.top_logprobs[1:])
+
+    streamed = client.completions.create(
+        model=MODEL, prompt=tokens, max_tokens=1, temperature=0, echo=True, logprobs=2, stream=True
+    )
+    first = next(iter(streamed)).choices[0].logprobs
+    assert first is not None and first.token_logprobs is not None
+    assert first.token_logprobs[1 : len(tokens)] == pytest.approx(expected, abs=1e-4)
+
+
 def test_n2_and_seed_reproducibility(client: openai.OpenAI) -> None:
     kwargs = dict(max_tokens=8, temperature=1.0, n=2, seed=1234, extra_body=EXACT)
     first, again = chat(client, **kwargs), chat(client, **kwargs)

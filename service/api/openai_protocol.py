@@ -130,9 +130,10 @@ class CompletionRequest(_Request):
     logprobs: int | None = None
 
     def sampling_params(self) -> SamplingParams:
+        params = self._sampling_params(self.max_tokens, self.logprobs)
         if self.echo and self.logprobs is not None:
-            raise InvalidRequestError("echo together with logprobs is not supported", "echo")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+            params.prompt_logprobs = self.logprobs  # the echoed prompt comes with its scores
+        return params
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) as a list: strings, or token-id lists."""

@@ -69,6 +69,31 @@ def _completion_logprobs(logprobs: list[Logprob] | None, text_offset: int) -> di
     }
 
 
+def _prompt_logprobs(out: RequestOutput, tokenizer: Any) -> dict[str, Any] | None:
+    """The echoed prompt's part of a completion's `logprobs` (None for its first token)."""
+    if out.prompt_logprobs is None:
+        return None
+    tokens = [tokenizer.id_to_token(t) for t in out.prompt_token_ids]
+    offsets, offset = [], 0
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None if lp is None else lp.logprob for lp in out.prompt_logprobs],
+        "top_logprobs": [
+            None if lp is None else {t.token: t.logprob for t in lp.top} for lp in out.prompt_logprobs
+        ],
+        "text_offset": offsets,
+    }
+
+
+def _join_logprobs(head: dict[str, Any] | None, tail: dict[str, Any] | None) -> dict[str, Any] | None:
+    if head is None or tail is None:
+        return head or tail
+    return {key: head[key] + tail[key] for key in head}
+
+
 class OpenAIServing:
     def __init__(self, client: EngineClient) -> None:
         self.client = client
@@ -224,7 +249,10 @@ class OpenAIServing:
                     {
                         "index": p * n + c.index,
                         "text": echoes[p] + c.text,
-                        "logprobs": _completion_logprobs(c.logprobs, len(echoes[p])),
+                        "logprobs": _join_logprobs(
+                            _prompt_logprobs(final, self.client.tokenizer) if request.echo else None,
+                            _completion_logprobs(c.logprobs, len(echoes[p])),
+                        ),
                         "finish_reason": c.finish_reason,
                         "stop_reason": c.stop_reason,
                     }
@@ -283,6 +311,8 @@ class OpenAIServing:
                         done.add(key)
                     if prefix or c.text_delta or c.logprobs_delta or finish is not None:
                         logprobs = _completion_logprobs(c.logprobs_delta, offsets[key] + len(prefix))
+                        if prefix:
+                            logprobs = _join_logprobs(_prompt_logprobs(out, self.client.tokenizer), logprobs)
                         offsets[key] += len(prefix) + len(c.text_delta)
                         yield chunk(p * n + c.index, prefix + c.text_delta, logprobs, finish)
             if include_usage:

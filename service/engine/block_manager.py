@@ -59,8 +59,8 @@ class BlockManager:
     def _cached_prefix(self, req: Request) -> list[int]:
         """Block ids that already hold a prefix of `req`'s tokens. At least one token is left to
         compute, since the last one's logits are needed."""
-        if not self.enable_prefix_caching or req.block_ids:
-            return []
+        if not self.enable_prefix_caching or req.block_ids or req.params.prompt_logprobs is not None:
+            return []  # (prompt log-probabilities need every prompt position computed)
         bs = self.block_size
         hits: list[int] = []
         for i, block_hash in enumerate(self._hashes(req, (req.num_tokens - 1) // bs)):

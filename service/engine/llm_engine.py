@@ -60,6 +60,7 @@ class _ClientRequest:
     params: SamplingParams
     completions: list[_Completion]
     metrics: RequestMetrics
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 def _held_back(text: str, stops: list[str]) -> int:
@@ -89,6 +90,7 @@ class LLMEngine:
         self._seq_owner: dict[str, _ClientRequest] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.computed_tokens_total = 0  # tokens run through the model (prefix-cache hits are not)
 
     # ---- admission -----------------------------------------------------------------------------
 
@@ -149,6 +151,8 @@ class LLMEngine:
         if params.logprobs is not None:
             for c in client.completions:
                 c.logprobs = []
+        if params.prompt_logprobs is not None:
+            client.prompt_logprobs = [None]
         self._requests[request_id] = client
         for s in seqs:
             self._seq_owner[s.request_id] = client
@@ -183,7 +187,11 @@ class LLMEngine:
             client = self._seq_owner[req.request_id]
             if client.metrics.scheduled_time is None:
                 client.metrics.scheduled_time = now
-        sampled = self.runner.execute(out)
+        self.computed_tokens_total += out.total_num_tokens
+        step = self.runner.execute(out)
+        sampled = step.sampled
+        for request_id, (position, scores) in step.prompt_logprobs.items():
+            self._add_prompt_logprobs(self._seq_owner[request_id], position, scores)
         grew = self.scheduler.update(out, {k: v.token_id for k, v in sampled.items()})
         now = time.monotonic()
         touched: dict[str, _ClientRequest] = {}  # in batch order
@@ -193,6 +201,18 @@ class LLMEngine:
             touched[client.request_id] = client
         results = [self._make_output(client, now) for client in touched.values()]
         return results
+
+    def _logprob(self, sample: SampleResult) -> Logprob:
+        top = [TokenLogprob(t, self.tokenizer.id_to_token(t), lp) for t, lp in sample.top or []]
+        return Logprob(
+            sample.token_id, self.tokenizer.id_to_token(sample.token_id), sample.logprob or 0.0, top
+        )
+
+    def _add_prompt_logprobs(self, client: _ClientRequest, position: int, scores: list[SampleResult]) -> None:
+        """Scores of prompt tokens from `position` on; a recompute after preemption repeats none."""
+        assert client.prompt_logprobs is not None
+        known = len(client.prompt_logprobs)
+        client.prompt_logprobs += [self._logprob(s) for s in scores[max(known - position, 0) :]]
 
     def _process_token(
         self, client: _ClientRequest, c: _Completion, sample: SampleResult, now: float
@@ -206,8 +226,7 @@ class LLMEngine:
             m.num_cached_tokens = seq.num_cached_tokens
         m.last_token_time = now
         if c.logprobs is not None and sample.logprob is not None:
-            top = [TokenLogprob(t, self.tokenizer.id_to_token(t), lp) for t, lp in sample.top or []]
-            c.logprobs.append(Logprob(token, self.tokenizer.id_to_token(token), sample.logprob, top))
+            c.logprobs.append(self._logprob(sample))
 
         is_eos = token in self.tokenizer.eos_token_ids and not params.ignore_eos
         if is_eos or token in params.stop_token_ids:
@@ -261,7 +280,13 @@ class LLMEngine:
             for c in client.completions:
                 self._seq_owner.pop(c.seq.request_id, None)
         return RequestOutput(
-            client.request_id, client.prompt_token_ids, outputs, finished, client.metrics, client.prompt
+            client.request_id,
+            client.prompt_token_ids,
+            outputs,
+            finished,
+            client.metrics,
+            client.prompt,
+            list(client.prompt_logprobs) if client.prompt_logprobs is not None else None,
         )
 
     def stats(self) -> EngineStats:

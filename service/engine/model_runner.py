@@ -40,6 +40,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+@dataclass
+class StepResult:
+    sampled: dict[str, SampleResult]  # request id -> its next token
+    prompt_logprobs: dict[str, tuple[int, list[SampleResult]]]  # request id -> (first position, scores)
+
+
 @dataclass(frozen=True)
 class KVCacheLayout:
     num_blocks: int
@@ -192,10 +198,11 @@ class ModelRunner:
                 "max_query_len": lens.max(),
             }
             with torch.inference_mode():
-                self._forward_eager(batch, list(range(len(lens))))
+                hidden = self._forward_eager(batch)
+                self.model.compute_logits(hidden[self._last_rows(batch, list(range(len(lens))))])
         torch.cuda.synchronize(self.device)
 
-    def _forward_eager(self, batch: dict[str, np.ndarray], rows: list[int]) -> torch.Tensor:
+    def _forward_eager(self, batch: dict[str, np.ndarray]) -> torch.Tensor:  # [num_tokens, hidden]
         def dev(name: str, dtype: torch.dtype) -> torch.Tensor:
             return torch.from_numpy(batch[name]).to(device=self.device, dtype=dtype, non_blocking=True)
 
@@ -207,18 +214,53 @@ class ModelRunner:
             max_query_len=int(batch["max_query_len"]),
             max_seq_len=int(batch["seq_lens"].max()),
         )
-        hidden = self.model(dev("input_ids", torch.int64), dev("positions", torch.int64), meta)
-        last = torch.from_numpy(batch["query_start_loc"][1:][rows] - 1).to(self.device)
-        return self.model.compute_logits(hidden[last])
+        return self.model(dev("input_ids", torch.int64), dev("positions", torch.int64), meta)
+
+    def _last_rows(self, batch: dict[str, np.ndarray], rows: list[int]) -> torch.Tensor:
+        return torch.from_numpy(batch["query_start_loc"][1:][rows] - 1).to(self.device)
+
+    def _prompt_logprobs(
+        self, out: SchedulerOutput, batch: dict[str, np.ndarray], hidden: torch.Tensor
+    ) -> dict[str, tuple[int, list[SampleResult]]]:
+        """For requests that asked for prompt log-probabilities: each prompt token this step can score
+        (logits at position p score the prompt's token p + 1), as (first scored position, results)."""
+        result: dict[str, tuple[int, list[SampleResult]]] = {}
+        for i, req in enumerate(out.requests):
+            k = req.params.prompt_logprobs
+            start = req.num_computed_tokens
+            end = min(start + out.num_scheduled_tokens[i], req.num_prompt_tokens - 1)
+            if k is None or start >= end:
+                continue
+            first_row = int(batch["query_start_loc"][i])
+            logprobs = torch.log_softmax(
+                self.model.compute_logits(hidden[first_row : first_row + end - start]), -1
+            )
+            targets = torch.tensor(req.token_ids[start + 1 : end + 1], device=logprobs.device)
+            chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+            top_vals, top_ids = (
+                logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], targets[:, None][:, :0])
+            )
+            result[req.request_id] = (
+                start + 1,
+                [
+                    SampleResult(t, lp, list(zip(ids, vals, strict=True)))
+                    for t, lp, ids, vals in zip(
+                        targets.tolist(), chosen, top_ids.tolist(), top_vals.tolist(), strict=True
+                    )
+                ],
+            )
+        return result
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, SampleResult]:
-        """Run one step; return the sampled token of every request that reached its last token."""
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run one step: the sampled token of every request that reached its last token, and the prompt
+        log-probabilities of those that asked for them."""
         for src, dst in out.copy_ops:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
         batch = self._prepare(out)
         rows = [i for i in range(len(out.requests)) if out.needs_sample(i)]
         is_decode = batch["max_query_len"] == 1 and len(rows) == len(out.requests)
+        prompt_logprobs: dict[str, tuple[int, list[SampleResult]]] = {}
         if self.graphs is not None and is_decode and len(rows) <= self.graphs.max_batch_size:
             logits = self.graphs.run(
                 batch["input_ids"],
@@ -228,10 +270,12 @@ class ModelRunner:
                 batch["block_tables"],
             )
         else:
-            if not rows:
-                self._forward_eager(batch, [len(out.requests) - 1])  # fills the KV cache only
-                return {}
-            logits = self._forward_eager(batch, rows)
+            hidden = self._forward_eager(batch)
+            prompt_logprobs = self._prompt_logprobs(out, batch, hidden)
+            if not rows:  # only prompt chunks this step: the KV cache is filled, nothing to sample
+                return StepResult({}, prompt_logprobs)
+            logits = self.model.compute_logits(hidden[self._last_rows(batch, rows)])
         sample_reqs = [out.requests[i] for i in rows]
         results = self.sampler(logits, sample_reqs)
-        return {r.request_id: res for r, res in zip(sample_reqs, results, strict=True)}
+        sampled = {r.request_id: res for r, res in zip(sample_reqs, results, strict=True)}
+        return StepResult(sampled, prompt_logprobs)
