@@ -2,6 +2,7 @@
 
 - `pagoda bench offline`: N prompts of fixed length through the engine's offline API, against Hugging
   Face `transformers` `generate()` on the same checkpoint; also single-stream decode latency.
+- `pagoda bench serve`: a running OpenAI-compatible server under load (see `bench_serve`).
 - `pagoda bench kernels`: the Triton kernels against their peers (see `pagoda.kernels.bench`).
 
 Results print as a Markdown table; `--output FILE` appends it with the command and the device.
@@ -41,6 +42,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     offline.add_argument("--max-num-batched-tokens", type=int, default=4096)
     offline.add_argument("--peer", choices=["transformers", "none"], default="transformers")
     offline.add_argument("--output", default=None, help="append the Markdown result to this file")
+    serve = sub.add_parser(
+        "serve",
+        help="load a running OpenAI-compatible server (TTFT, ITL, throughput)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    from pagoda.service import bench_serve
+
+    bench_serve.add_arguments(serve)
     kernels = sub.add_parser("kernels", help="Triton kernels vs references and SDPA (needs a CUDA GPU)")
     kernels.add_argument("args", nargs=argparse.REMAINDER, help="passed to pagoda.kernels.bench")
 
@@ -188,6 +197,10 @@ def _command(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.bench == "serve":
+        from pagoda.service import bench_serve
+
+        return bench_serve.run(args)
     if args.bench == "kernels":
         from pagoda.kernels.bench import main as kernels_main
 

@@ -11,7 +11,7 @@ BLOCKER = """
 import sys
 class _Blocked:
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {"torch", "triton", "transformers", "fastapi", "uvicorn", "grpc"}:
+        if name.split(".")[0] in {"torch", "triton", "transformers", "fastapi", "uvicorn", "grpc", "httpx"}:
             raise ImportError(f"{name} is not installed in the operator image")
         return None
 sys.meta_path.insert(0, _Blocked())

@@ -1,0 +1,213 @@
+"""`pagoda bench serve`: load a running OpenAI-compatible server the way users do, and measure it.
+
+In the spirit of `vllm bench serve`: N requests of random token ids (exact input lengths, `ignore_eos`
+so every request produces exactly the output length) are sent as streamed `/v1/completions`, either
+all at once under a concurrency cap or arriving as a Poisson process at `--request-rate`. Per request
+it records the time to first token (TTFT), the gaps between streamed chunks (inter-token latency,
+ITL) and the end-to-end latency; it reports throughput and the mean / median / p99 of each. Any
+OpenAI-compatible server can be the target, so a peer (vLLM, NIM) is measured with the same tool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported when the benchmark runs: `pagoda --help` must not need it
+    import httpx
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str = ""
+
+
+@dataclass
+class Summary:
+    num_ok: int
+    num_failed: int
+    duration_s: float
+    input_tokens: int
+    output_tokens: int
+    ttft_ms: dict[str, float]
+    itl_ms: dict[str, float]
+    tpot_ms: dict[str, float]  # per request: (latency - TTFT) / (output tokens - 1)
+    latency_ms: dict[str, float]
+
+    @property
+    def request_throughput(self) -> float:
+        return self.num_ok / self.duration_s
+
+    @property
+    def output_throughput(self) -> float:
+        return self.output_tokens / self.duration_s
+
+
+def _stats_ms(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "median": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+    return {
+        "mean": 1000 * statistics.fmean(values),
+        "median": 1000 * statistics.median(values),
+        "p99": 1000 * p99,
+    }
+
+
+async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int) -> RequestResult:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    result = RequestResult(ok=False)
+    last = start
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if not chunk.get("choices") or not chunk["choices"][0].get("text"):
+                    continue
+                now = time.perf_counter()
+                if result.ttft_s == 0.0:
+                    result.ttft_s = now - start
+                else:
+                    result.itl_s.append(now - last)
+                last = now
+    except Exception as exc:  # a refused or broken connection counts as a failed request
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.latency_s = time.perf_counter() - start
+    result.ok = result.output_tokens > 0
+    return result
+
+
+async def run_benchmark(
+    base_url: str,
+    model: str,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    request_rate: float = float("inf"),
+    max_concurrency: int | None = None,
+    vocab_size: int = 32000,
+    seed: int = 0,
+) -> Summary:
+    import httpx
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, vocab_size - 100) for _ in range(input_len)] for _ in range(num_prompts)]
+    limit = asyncio.Semaphore(max_concurrency or num_prompts)
+    timeout = httpx.Timeout(None, connect=30.0)
+    limits = httpx.Limits(max_connections=max_concurrency or num_prompts)
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as client:
+
+        async def limited(prompt: list[int]) -> RequestResult:
+            async with limit:
+                return await _one(client, model, prompt, output_len)
+
+        start = time.perf_counter()
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(limited(prompt)))
+            if request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    ok = [r for r in results if r.ok]
+    return Summary(
+        num_ok=len(ok),
+        num_failed=len(results) - len(ok),
+        duration_s=duration,
+        input_tokens=input_len * len(ok),
+        output_tokens=sum(r.output_tokens for r in ok),
+        ttft_ms=_stats_ms([r.ttft_s for r in ok]),
+        itl_ms=_stats_ms([gap for r in ok for gap in r.itl_s]),
+        tpot_ms=_stats_ms(
+            [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+        ),
+        latency_ms=_stats_ms([r.latency_s for r in ok]),
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server to load")
+    parser.add_argument("--model", required=True, help="the served model name (GET /v1/models)")
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once"
+    )
+    parser.add_argument("--max-concurrency", type=int, default=None, help="in-flight requests at most")
+    parser.add_argument("--vocab-size", type=int, default=32000, help="prompt token ids are drawn below this")
+    parser.add_argument("--output", default=None, help="append the Markdown result to this file")
+
+
+def format_summary(args: argparse.Namespace, summary: Summary) -> str:
+    def row(name: str, stats: dict[str, float]) -> str:
+        return f"| {name} | {stats['mean']:.1f} | {stats['median']:.1f} | {stats['p99']:.1f} |"
+
+    rate = "all at once" if args.request_rate == float("inf") else f"{args.request_rate:g} req/s (Poisson)"
+    return "\n".join(
+        [
+            f"### serve: {args.model} at {args.base_url}, {args.input_len} in / {args.output_len} out",
+            "",
+            f"{summary.num_ok} ok / {summary.num_failed} failed, {rate}, max concurrency "
+            f"{args.max_concurrency or args.num_prompts}: {summary.duration_s:.2f} s, "
+            f"{summary.request_throughput:.2f} req/s, {summary.output_throughput:.1f} output tok/s",
+            "",
+            "| latency (ms) | mean | median | p99 |",
+            "| --- | ---: | ---: | ---: |",
+            row("time to first token", summary.ttft_ms),
+            row("time per output token", summary.tpot_ms),
+            row("inter-token latency", summary.itl_ms),
+            row("end to end", summary.latency_ms),
+            "",
+        ]
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    summary = asyncio.run(
+        run_benchmark(
+            args.base_url,
+            args.model,
+            args.num_prompts,
+            args.input_len,
+            args.output_len,
+            args.request_rate,
+            args.max_concurrency,
+            args.vocab_size,
+        )
+    )
+    text = format_summary(args, summary)
+    print(text)
+    if args.output:
+        with open(args.output, "a") as f:
+            f.write("\n" + text)
+    return 0 if summary.num_failed == 0 else 1
