@@ -145,4 +145,7 @@ async def _watch_health(client: EngineClient, grpc_server: GrpcServer) -> None:
         if is_ready != was_ready:
             await grpc_server.set_serving(is_ready)
             was_ready = is_ready
-        await asyncio.sleep(0.2)
+        # Explicit transitions wake us at once; the poll catches an engine that died on its own.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(client.state_changed.wait(), timeout=0.2)
+        client.state_changed.clear()

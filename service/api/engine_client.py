@@ -66,6 +66,7 @@ class EngineClient:
         self.max_waiting_requests = max_waiting_requests  # 0: no limit
         self._engine: Any | None = None
         self._state = ServingState.LOADING
+        self.state_changed = asyncio.Event()  # set on every explicit transition (health mirrors wait on it)
         self._in_flight: set[str] = set()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -79,10 +80,12 @@ class EngineClient:
             engine.start()
         except BaseException:
             self._state = ServingState.UNHEALTHY
+            self.state_changed.set()
             raise
         self._engine = engine
         if self._state is ServingState.LOADING:
             self._state = ServingState.READY
+            self.state_changed.set()
         logger.info("model %s ready (context %d tokens)", self.model_name, self.max_model_len)
 
     @property
@@ -103,6 +106,7 @@ class EngineClient:
         """Refuse new requests from now on; in-flight ones continue."""
         if self._state is not ServingState.UNHEALTHY:
             self._state = ServingState.DRAINING
+            self.state_changed.set()
 
     async def wait_idle(self, timeout_s: float, force: asyncio.Event | None = None) -> bool:
         """Wait for in-flight requests to finish. Past `timeout_s` (or once `force` is set) abort them in
