@@ -41,8 +41,19 @@ TOP1_AGREEMENT = 0.99
 NEW_TOKENS = 48
 
 
+def _save(model: Any, folder: Path, tokenizer: Path) -> Path:
+    """A checkpoint folder as Hugging Face writes it, with the given tokenizer files beside it."""
+    from transformers import GenerationConfig
+
+    model.save_pretrained(folder)
+    GenerationConfig(bos_token_id=1, eos_token_id=[2]).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer / name, folder / name)
+    return folder
+
+
 def build_checkpoint(kind: str, folder: Path, tokenizer: Path, vocab: int) -> Path:
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     common: dict[str, Any] = dict(
         vocab_size=vocab, max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2
@@ -79,11 +90,7 @@ def build_checkpoint(kind: str, folder: Path, tokenizer: Path, vocab: int) -> Pa
         )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(folder)
-    GenerationConfig(bos_token_id=1, eos_token_id=[2]).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer / name, folder / name)
-    return folder
+    return _save(model, folder, tokenizer)
 
 
 def _release(llm: LLM) -> None:
@@ -95,7 +102,7 @@ def _release(llm: LLM) -> None:
 
 def build_llama_8b(folder: Path, tokenizer: Path) -> Path:
     """Llama-3.1-8B's shapes with random bf16 weights, built on the GPU (for `pagoda bench offline`)."""
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     config: Any = LlamaConfig(  # type: ignore[call-arg]
         vocab_size=128256,
@@ -113,11 +120,7 @@ def build_llama_8b(folder: Path, tokenizer: Path) -> Path:
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(folder)
-    GenerationConfig(bos_token_id=1, eos_token_id=[2]).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer / name, folder / name)
-    return folder
+    return _save(model, folder, tokenizer)
 
 
 def prompts(vocab: int) -> list[list[int]]:
