@@ -1,8 +1,8 @@
-"""The synchronous engine: admit requests, run steps, turn new tokens into text and outputs.
+"""The synchronous engine: admit requests, run steps, hand back outputs.
 
 One client request (possibly n > 1 completions) maps to n `Request` sequences; the first is the
-leader that computes the shared prompt, the others fork from it. Stop strings are checked on the
-detokenized text; text that might be the start of a stop string is held back until it cannot be.
+leader that computes the shared prompt, the others fork from it. Turning tokens into text and
+outputs is the output processor's job.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from pagoda.service.engine.block_manager import BlockManager
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.model_runner import ModelRunner
+from pagoda.service.engine.output_processor import ClientRequest, OutputProcessor
 from pagoda.service.engine.request import Request
-from pagoda.service.engine.sampler import SampleResult
 from pagoda.service.engine.scheduler import Scheduler
 from pagoda.service.model import default_model_path, load_tokenizer
-from pagoda.service.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprob
+from pagoda.service.outputs import RequestOutput
 from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
-from pagoda.service.tokenizer import IncrementalDetokenizer, Tokenizer
+from pagoda.service.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -39,41 +39,6 @@ class EngineStats:
     generation_tokens_total: int
 
 
-@dataclass
-class _Completion:
-    seq: Request
-    detokenizer: IncrementalDetokenizer
-    text: str = ""  # stop-checked text so far
-    num_emitted_chars: int = 0
-    num_emitted_tokens: int = 0
-    logprobs: list[Logprob] | None = None
-    num_emitted_logprobs: int = 0
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
-@dataclass
-class _ClientRequest:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    completions: list[_Completion]
-    metrics: RequestMetrics
-    prompt_logprobs: list[Logprob | None] | None = None
-
-
-def _held_back(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of `text` that begins some stop string."""
-    hold = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), hold, -1):
-            if text.endswith(stop[:k]):
-                hold = k
-                break
-    return hold
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -86,8 +51,9 @@ class LLMEngine:
             self.runner.kv.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self._requests: dict[str, _ClientRequest] = {}
-        self._seq_owner: dict[str, _ClientRequest] = {}
+        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
+        self._requests: dict[str, ClientRequest] = {}
+        self._seq_owner: dict[str, ClientRequest] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.computed_tokens_total = 0  # tokens run through the model (prefix-cache hits are not)
@@ -137,22 +103,9 @@ class LLMEngine:
         now = time.monotonic() if arrival_time is None else arrival_time
         seqs = [Request(f"{request_id}#{i}", token_ids, params, now, index=i) for i in range(params.n)]
         seqs[0].pending_forks = seqs[1:]
-        client = _ClientRequest(
-            request_id,
-            prompt if isinstance(prompt, str) else None,
-            token_ids,
-            params,
-            [
-                _Completion(s, IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens))
-                for s in seqs
-            ],
-            RequestMetrics(arrival_time=now),
+        client = self.output_processor.new_request(
+            request_id, prompt if isinstance(prompt, str) else None, seqs, params, now
         )
-        if params.logprobs is not None:
-            for c in client.completions:
-                c.logprobs = []
-        if params.prompt_logprobs is not None:
-            client.prompt_logprobs = [None]
         self._requests[request_id] = client
         for s in seqs:
             self._seq_owner[s.request_id] = client
@@ -169,7 +122,7 @@ class LLMEngine:
             if c.finish_reason is None:
                 c.finish_reason = "abort"
             self.scheduler.finish(c.seq)
-        return self._make_output(client, time.monotonic())
+        return self._output(client, time.monotonic())
 
     # ---- stepping ------------------------------------------------------------------------------
 
@@ -191,103 +144,27 @@ class LLMEngine:
         step = self.runner.execute(out)
         sampled = step.sampled
         for request_id, (position, scores) in step.prompt_logprobs.items():
-            self._add_prompt_logprobs(self._seq_owner[request_id], position, scores)
+            self.output_processor.add_prompt_logprobs(self._seq_owner[request_id], position, scores)
         grew = self.scheduler.update(out, {k: v.token_id for k, v in sampled.items()})
         now = time.monotonic()
-        touched: dict[str, _ClientRequest] = {}  # in batch order
+        touched: dict[str, ClientRequest] = {}  # in batch order
         for seq in grew:
             client = self._seq_owner[seq.request_id]
-            self._process_token(client, client.completions[seq.index], sampled[seq.request_id], now)
+            self.generation_tokens_total += 1
+            if self.output_processor.process_token(
+                client, client.completions[seq.index], sampled[seq.request_id], now
+            ):
+                self.scheduler.finish(seq)
             touched[client.request_id] = client
-        results = [self._make_output(client, now) for client in touched.values()]
-        return results
+        return [self._output(client, now) for client in touched.values()]
 
-    def _logprob(self, sample: SampleResult) -> Logprob:
-        top = [TokenLogprob(t, self.tokenizer.id_to_token(t), lp) for t, lp in sample.top or []]
-        return Logprob(
-            sample.token_id, self.tokenizer.id_to_token(sample.token_id), sample.logprob or 0.0, top
-        )
-
-    def _add_prompt_logprobs(self, client: _ClientRequest, position: int, scores: list[SampleResult]) -> None:
-        """Scores of prompt tokens from `position` on; a recompute after preemption repeats none."""
-        assert client.prompt_logprobs is not None
-        known = len(client.prompt_logprobs)
-        client.prompt_logprobs += [self._logprob(s) for s in scores[max(known - position, 0) :]]
-
-    def _process_token(
-        self, client: _ClientRequest, c: _Completion, sample: SampleResult, now: float
-    ) -> None:
-        seq, params = c.seq, client.params
-        token = seq.token_ids[-1]
-        self.generation_tokens_total += 1
-        m = client.metrics
-        if m.first_token_time is None:
-            m.first_token_time = now
-            m.num_cached_tokens = seq.num_cached_tokens
-        m.last_token_time = now
-        if c.logprobs is not None and sample.logprob is not None:
-            c.logprobs.append(self._logprob(sample))
-
-        is_eos = token in self.tokenizer.eos_token_ids and not params.ignore_eos
-        if is_eos or token in params.stop_token_ids:
-            c.finish_reason, c.stop_reason = "stop", (None if is_eos else token)
-        else:
-            c.text += c.detokenizer.push([token])
-            if params.stop:
-                start = max(0, c.num_emitted_chars - max(len(s) for s in params.stop))
-                found = [(i, s) for s in params.stop if (i := c.text.find(s, start)) != -1]
-                if found:
-                    index, stop = min(found)
-                    c.text = c.text[:index]
-                    c.finish_reason, c.stop_reason = "stop", stop
-        if c.finish_reason is None and (
-            (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens)
-            or seq.num_tokens >= self.max_model_len
-        ):
-            c.finish_reason = "length"
-        if c.finish_reason is not None:
-            if c.stop_reason is None or isinstance(c.stop_reason, int):
-                c.text += c.detokenizer.flush()
-            self.scheduler.finish(seq)
-
-    def _make_output(self, client: _ClientRequest, now: float) -> RequestOutput:
-        outputs = []
-        for c in client.completions:
-            done = c.finish_reason is not None
-            visible = len(c.text) if done else len(c.text) - _held_back(c.text, client.params.stop)
-            visible = max(visible, c.num_emitted_chars)
-            token_ids = c.seq.output_token_ids
-            outputs.append(
-                CompletionOutput(
-                    index=c.seq.index,
-                    text=c.text[:visible],
-                    token_ids=list(token_ids),
-                    text_delta=c.text[c.num_emitted_chars : visible],
-                    token_ids_delta=token_ids[c.num_emitted_tokens :],
-                    logprobs=list(c.logprobs) if c.logprobs is not None else None,
-                    logprobs_delta=c.logprobs[c.num_emitted_logprobs :] if c.logprobs is not None else None,
-                    finish_reason=c.finish_reason,  # type: ignore[arg-type]
-                    stop_reason=c.stop_reason,
-                )
-            )
-            c.num_emitted_chars = visible
-            c.num_emitted_tokens = len(token_ids)
-            c.num_emitted_logprobs = len(c.logprobs) if c.logprobs is not None else 0
-        finished = all(c.finish_reason is not None for c in client.completions)
-        if finished:
-            client.metrics.finished_time = now
+    def _output(self, client: ClientRequest, now: float) -> RequestOutput:
+        output = self.output_processor.make_output(client, now)
+        if output.finished:
             self._requests.pop(client.request_id, None)
             for c in client.completions:
                 self._seq_owner.pop(c.seq.request_id, None)
-        return RequestOutput(
-            client.request_id,
-            client.prompt_token_ids,
-            outputs,
-            finished,
-            client.metrics,
-            client.prompt,
-            list(client.prompt_logprobs) if client.prompt_logprobs is not None else None,
-        )
+        return output
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
