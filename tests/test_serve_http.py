@@ -330,6 +330,21 @@ def test_client_disconnect_aborts_the_request(server: ServeProcess) -> None:
     assert _metric(server, "pagoda_generation_tokens_total") - before_tokens < MAX_MODEL_LEN - 20
 
 
+def test_client_gone_before_a_non_streamed_answer_aborts_it(server: ServeProcess) -> None:
+    aborted = 'pagoda_requests_finished_total{finish_reason="abort"}'
+    before_abort = _metric(server, aborted)
+    before_tokens = _metric(server, "pagoda_generation_tokens_total")
+    body = {"prompt": "Tell a long story", "max_tokens": MAX_MODEL_LEN - 20, **EXACT}
+    with pytest.raises(httpx.TimeoutException):  # the client gives up after 50 ms
+        httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.05))
+    deadline = time.monotonic() + 20
+    while _metric(server, aborted) == before_abort and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _metric(server, aborted) == before_abort + 1
+    assert _metric(server, "pagoda_kv_cache_usage_ratio") == 0
+    assert _metric(server, "pagoda_generation_tokens_total") - before_tokens < MAX_MODEL_LEN - 20
+
+
 def _documented_metrics() -> tuple[list[str], list[str]]:
     """(always exported, GPU only) metric names from docs/metrics.md's tables."""
     doc = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -81,18 +84,41 @@ def build_app(client: EngineClient) -> FastAPI:
         return serving.models()
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat(request: ChatCompletionRequest) -> Response | dict[str, Any]:
-        return _respond(await serving.chat(request))
+    async def chat(request: ChatCompletionRequest, raw: Request) -> Response | dict[str, Any]:
+        return _respond(await _unless_disconnected(raw, serving.chat(request)))
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(request: CompletionRequest) -> Response | dict[str, Any]:
-        return _respond(await serving.completions(request))
+    async def completions(request: CompletionRequest, raw: Request) -> Response | dict[str, Any]:
+        return _respond(await _unless_disconnected(raw, serving.completions(request)))
 
     return app
 
 
+async def _disconnected(raw: Request) -> None:
+    """Return once the client has gone (the JSON body is already read: what comes next is that)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(raw: Request, work: Awaitable[Any]) -> Any:
+    """Run `work`; if the client goes away first (a non-streamed request waiting for its last token),
+    cancel it: closing its engine streams aborts them and frees their KV blocks."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(raw))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+    return task.result()
+
+
 def _respond(result: Any) -> Response | dict[str, Any]:
-    if isinstance(result, dict):
+    if isinstance(result, dict | Response):
         return result
     # A client that goes away cancels this stream; closing it aborts the engine request.
     return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
