@@ -162,7 +162,7 @@ def test_values_reach_the_operator() -> None:
 def test_adapter_rules_serve_the_hpa_metric_names() -> None:
     from pagoda.operator import manifests
 
-    (config_map,) = [d for d in render() if d["kind"] == "ConfigMap"]
+    (config_map,) = [d for d in render() if d["metadata"]["name"].endswith("-adapter-rules")]
     rules = yaml.safe_load(config_map["data"]["config.yaml"])["rules"]
     assert {r["name"]["as"] for r in rules} == {
         manifests.QUEUE_METRIC,
@@ -172,7 +172,9 @@ def test_adapter_rules_serve_the_hpa_metric_names() -> None:
     dcgm = next(r for r in rules if r["name"]["as"] == manifests.DCGM_METRIC)
     assert set(dcgm["resources"]["overrides"]) == {"exported_namespace", "exported_pod"}
     (config_map,) = [
-        d for d in render("--set", "prometheusAdapter.dcgmExportedLabels=false") if d["kind"] == "ConfigMap"
+        d
+        for d in render("--set", "prometheusAdapter.dcgmExportedLabels=false")
+        if d["metadata"]["name"].endswith("-adapter-rules")
     ]
     dcgm = yaml.safe_load(config_map["data"]["config.yaml"])["rules"][2]
     assert set(dcgm["resources"]["overrides"]) == {"namespace", "pod"}

@@ -1,0 +1,90 @@
+"""The Grafana dashboards ask for exactly the series the server exports, and the chart ships them.
+
+docs/metrics.md lists what `pagoda serve` exports (tests/test_serve_http.py holds the server to it);
+here every series a dashboard queries must be in that list, histograms queried through `_bucket`.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DASHBOARDS = sorted((ROOT / "charts" / "pagoda" / "dashboards").glob("*.json"))
+
+
+def documented() -> dict[str, str]:
+    """metric name -> type, from docs/metrics.md's tables."""
+    rows = re.findall(r"^\| `([^`]+)` \| ([a-z]+)", (ROOT / "docs" / "metrics.md").read_text(), re.M)
+    return dict(rows)
+
+
+def queried(dashboard: dict) -> set[str]:
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    exprs += [v["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    return {m for e in exprs for m in re.findall(r"\b(?:pagoda_[a-z0-9_]+|vllm:[a-z0-9_]+)", e)}
+
+
+def test_every_queried_series_is_exported() -> None:
+    assert DASHBOARDS, "no dashboards in charts/pagoda/dashboards"
+    metrics = documented()
+    assert "pagoda_requests_waiting" in metrics  # the parser reads the tables
+    for path in DASHBOARDS:
+        for name in queried(json.loads(path.read_text())):
+            base = re.sub(r"_(bucket|sum|count)$", "", name)
+            if base != name:
+                assert metrics.get(base) == "histogram", f"{path.name}: {name} is not a histogram's series"
+            else:
+                assert name in metrics, f"{path.name} queries {name}, which the server does not export"
+
+
+def test_the_dashboard_shows_the_scaling_signals_and_latencies() -> None:
+    names = {
+        re.sub(r"_(bucket|sum|count)$", "", n) for p in DASHBOARDS for n in queried(json.loads(p.read_text()))
+    }
+    assert {
+        "pagoda_requests_waiting",
+        "pagoda_kv_cache_usage_ratio",
+        "pagoda_time_to_first_token_seconds",
+        "pagoda_inter_token_latency_seconds",
+        "pagoda_generation_tokens_total",
+    } <= names
+
+
+def _helm() -> str:
+    cached = glob.glob(os.path.expanduser("~/.cache/pagoda/k8s/*/bin/helm"))
+    found = os.environ.get("PAGODA_K8S_BIN", "") and os.path.join(os.environ["PAGODA_K8S_BIN"], "helm")
+    helm = found or (cached[0] if cached else shutil.which("helm"))
+    assert helm, "no helm binary: `make k8s-bin` builds it"
+    return helm
+
+
+def render(*args: str) -> list[dict]:
+    out = subprocess.run(
+        [_helm(), "template", "pagoda", str(ROOT / "charts" / "pagoda"), "--namespace", "mon", *args],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return [
+        d
+        for d in yaml.safe_load_all(out)
+        if d and d["kind"] == "ConfigMap" and "dashboards" in d["metadata"]["name"]
+    ]
+
+
+def test_chart_ships_them_for_grafanas_sidecar() -> None:
+    (configmap,) = render()
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert configmap["metadata"]["namespace"] == "mon"
+    assert set(configmap["data"]) == {p.name for p in DASHBOARDS}
+    for path in DASHBOARDS:
+        assert json.loads(configmap["data"][path.name]) == json.loads(path.read_text())
+    assert render("--set", "dashboards.enabled=false") == []
