@@ -127,15 +127,3 @@ def gpu_catalogue() -> dict:
 def cluster_harness() -> ModuleType:
     """The launcher module (e2e/harness/cluster.py): `start(workdir, bin_dir)`, `stop(workdir)`, ..."""
     return harness
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Under CI a skipped test fails the run: CI installs and builds everything the tests need."""
-    import os
-
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    skipped = len(reporter.stats.get("skipped", [])) if reporter is not None else 0
-    if os.environ.get("CI") and skipped and exitstatus == 0:
-        session.exitstatus = 1
-        if reporter is not None:
-            reporter.write_line(f"CI: {skipped} test(s) skipped; everything must run here", red=True)

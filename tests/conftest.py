@@ -236,13 +236,26 @@ def paged_runner() -> type[PagedRunner]:
     return PagedRunner
 
 
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Under CI a skipped test fails the run: CI installs and builds everything the tests need."""
-    import os
+def hf_greedy_tokens(model: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """transformers `generate()`, greedy, one prompt at a time (no padding), new tokens only."""
+    import torch
 
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    skipped = len(reporter.stats.get("skipped", [])) if reporter is not None else 0
-    if os.environ.get("CI") and skipped and exitstatus == 0:
-        session.exitstatus = 1
-        if reporter is not None:
-            reporter.write_line(f"CI: {skipped} test(s) skipped; everything must run here", red=True)
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+@pytest.fixture
+def hf_greedy() -> Any:
+    """`hf_greedy(model, prompts, new_tokens)`: the reference greedy continuations."""
+    return hf_greedy_tokens

@@ -4,6 +4,7 @@ loading the same file, and the answer `make demo` shows."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ def test_answers_paris(llm: LLM) -> None:
     assert out.finish_reason == "stop"
 
 
-def test_greedy_matches_transformers_on_the_same_gguf(llm: LLM, smollm2_gguf: Path) -> None:
+def test_greedy_matches_transformers_on_the_same_gguf(llm: LLM, smollm2_gguf: Path, hf_greedy: Any) -> None:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(
@@ -42,14 +43,4 @@ def test_greedy_matches_transformers_on_the_same_gguf(llm: LLM, smollm2_gguf: Pa
     # instead suppress it, which ignore_eos does not.
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens)
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    with torch.inference_mode():
-        for prompt, got in zip(prompts, ours, strict=True):
-            ids = torch.tensor([prompt])
-            ref = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )[0, len(prompt) :].tolist()
-            assert got == ref
+    assert ours == hf_greedy(hf, prompts, new_tokens)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,35 +17,19 @@ from pagoda.service.sampling_params import SamplingParams
 NEW_TOKENS = 32
 
 
-def hf_greedy(ckpt: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
-
-
 def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 49152) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
 @pytest.mark.parametrize("ckpt_name", ["llama_ckpt", "qwen2_ckpt", "tied_llama_ckpt", "sharded_llama_ckpt"])
-def test_greedy_matches_transformers(ckpt_name: str, request: pytest.FixtureRequest) -> None:
+def test_greedy_matches_transformers(ckpt_name: str, request: pytest.FixtureRequest, hf_greedy: Any) -> None:
+    from transformers import AutoModelForCausalLM
+
     ckpt: Path = request.getfixturevalue(ckpt_name)
     prompts = random_prompts([1, 7, 16, 17, 45, 100])
-    expected = hf_greedy(ckpt, prompts, NEW_TOKENS)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    expected = hf_greedy(model, prompts, NEW_TOKENS)
     llm = LLM(str(ckpt), dtype="float32", max_num_batched_tokens=64, kv_cache_memory_bytes=8 << 20)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)  # both stop at EOS, keeping it
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
