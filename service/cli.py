@@ -87,7 +87,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "auto",
         choices=PRECISIONS,
     )
-    flag("--tensor-parallel-size", "GPUs to shard the model over; only 1 is supported.", 1, int)
+    flag(
+        "--tensor-parallel-size",
+        "Ranks to shard the model over: that many GPUs (NCCL), or that many CPU processes (gloo) "
+        "with --device cpu or no GPU.",
+        1,
+        int,
+    )
     flag(
         "--max-model-len",
         "Longest prompt + output in tokens; unset: the model's own limit.",
@@ -145,11 +151,8 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         raise ValueError(
             f"--precision {args.precision} is not supported by this engine yet; use one of {supported}"
         )
-    if args.tensor_parallel_size != 1:
-        raise ValueError(
-            f"--tensor-parallel-size {args.tensor_parallel_size} is not supported: "
-            "this engine runs on one GPU (1)"
-        )
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}")
     if args.model and not os.path.exists(args.model):
         raise ValueError(f"--model {args.model}: no such checkpoint folder or .gguf file")
     for name in ("port", "grpc_port"):
@@ -184,6 +187,7 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     return server, engine
 

@@ -24,12 +24,14 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     enforce_eager: bool = False  # on a GPU, never replay decode steps from CUDA graphs
+    tensor_parallel_size: int = 1  # ranks the model is sharded over: GPUs (NCCL), or CPU processes (gloo)
 
     def __post_init__(self) -> None:
         positive = {
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "block_size": self.block_size,
+            "tensor_parallel_size": self.tensor_parallel_size,
         }
         for name, value in positive.items():
             if value < 1:
