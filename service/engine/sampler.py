@@ -6,20 +6,12 @@ request samples the same tokens whatever else is in the batch and even after a p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from pagoda.service.engine.messages import SampleResult
 from pagoda.service.engine.request import Request
 
 _MASK_63 = (1 << 63) - 1
-
-
-@dataclass
-class SampleResult:
-    token_id: int
-    logprob: float | None = None  # of the sampled token, when asked for
-    top: list[tuple[int, float]] | None = None  # (token id, logprob), descending
 
 
 def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
