@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pagoda.operator.catalogue import ModelShape
 from pagoda.operator.gpus import GpuGroup, matches_product
 
-Precision = Literal["auto", "bf16", "fp16", "fp8", "int8"]
-PRECISIONS: tuple[str, ...] = ("auto", "bf16", "fp16", "fp8", "int8")
+# What `pagoda serve --precision` runs: the CRD enums and service/cli.py PRECISIONS agree
+# (tests/test_operator_contract.py). int8 is not offered: the engine has no int8 kernels.
+Precision = Literal["auto", "bf16", "fp16", "fp8"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
 TP_DEGREES = (1, 2, 4, 8)
 GIB = 1024**3
 OVERHEAD_BYTES = GIB  # per GPU: CUDA context, activations, CUDA graphs
@@ -30,9 +32,9 @@ KV_RESERVE_TOKENS = 32768
 KV_RESERVE_WEIGHT_FRACTION = 0.10
 DEFAULT_KV_CACHE_FRACTION = 0.9
 
-_WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+_WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}
 # The lowest compute capability that runs each precision's kernels.
-_MIN_CC = {"fp8": (8, 9), "bf16": (8, 0), "fp16": (7, 0), "int8": (7, 5)}
+_MIN_CC = {"fp8": (8, 9), "bf16": (8, 0), "fp16": (7, 0)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,11 +102,9 @@ def auto_precision(cc: tuple[int, int]) -> str:
     return "bf16" if cc >= (8, 0) else "fp16"
 
 
-def kv_cache_dtype(precision: str, cc: tuple[int, int]) -> str:
-    # `pagoda serve --precision fp8` quantizes the projections only; its KV cache stays 16-bit.
-    if precision == "fp8":
-        return "bf16"
-    return "bf16" if precision == "bf16" or (precision == "int8" and cc >= (8, 0)) else "fp16"
+def kv_cache_dtype(precision: str) -> str:
+    # `pagoda serve --precision fp8` quantizes the projections only; its KV cache stays bf16.
+    return "fp16" if precision == "fp16" else "bf16"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,10 +113,10 @@ class _Need:
     kv_reserve_bytes: int
 
 
-def _need(request: ProfileRequest, precision: str, cc: tuple[int, int]) -> _Need:
+def _need(request: ProfileRequest, precision: str) -> _Need:
     model = request.model
     weight_bytes = model.num_params * _WEIGHT_BYTES[precision]
-    kv_dtype_bytes = 1 if kv_cache_dtype(precision, cc) == "fp8" else 2
+    kv_dtype_bytes = 2  # every kv_cache_dtype() is 16-bit
     tokens = max(KV_RESERVE_TOKENS, request.max_model_len or 0)
     kv = max(model.kv_bytes_per_token(kv_dtype_bytes) * tokens, KV_RESERVE_WEIGHT_FRACTION * weight_bytes)
     return _Need(weight_bytes, int(kv))
@@ -149,7 +149,7 @@ def _evaluate(request: ProfileRequest, group: GpuGroup, pref: GpuPreference | No
         return Decision(
             False, f"{precision} needs compute capability >= {need_cc}; {group.product} is {group.cc}"
         )
-    need = _need(request, precision, group.compute_capability)
+    need = _need(request, precision)
     fixed_tp = (pref.tensor_parallel_size if pref else None) or request.tensor_parallel_size
     if fixed_tp is not None:
         if fixed_tp > group.num_gpus:
@@ -177,7 +177,7 @@ def _evaluate(request: ProfileRequest, group: GpuGroup, pref: GpuPreference | No
         gpu=group,
         precision=precision,
         tensor_parallel_size=tp,
-        kv_cache_dtype=kv_cache_dtype(precision, group.compute_capability),
+        kv_cache_dtype=kv_cache_dtype(precision),
     )
 
 
@@ -213,7 +213,7 @@ def _nothing_fits(request: ProfileRequest, groups: list[GpuGroup], rejected: lis
         reason = f"{precision} needs compute capability >= {need_cc}; the newest GPU is {newest_gpu}"
         return Decision(False, reason, rejected=tuple(rejected))
     widest = max(able, key=lambda g: g.memory_mib)
-    need = _need(request, precision, widest.compute_capability)
+    need = _need(request, precision)
     tp = _smallest_tp(request, need, widest.memory_mib, max(TP_DEGREES))
     if tp is not None:
         needs = f"{tp} x {widest.memory_gib:.0f} GiB"

@@ -17,7 +17,8 @@ from typing import Any
 
 HELP = "Serve a model over the OpenAI-compatible HTTP API, gRPC and Prometheus /metrics."
 
-PRECISIONS = ("auto", "bf16", "fp16", "fp32", "fp8", "int8")
+# int8 is not offered (no kernels for it): argparse refuses it, and the operator never picks it.
+PRECISIONS = ("auto", "bf16", "fp16", "fp32", "fp8")
 # --precision -> (EngineConfig.dtype, EngineConfig.quantization); precisions without an entry are
 # refused (no kernels for them yet). fp8 keeps bf16 (auto) for everything but the projections.
 PRECISION_DTYPES: dict[str, tuple[str, str | None]] = {
@@ -82,8 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flag(
         "--precision",
         "Weight and activation precision: auto (bf16 on GPUs that have it, fp32 on the CPU), bf16, fp16, "
-        "fp32, or fp8 (W8A8 projections on compute capability 8.9+; emulated on the CPU). int8 is "
-        "refused: the engine has no kernels for it yet.",
+        "fp32, or fp8 (W8A8 projections on compute capability 8.9+; emulated on the CPU). No int8: the "
+        "engine has no kernels for it.",
         "auto",
         choices=PRECISIONS,
     )

@@ -238,3 +238,14 @@ def test_nothing_fits_explains_the_preferred_gpus() -> None:
     assert d.reason == "8B fp16 needs 2 x 15 GiB; largest node has 1 x 15 GiB (Tesla-T4)"
     d = decide("llama-3.1-8b", ALL, preferences=(GpuPreference("B200"), GpuPreference("GB200")))
     assert d.reason == "no schedulable node has a preferred GPU (B200, GB200)"
+
+
+def test_int8_is_not_offered(capsys: pytest.CaptureFixture[str]) -> None:
+    """The engine has no int8 kernels, so neither the table nor `pagoda profile` offers int8."""
+    with pytest.raises(SystemExit):
+        main(["profile", "--model", "llama-3.1-8b", "--gpu", "T4", "--precision", "int8"])
+    assert "invalid choice: 'int8'" in capsys.readouterr().err
+    for model in ("llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b"):
+        for precision in ("auto", "bf16", "fp16", "fp8"):
+            d = decide(model, ALL, precision=precision)
+            assert d.precision != "int8" and d.kv_cache_dtype in (None, "bf16", "fp16")

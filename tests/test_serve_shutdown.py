@@ -151,7 +151,7 @@ def test_queue_limit_answers_503_with_retry_after_and_recovers(llama_ckpt: Path,
         assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
 
 
-@pytest.mark.parametrize("flag", ["--tensor-parallel-size=2", "--precision=int8"])
+@pytest.mark.parametrize("flag", ["--precision=int8", "--tensor-parallel-size=0"])
 def test_unrunnable_profile_exits_2_before_loading(llama_ckpt: Path, tmp_path: Path, flag: str) -> None:
     server = _server(llama_ckpt, tmp_path, flag)
     with pytest.raises(RuntimeError, match="exited with 2"):
