@@ -6,10 +6,9 @@ held back until it cannot be, so a stream never shows (part of) a stop string.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from pagoda.service.engine.request import Request
-from pagoda.service.engine.sampler import SampleResult
+from pagoda.service.engine.messages import PromptLogprobs, SampleResult, TokenOutput
 from pagoda.service.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprob
 from pagoda.service.sampling_params import SamplingParams
 from pagoda.service.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -19,8 +18,9 @@ from pagoda.service.tokenizer import IncrementalDetokenizer, Tokenizer
 class CompletionState:
     """One of a client request's n completions, as far as it has been shown to the client."""
 
-    seq: Request
+    index: int
     detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)  # generated so far
     text: str = ""  # stop-checked text so far
     num_emitted_chars: int = 0
     num_emitted_tokens: int = 0
@@ -57,37 +57,71 @@ def held_back(text: str, stops: list[str]) -> int:
 
 
 class OutputProcessor:
+    """The API side of every request in flight: turns the core's token outputs into `RequestOutput`s."""
+
     def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.requests: dict[str, ClientRequest] = {}
 
-    def new_request(
+    def add_request(
         self,
         request_id: str,
         prompt: str | None,
-        seqs: list[Request],
+        prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float,
-    ) -> ClientRequest:
-        token_ids = seqs[0].token_ids
+    ) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
         completions = [
-            CompletionState(s, IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens))
-            for s in seqs
+            CompletionState(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens))
+            for i in range(params.n)
         ]
         if params.logprobs is not None:
             for c in completions:
                 c.logprobs = []
         client = ClientRequest(
-            request_id,
-            prompt,
-            list(token_ids),
-            params,
-            completions,
-            RequestMetrics(arrival_time=arrival_time),
+            request_id, prompt, list(prompt_token_ids), params, completions, RequestMetrics(arrival_time)
         )
         if params.prompt_logprobs is not None:
             client.prompt_logprobs = [None]  # nothing scores the first prompt token
-        return client
+        self.requests[request_id] = client
+
+    def process(
+        self, outputs: list[TokenOutput], prompt_logprobs: list[PromptLogprobs], now: float
+    ) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
+        """One core step's outputs -> an output for every request that changed (in batch order), and the
+        (request id, index) sequences the core must stop because their text hit a stop string."""
+        for scored in prompt_logprobs:
+            client = self.requests.get(scored.request_id)
+            if client is not None:
+                self._add_prompt_logprobs(client, scored.position, scored.scores)
+        touched: dict[str, ClientRequest] = {}
+        stops: list[tuple[str, int]] = []
+        for token in outputs:
+            client = self.requests.get(token.request_id)
+            if client is None:
+                continue  # aborted while the step ran
+            c = client.completions[token.index]
+            if c.finish_reason is not None:
+                continue  # a stop string ended it; the core's abort was on its way
+            self._process_token(client, c, token, now)
+            if c.finish_reason is not None and token.finish_reason is None:
+                stops.append((client.request_id, c.index))
+            touched[client.request_id] = client
+        return [self._output(client, now) for client in touched.values()], stops
+
+    def abort(self, request_id: str, now: float) -> RequestOutput | None:
+        """The final output of an aborted request (`finish_reason="abort"` for every completion still
+        going); None when the request is unknown or done."""
+        client = self.requests.get(request_id)
+        if client is None:
+            return None
+        for c in client.completions:
+            if c.finish_reason is None:
+                c.finish_reason = "abort"
+        return self._output(client, now)
 
     def _logprob(self, sample: SampleResult) -> Logprob:
         top = [TokenLogprob(t, self.tokenizer.id_to_token(t), lp) for t, lp in sample.top or []]
@@ -95,31 +129,30 @@ class OutputProcessor:
             sample.token_id, self.tokenizer.id_to_token(sample.token_id), sample.logprob or 0.0, top
         )
 
-    def add_prompt_logprobs(self, client: ClientRequest, position: int, scores: list[SampleResult]) -> None:
+    def _add_prompt_logprobs(self, client: ClientRequest, position: int, scores: list[SampleResult]) -> None:
         """Scores of prompt tokens from `position` on; a recompute after preemption repeats none."""
-        assert client.prompt_logprobs is not None
+        if client.prompt_logprobs is None:
+            return
         known = len(client.prompt_logprobs)
         client.prompt_logprobs += [self._logprob(s) for s in scores[max(known - position, 0) :]]
 
-    def process_token(
-        self, client: ClientRequest, c: CompletionState, sample: SampleResult, now: float
-    ) -> bool:
-        """Take the token `c.seq` just got; True when that finishes the completion."""
-        seq, params = c.seq, client.params
-        token = seq.token_ids[-1]
+    def _process_token(self, client: ClientRequest, c: CompletionState, token: TokenOutput, now: float) -> None:
+        params, sample = client.params, token.sample
+        c.token_ids.append(sample.token_id)
         m = client.metrics
         if m.first_token_time is None:
             m.first_token_time = now
-            m.num_cached_tokens = seq.num_cached_tokens
+            m.num_cached_tokens = token.num_cached_tokens
+        if m.scheduled_time is None and token.scheduled_time is not None:
+            m.scheduled_time = token.scheduled_time
         m.last_token_time = now
         if c.logprobs is not None and sample.logprob is not None:
             c.logprobs.append(self._logprob(sample))
 
-        is_eos = token in self.tokenizer.eos_token_ids and not params.ignore_eos
-        if is_eos or token in params.stop_token_ids:
-            c.finish_reason, c.stop_reason = "stop", (None if is_eos else token)
+        if token.finish_reason == "stop":  # EOS or a stop token id: neither shows in the text
+            c.finish_reason, c.stop_reason = "stop", token.stop_reason
         else:
-            c.text += c.detokenizer.push([token])
+            c.text += c.detokenizer.push([sample.token_id])
             if params.stop:
                 start = max(0, c.num_emitted_chars - max(len(s) for s in params.stop))
                 found = [(i, s) for s in params.stop if (i := c.text.find(s, start)) != -1]
@@ -127,26 +160,23 @@ class OutputProcessor:
                     index, stop = min(found)
                     c.text = c.text[:index]
                     c.finish_reason, c.stop_reason = "stop", stop
-        if c.finish_reason is None and (
-            (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens)
-            or seq.num_tokens >= self.max_model_len
-        ):
-            c.finish_reason = "length"
+            if c.finish_reason is None and token.finish_reason is not None:
+                c.finish_reason = token.finish_reason
         if c.finish_reason is not None and not isinstance(c.stop_reason, str):
             c.text += c.detokenizer.flush()  # a held-back partial character, if the stream ends in one
-        return c.finish_reason is not None
 
-    def make_output(self, client: ClientRequest, now: float) -> RequestOutput:
-        """What changed since the last output (deltas) and everything so far (cumulative)."""
+    def _output(self, client: ClientRequest, now: float) -> RequestOutput:
+        """What changed since the last output (deltas) and everything so far (cumulative); a finished
+        request is forgotten."""
         outputs = []
         for c in client.completions:
             done = c.finish_reason is not None
             visible = len(c.text) if done else len(c.text) - held_back(c.text, client.params.stop)
             visible = max(visible, c.num_emitted_chars)
-            token_ids = c.seq.output_token_ids
+            token_ids = c.token_ids
             outputs.append(
                 CompletionOutput(
-                    index=c.seq.index,
+                    index=c.index,
                     text=c.text[:visible],
                     token_ids=list(token_ids),
                     text_delta=c.text[c.num_emitted_chars : visible],
@@ -162,6 +192,7 @@ class OutputProcessor:
             c.num_emitted_logprobs = len(c.logprobs) if c.logprobs is not None else 0
         if client.is_finished:
             client.metrics.finished_time = now
+            del self.requests[client.request_id]
         return RequestOutput(
             client.request_id,
             client.prompt_token_ids,

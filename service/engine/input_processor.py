@@ -1,0 +1,43 @@
+"""Admission on the API side: check a request and turn its prompt into token ids, before the engine core
+sees it. Everything the core receives is already valid, so nothing a client sends can fail there."""
+
+from __future__ import annotations
+
+from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
+from pagoda.service.tokenizer import Tokenizer
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    def process(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids; `InvalidRequestError` naming the field when the request cannot run."""
+        params.validate()
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"token ids out of range [0, {self.vocab_size}): {bad[:5]}", param="prompt"
+                )
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        room = self.max_model_len - len(token_ids)
+        if room < 1:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
+                f"{len(token_ids)} tokens; shorten the prompt",
+                param="prompt",
+            )
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(token_ids)} tokens and max_tokens is {params.max_tokens} (at most {room} fit)",
+                param="max_tokens",
+            )
+        return token_ids
