@@ -1,9 +1,15 @@
 """The one torch-heavy engine file: owns the model and the KV cache tensors, turns a
-`SchedulerOutput` into one flattened forward pass (no padding), and samples the rows that need it."""
+`SchedulerOutput` into one flattened forward pass (no padding), and samples the rows that need it.
+
+A step has three parts so that tensor parallelism can split them: `prepare` (the scheduler's requests
+-> a `StepInput` of host arrays), `forward` (on every rank: the same collectives in the same order),
+`finish` (rank 0 only: sampling and prompt log-probabilities). One rank runs all three in `execute`.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,9 +19,10 @@ from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.cuda_graphs import DecodeGraphs
 from pagoda.service.engine.sampler import Sampler, SampleResult
 from pagoda.service.engine.scheduler import SchedulerOutput
-from pagoda.service.model import load_model
 from pagoda.service.model.attention import AttentionMetadata
 from pagoda.service.model.fp8 import quantize_model_fp8, supports_fp8_matmul
+from pagoda.service.model.loader import load_model
+from pagoda.service.model.parallel import SINGLE_RANK, TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +53,22 @@ class StepResult:
     prompt_logprobs: dict[str, tuple[int, list[SampleResult]]]  # request id -> (first position, scores)
 
 
+@dataclass
+class StepInput:
+    """One step as every rank runs it: no `Request` objects, only what the forward pass reads."""
+
+    batch: dict[str, np.ndarray]  # the flattened batch, see `ModelRunner.prepare`
+    copy_ops: list[tuple[int, int]]  # (src, dst) KV blocks to copy first
+    sample_rows: list[int]  # requests whose last row's logits are sampled, in batch order
+    prompt_chunks: list[tuple[int, int, int]]  # (request, first row, num rows) scored for prompt logprobs
+
+
+@dataclass
+class StepLogits:
+    sample: torch.Tensor | None  # [len(sample_rows), vocab] float32
+    prompt: list[torch.Tensor]  # [num rows, vocab] float32, one per prompt chunk
+
+
 @dataclass(frozen=True)
 class KVCacheLayout:
     num_blocks: int
@@ -58,28 +81,42 @@ class KVCacheLayout:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: str, eos_token_ids: set[int]) -> None:
+    """One rank's model and KV cache. `agree_num_blocks`: under tensor parallelism, turns this rank's
+    KV block count into the one all ranks use (their minimum)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_path: str,
+        eos_token_ids: set[int],
+        tp: TPGroup = SINGLE_RANK,
+        agree_num_blocks: Callable[[int], int] | None = None,
+    ) -> None:
         self.config = config
+        self.tp = tp
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda" and tp.size > 1:
+            self.device = torch.device("cuda", tp.rank)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         if config.quantization == "fp8":
             # Load in the model dtype on the CPU, quantize layer by layer onto the device: the device
             # never holds more than one layer in 16 bits.
-            self.model, self.model_config = load_model(model_path, dtype=self.dtype, device="cpu")
+            self.model, self.model_config = load_model(model_path, self.dtype, "cpu", tp)
             count = quantize_model_fp8(self.model, self.device)
             path = "torch._scaled_mm" if supports_fp8_matmul(self.device) else "float32 emulation"
             logger.info("fp8: %d projections quantized (W8A8, per-row and per-token scales, %s)", count, path)
         else:
-            self.model, self.model_config = load_model(model_path, dtype=self.dtype, device=self.device)
+            self.model, self.model_config = load_model(model_path, self.dtype, self.device, tp)
         mc = self.model_config
-        self.kv = self._kv_cache_layout()
+        self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads  # this rank's
+        self.kv = self._kv_cache_layout(agree_num_blocks)
         self.kv_cache = torch.empty(
             2,
             mc.num_hidden_layers,
             self.kv.num_blocks,
             config.block_size,
-            mc.num_key_value_heads,
+            self.num_kv_heads,
             mc.head_dim,
             dtype=self.dtype,
             device=self.device,
@@ -119,10 +156,10 @@ class ModelRunner:
             limit = self.kv.num_tokens
         return limit
 
-    def _kv_cache_layout(self) -> KVCacheLayout:
+    def _kv_cache_layout(self, agree_num_blocks: Callable[[int], int] | None) -> KVCacheLayout:
         mc, cfg = self.model_config, self.config
         element_size = torch.empty(0, dtype=self.dtype).element_size()
-        bytes_per_block = 2 * mc.num_hidden_layers * cfg.block_size * mc.num_key_value_heads * mc.head_dim
+        bytes_per_block = 2 * mc.num_hidden_layers * cfg.block_size * self.num_kv_heads * mc.head_dim
         bytes_per_block *= element_size
         if cfg.kv_cache_memory_bytes is not None:
             budget = cfg.kv_cache_memory_bytes
@@ -140,12 +177,15 @@ class ModelRunner:
                 f"no room for the KV cache: the budget is {budget / 2**20:.1f} MiB and one block of "
                 f"{cfg.block_size} tokens takes {bytes_per_block / 2**20:.2f} MiB"
             )
+        if agree_num_blocks is not None:
+            num_blocks = agree_num_blocks(int(num_blocks))
         return KVCacheLayout(int(num_blocks), cfg.block_size, bytes_per_block)
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def _prepare(self, out: SchedulerOutput) -> dict[str, np.ndarray]:
-        """The flattened batch as host arrays: no padding, one row per scheduled token."""
+    def prepare(self, out: SchedulerOutput) -> StepInput:
+        """The flattened batch as host arrays (no padding, one row per scheduled token), and which
+        rows' logits the step needs."""
         reqs, counts = out.requests, np.asarray(out.num_scheduled_tokens, dtype=np.int64)
         starts = np.asarray([r.num_computed_tokens for r in reqs], dtype=np.int64)
         query_start_loc = np.zeros(len(reqs) + 1, dtype=np.int64)
@@ -164,7 +204,7 @@ class ModelRunner:
             block_tables[i, : len(r.block_ids)] = r.block_ids
         bs = self.kv.block_size
         slot_mapping = block_tables[row, positions // bs].astype(np.int64) * bs + positions % bs
-        return {
+        batch = {
             "input_ids": input_ids,
             "positions": positions,
             "slot_mapping": slot_mapping,
@@ -173,6 +213,14 @@ class ModelRunner:
             "query_start_loc": query_start_loc,
             "max_query_len": counts.max(),
         }
+        # Logits at position p score the prompt's token p + 1: a chunk scores up to the last prompt token.
+        prompt_chunks = []
+        for i, req in enumerate(reqs):
+            end = min(int(starts[i] + counts[i]), req.num_prompt_tokens - 1)
+            if req.params.prompt_logprobs is not None and starts[i] < end:
+                prompt_chunks.append((i, int(query_start_loc[i]), end - int(starts[i])))
+        rows = [i for i in range(len(reqs)) if out.needs_sample(i)]
+        return StepInput(batch, list(out.copy_ops), rows, prompt_chunks)
 
     def _warm_up(self) -> None:
         """Compile the prefill kernels before the first request: on a slow host a Triton compile takes
@@ -220,22 +268,17 @@ class ModelRunner:
         return torch.from_numpy(batch["query_start_loc"][1:][rows] - 1).to(self.device)
 
     def _prompt_logprobs(
-        self, out: SchedulerOutput, batch: dict[str, np.ndarray], hidden: torch.Tensor
+        self, out: SchedulerOutput, step: StepInput, logits: StepLogits
     ) -> dict[str, tuple[int, list[SampleResult]]]:
-        """For requests that asked for prompt log-probabilities: each prompt token this step can score
-        (logits at position p score the prompt's token p + 1), as (first scored position, results)."""
+        """For requests that asked for prompt log-probabilities: each prompt token this step scores, as
+        (first scored position, results)."""
         result: dict[str, tuple[int, list[SampleResult]]] = {}
-        for i, req in enumerate(out.requests):
-            k = req.params.prompt_logprobs
+        for (i, _, count), chunk_logits in zip(step.prompt_chunks, logits.prompt, strict=True):
+            req = out.requests[i]
+            k = req.params.prompt_logprobs or 0
             start = req.num_computed_tokens
-            end = min(start + out.num_scheduled_tokens[i], req.num_prompt_tokens - 1)
-            if k is None or start >= end:
-                continue
-            first_row = int(batch["query_start_loc"][i])
-            logprobs = torch.log_softmax(
-                self.model.compute_logits(hidden[first_row : first_row + end - start]), -1
-            )
-            targets = torch.tensor(req.token_ids[start + 1 : end + 1], device=logprobs.device)
+            logprobs = torch.log_softmax(chunk_logits, -1)
+            targets = torch.tensor(req.token_ids[start + 1 : start + count + 1], device=logprobs.device)
             chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
             top_vals, top_ids = (
                 logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], targets[:, None][:, :0])
@@ -252,16 +295,14 @@ class ModelRunner:
         return result
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepResult:
-        """Run one step: the sampled token of every request that reached its last token, and the prompt
-        log-probabilities of those that asked for them."""
-        for src, dst in out.copy_ops:
+    def forward(self, step: StepInput) -> StepLogits:
+        """The step's logits; under tensor parallelism every rank calls this with the same `step`."""
+        for src, dst in step.copy_ops:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
-        batch = self._prepare(out)
-        rows = [i for i in range(len(out.requests)) if out.needs_sample(i)]
-        is_decode = batch["max_query_len"] == 1 and len(rows) == len(out.requests)
-        prompt_logprobs: dict[str, tuple[int, list[SampleResult]]] = {}
-        if self.graphs is not None and is_decode and len(rows) <= self.graphs.max_batch_size:
+        batch = step.batch
+        num_reqs = len(batch["seq_lens"])
+        is_decode = batch["max_query_len"] == 1 and len(step.sample_rows) == num_reqs
+        if self.graphs is not None and is_decode and num_reqs <= self.graphs.max_batch_size:
             logits = self.graphs.run(
                 batch["input_ids"],
                 batch["positions"],
@@ -269,13 +310,26 @@ class ModelRunner:
                 batch["seq_lens"],
                 batch["block_tables"],
             )
-        else:
-            hidden = self._forward_eager(batch)
-            prompt_logprobs = self._prompt_logprobs(out, batch, hidden)
-            if not rows:  # only prompt chunks this step: the KV cache is filled, nothing to sample
-                return StepResult({}, prompt_logprobs)
-            logits = self.model.compute_logits(hidden[self._last_rows(batch, rows)])
-        sample_reqs = [out.requests[i] for i in rows]
-        results = self.sampler(logits, sample_reqs)
+            return StepLogits(logits, [])
+        hidden = self._forward_eager(batch)
+        prompt = [self.model.compute_logits(hidden[row : row + n]) for _, row, n in step.prompt_chunks]
+        if not step.sample_rows:  # only prompt chunks this step: the KV cache is filled, nothing to sample
+            return StepLogits(None, prompt)
+        return StepLogits(self.model.compute_logits(hidden[self._last_rows(batch, step.sample_rows)]), prompt)
+
+    @torch.inference_mode()
+    def finish(self, out: SchedulerOutput, step: StepInput, logits: StepLogits) -> StepResult:
+        """Rank 0: the sampled token of every request that reached its last token, and the prompt
+        log-probabilities of those that asked for them."""
+        prompt_logprobs = self._prompt_logprobs(out, step, logits)
+        if logits.sample is None:
+            return StepResult({}, prompt_logprobs)
+        sample_reqs = [out.requests[i] for i in step.sample_rows]
+        results = self.sampler(logits.sample, sample_reqs)
         sampled = {r.request_id: res for r, res in zip(sample_reqs, results, strict=True)}
         return StepResult(sampled, prompt_logprobs)
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run one step on this rank alone."""
+        step = self.prepare(out)
+        return self.finish(out, step, self.forward(step))

@@ -6,12 +6,17 @@ activations per token the same way and multiplies on the tensor cores with `torc
 (compute capability 8.9+: Ada, Hopper, Blackwell), accumulating in fp32 and rescaling to the model's
 dtype. Elsewhere (the CPU, older GPUs) the same fp8 numbers are multiplied in float32: the reference
 the tests hold the GPU path to. Embeddings, norms and the LM head stay in the model dtype.
+
+Under tensor parallelism each rank quantizes its own shard (the scales are the shard's rows), and a
+row-parallel layer keeps its all-reduce.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from pagoda.service.model.parallel import RowParallelLinear, TPGroup
 
 FP8_MAX = 448.0
 FP8_DTYPE = torch.float8_e4m3fn
@@ -31,9 +36,13 @@ def supports_fp8_matmul(device: torch.device) -> bool:
 
 
 class Fp8Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        """`weight` [out, in] in the model dtype, on the device it will run on."""
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, reduce: TPGroup | None = None
+    ) -> None:
+        """`weight` [out, in] in the model dtype, on the device it will run on. `reduce`: sum the output
+        over these ranks before the bias (a row-parallel layer's shard)."""
         super().__init__()
+        self.reduce = reduce
         q, scale = quantize_rows(weight)
         self.weight = nn.Parameter(q, requires_grad=False)  # [out, in] fp8
         self.weight_scale: torch.Tensor
@@ -52,6 +61,8 @@ class Fp8Linear(nn.Module):
         else:
             w = self.weight.float() * self.weight_scale.view(-1, 1)
             out = ((xq.float() * x_scale) @ w.t()).to(self.out_dtype)
+        if self.reduce is not None:
+            out = self.reduce.all_reduce(out)
         if self.bias is not None:
             out = out + self.bias
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -67,7 +78,8 @@ def quantize_model_fp8(model: nn.Module, device: torch.device) -> int:
             parent = getattr(layer, parent_name)
             linear: nn.Linear = getattr(parent, name)
             bias = None if linear.bias is None else linear.bias.data.to(device)
-            setattr(parent, name, Fp8Linear(linear.weight.data.to(device), bias))
+            reduce = linear.tp if isinstance(linear, RowParallelLinear) and linear.tp.size > 1 else None
+            setattr(parent, name, Fp8Linear(linear.weight.data.to(device), bias, reduce))
             count += 1
     model.to(device)
     return count

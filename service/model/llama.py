@@ -4,6 +4,7 @@ All sequences' new tokens are concatenated into one `[num_tokens]` row; `Attenti
 where each sequence starts and where its K/V go in the paged cache. q/k/v share one matmul
 (`qkv_proj`) and gate/up another (`gate_up_proj`); the loader merges Hugging Face's separate
 weights. Nothing in `forward` reads a tensor back to the host, so a CUDA graph can capture it.
+Under tensor parallelism (`tp`) each rank holds its heads and slices (see `parallel`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,16 @@ from torch import nn
 from pagoda import kernels
 from pagoda.service.model.attention import AttentionMetadata, PagedAttention
 from pagoda.service.model.config import ModelConfig
+from pagoda.service.model.parallel import (
+    SINGLE_RANK,
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    Shard,
+    TPGroup,
+    VocabParallelEmbedding,
+    check_tp_size,
+)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:  # [head_dim // 2] float32
@@ -64,17 +75,19 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.num_heads = config.num_attention_heads // tp.size
+        # Fewer KV heads than ranks: each rank keeps a copy of the one its query heads read.
+        self.num_kv_heads = max(config.num_key_value_heads // tp.size, 1)
+        first_kv_head = tp.rank * config.num_key_value_heads // tp.size
+        self.head_dim = hd = config.head_dim
+        self.q_size = self.num_heads * hd
+        self.kv_size = self.num_kv_heads * hd
+        q = Shard(0, tp.rank * self.q_size, self.q_size)
+        kv = Shard(0, first_kv_head * hd, self.kv_size)
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q, kv, kv], bias=config.attention_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size, False, tp)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(
@@ -95,20 +108,22 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        local = config.intermediate_size // tp.size
+        part = Shard(0, tp.rank * local, local)
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [part, part], bias=False)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, tp)
+        self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -131,10 +146,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -145,11 +160,13 @@ class LlamaForCausalLM(nn.Module):
     computed here, on the CPU, and moved with `.to(device)`.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE_RANK) -> None:
         super().__init__()
+        check_tp_size(config, tp.size)
         self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp
+        self.model = LlamaModel(config, tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(config), persistent=False)
 
     def attention_layers(self) -> list[PagedAttention]:
@@ -169,4 +186,5 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
+        """Under tensor parallelism a collective: every rank calls it on the same rows, in the same order."""
         return self.lm_head(hidden).float()

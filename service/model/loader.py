@@ -1,8 +1,10 @@
 """Weights from a Hugging Face checkpoint folder or a GGUF file into `LlamaForCausalLM`.
 
-Both sources are reduced to one question, "the tensor Hugging Face calls NAME, or None", and one
-assembly step maps our parameters to those names, concatenating q/k/v and gate/up. The model is
-built on the meta device, so no memory is spent on random initial weights.
+Both sources are reduced to one question, "the tensor Hugging Face calls NAME (or the slice of it
+this tensor-parallel rank holds), or None", and one assembly step maps our parameters to those
+names, concatenating q/k/v and gate/up. The model is built on the meta device, so no memory is
+spent on random initial weights, and a rank reads only its slices: safetensors slices straight from
+the file, GGUF one dequantized tensor at a time.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from torch import nn
 
 from pagoda.service.model.config import ModelConfig
 from pagoda.service.model.llama import LlamaForCausalLM
+from pagoda.service.model.parallel import SINGLE_RANK, Shard, TPGroup
 
 logger = logging.getLogger(__name__)
 
 DType = torch.dtype | Literal["auto"]
-TensorSource = Callable[[str], torch.Tensor | None]
+TensorSource = Callable[[str, Shard | None], torch.Tensor | None]
 
 # Our merged parameters -> the Hugging Face tensors concatenated (dim 0) to make them.
 _MERGED = {
@@ -35,21 +38,21 @@ _MERGED = {
 
 
 def load_model(
-    path: str | Path, dtype: DType = "auto", device: str | torch.device = "cpu"
+    path: str | Path, dtype: DType = "auto", device: str | torch.device = "cpu", tp: TPGroup = SINGLE_RANK
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """`(model, config)` from a checkpoint folder or a `.gguf` file."""
+    """`(model, config)` from a checkpoint folder or a `.gguf` file; under `tp`, this rank's shard."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path}")
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"a model file must be a .gguf file, got {path}")
-        return load_gguf(path, dtype, device)
-    return load_hf_folder(path, dtype, device)
+        return load_gguf(path, dtype, device, tp)
+    return load_hf_folder(path, dtype, device, tp)
 
 
 def load_hf_folder(
-    folder: Path, dtype: DType = "auto", device: str | torch.device = "cpu"
+    folder: Path, dtype: DType = "auto", device: str | torch.device = "cpu", tp: TPGroup = SINGLE_RANK
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     from safetensors import safe_open
 
@@ -75,18 +78,25 @@ def load_hf_folder(
             for name in sorted(set(weight_map.values()))
         }
 
-        def get(name: str) -> torch.Tensor | None:
+        def get(name: str, shard: Shard | None) -> torch.Tensor | None:
             file_name = weight_map.get(name)
-            return None if file_name is None else handles[file_name].get_tensor(name)
+            if file_name is None:
+                return None
+            if shard is None:
+                return handles[file_name].get_tensor(name)
+            view = handles[file_name].get_slice(name)
+            stop = min(shard.start + shard.size, view.get_shape()[shard.dim])
+            return view[shard.start : stop] if shard.dim == 0 else view[:, shard.start : stop]
 
-        model = build_model(config, get, _resolve_dtype(dtype, config), device, source=str(folder))
+        model = build_model(config, get, _resolve_dtype(dtype, config), device, str(folder), tp)
     return model, config
 
 
 def load_gguf(
-    path: Path, dtype: DType = "auto", device: str | torch.device = "cpu"
+    path: Path, dtype: DType = "auto", device: str | torch.device = "cpu", tp: TPGroup = SINGLE_RANK
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Dequantize every tensor on load; undo llama.cpp's q/k row permutation as transformers does."""
+    """Dequantize each tensor on load, one at a time; undo llama.cpp's q/k row permutation as
+    transformers does (per head, so before a rank takes its heads)."""
     import gguf
 
     reader = gguf.GGUFReader(path)
@@ -104,7 +114,7 @@ def load_gguf(
     arch = meta["general.architecture"]
     hf_to_gguf = {_gguf_to_hf(name): name for name in tensors}
 
-    def get(name: str) -> torch.Tensor | None:
+    def get(name: str, shard: Shard | None) -> torch.Tensor | None:
         gguf_name = hf_to_gguf.get(name)
         if gguf_name is None:
             return None
@@ -114,24 +124,33 @@ def load_gguf(
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             weights = _reverse_permute(weights, heads)
-        return weights
+        if shard is None:
+            return weights
+        stop = min(shard.start + shard.size, weights.shape[shard.dim])
+        return weights.narrow(shard.dim, shard.start, stop - shard.start).clone()  # frees the rest
 
-    model = build_model(config, get, _resolve_dtype(dtype, config), device, source=str(path))
+    model = build_model(config, get, _resolve_dtype(dtype, config), device, str(path), tp)
     return model, config
 
 
 def build_model(
-    config: ModelConfig, get: TensorSource, dtype: torch.dtype, device: str | torch.device, source: str
+    config: ModelConfig,
+    get: TensorSource,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    source: str,
+    tp: TPGroup = SINGLE_RANK,
 ) -> LlamaForCausalLM:
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, tp)
     model.cos_sin_cache = model.cos_sin_cache.to(device)
     for name, _ in list(model.named_parameters()):
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
-        weight = _assemble(name, get, source)
         owner_name, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_name)
+        shards: tuple[Shard, ...] | None = getattr(owner, "param_shards", {}).get(attr)
+        weight = _assemble(name, get, shards, source)
         expected = tuple(getattr(owner, attr).shape)
         if tuple(weight.shape) != expected:
             raise ValueError(
@@ -141,17 +160,18 @@ def build_model(
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     logger.info(
-        "loaded %s: %d layers, hidden %d, %s on %s",
+        "loaded %s: %d layers, hidden %d, %s on %s%s",
         source,
         config.num_hidden_layers,
         config.hidden_size,
         dtype,
         device,
+        f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "",
     )
     return model.eval()
 
 
-def _assemble(name: str, get: TensorSource, source: str) -> torch.Tensor:
+def _assemble(name: str, get: TensorSource, shards: tuple[Shard, ...] | None, source: str) -> torch.Tensor:
     prefix, _, suffix = name.rpartition(".")  # suffix: weight / bias
     for merged, parts in _MERGED.items():
         if prefix.endswith(merged):
@@ -161,10 +181,14 @@ def _assemble(name: str, get: TensorSource, source: str) -> torch.Tensor:
     else:
         names = [name]
     tensors = []
-    for tensor_name in names:
-        tensor = get(tensor_name)
+    for tensor_name, shard in zip(names, shards or [None] * len(names), strict=True):
+        tensor = get(tensor_name, shard)
         if tensor is None:
             raise ValueError(f"{source}: checkpoint has no tensor {tensor_name!r}")
+        if shard is not None and tensor.shape[shard.dim] < shard.size:  # the vocabulary's padding rows
+            missing = list(tensor.shape)
+            missing[shard.dim] = shard.size - tensor.shape[shard.dim]
+            tensor = torch.cat([tensor, tensor.new_zeros(missing)], dim=shard.dim)
         tensors.append(tensor)
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
 
