@@ -171,6 +171,14 @@ INVALID = [
     ),
     ({"model": {"name": "m", "source": {}}}, "give exactly one of pvc, hostPath, imagePath or uri"),
     ({"tensorParallelSize": 3}, "tensorParallelSize must be auto, 1, 2, 4 or 8"),
+    ({"precision": "int8"}, 'spec.precision: Unsupported value: "int8"'),
+    (
+        {"engine": {"extraArgs": ["--tensor-parallel-size=4"]}},
+        'extraArgs[0]: Invalid value: "--tensor-parallel-size=4": engine.extraArgs cannot set a flag',
+    ),
+    # argparse takes unique prefixes, and the last value wins: an abbreviation would override too.
+    ({"engine": {"extraArgs": ["--seed", "1", "--tensor", "4"]}}, "engine.extraArgs cannot set a flag"),
+    ({"engine": {"extraArgs": ["--no-enable-prefix"]}}, "engine.extraArgs cannot set a flag"),
 ]
 
 
@@ -190,6 +198,15 @@ def test_invalid_objects_are_refused_with_their_message(cluster, namespace, spec
     out = cluster.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(body), check=False)
     assert out.returncode != 0
     assert message in out.stderr
+
+
+def test_extra_args_of_the_users_own_are_accepted(cluster, namespace, operator) -> None:
+    body = small_service("extra")
+    body["spec"]["engine"] = {"extraArgs": ["--seed", "7", "--device=cuda", "--max-num-batched-tokens=4096"]}
+    out = cluster.kubectl(
+        "create", "--dry-run=server", "-n", namespace, "-f", "-", input=json.dumps(body), check=False
+    )
+    assert out.returncode == 0, out.stderr
 
 
 def test_names_that_cannot_name_a_service_are_refused(cluster, namespace, operator) -> None:

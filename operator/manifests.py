@@ -49,7 +49,7 @@ def _quantity(value: float) -> str:
 
 
 def server_args(spec: ServiceSpec, decision: Decision, config: OperatorConfig) -> list[str]:
-    """The profile and engine settings as `pagoda serve` flags."""
+    """The profile and engine settings as `pagoda serve` flags: spec.OPERATOR_FLAGS, then extraArgs."""
     engine = spec.engine
     args = [
         "--model", model_path(spec),

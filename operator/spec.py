@@ -2,7 +2,9 @@
 
 The API server has already checked the object against the CRD schema and CEL rules; parsing here
 only fills defaults and turns a few shapes (TP `auto`, the model source) into Python values. What
-the schema cannot know (a model name outside the catalogue without a size) raises ValueError.
+the schema cannot know (a model name outside the catalogue without a size) raises ValueError, and so
+does the CRD's extraArgs rule, repeated here for objects that never met the API server (unit tests,
+a CRD installed before the rule).
 """
 
 from __future__ import annotations
@@ -20,6 +22,26 @@ GROUP = "serving.pagoda.dev"
 VERSION = "v1alpha1"
 PLURAL = "inferenceservices"
 KIND = "InferenceService"
+
+# The `pagoda serve` flags the operator renders from the spec and the profile (manifests.server_args).
+# engine.extraArgs may not set them: not exactly, not as `--flag=value`, and not abbreviated (argparse
+# takes any unique prefix, and the last occurrence wins). The CRD's CEL rule on extraArgs spells the
+# same list; tests/test_operator_contract.py holds the three together.
+OPERATOR_FLAGS: tuple[str, ...] = (
+    "--model",
+    "--served-model-name",
+    "--precision",
+    "--tensor-parallel-size",
+    "--gpu-memory-utilization",
+    "--enable-prefix-caching",
+    "--no-enable-prefix-caching",
+    "--max-model-len",
+    "--max-num-seqs",
+    "--host",
+    "--port",
+    "--grpc-port",
+    "--drain-timeout",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,13 +133,31 @@ def _autoscaling(raw: Mapping[str, Any] | None) -> Autoscaling | None:
     )
 
 
+def operator_flag(arg: str) -> str | None:
+    """The operator's flag that a `pagoda serve` argument would set, if any."""
+    name = arg.split("=", 1)[0]
+    if not name.startswith("--") or name == "--":
+        return None
+    return next((flag for flag in OPERATOR_FLAGS if flag.startswith(name)), None)
+
+
+def _extra_args(raw: list[str] | None) -> tuple[str, ...]:
+    for arg in raw or ():
+        if (flag := operator_flag(arg)) is not None:
+            raise ValueError(
+                f"engine.extraArgs: {arg!r} would override {flag}, which the operator sets "
+                "from the spec and the chosen profile"
+            )
+    return tuple(raw or ())
+
+
 def _engine(raw: Mapping[str, Any]) -> EngineSettings:
     return EngineSettings(
         max_model_len=raw.get("maxModelLen"),
         max_num_seqs=raw.get("maxNumSeqs"),
         kv_cache_fraction=float(raw.get("kvCacheFraction", DEFAULT_KV_CACHE_FRACTION)),
         is_prefix_caching=bool(raw.get("prefixCaching", True)),
-        extra_args=tuple(raw.get("extraArgs") or ()),
+        extra_args=_extra_args(raw.get("extraArgs")),
     )
 
 
