@@ -171,6 +171,8 @@ def deployment(spec: ServiceSpec, decision: Decision, config: OperatorConfig) ->
         mounts.append({"name": "kernel-cache", "mountPath": cache_dir})
     if tp > 1:
         # NCCL moves data between ranks through /dev/shm; the container default of 64 MiB crashes it.
+        # 2 GiB per rank is a limit, not a reservation: pages count against the pod's memory only
+        # as they are used (vLLM's docs likewise give TP containers a few GiB of shm).
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{2 * tp}Gi"}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     container = {

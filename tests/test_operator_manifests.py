@@ -87,11 +87,12 @@ def test_probes_and_termination_follow_the_server() -> None:
 def test_tensor_parallel_gets_shared_memory_and_gpus() -> None:
     dep = manifests.deployment(parse_spec(body(precision="bf16")), decision(4, "bf16"), CONFIG)
     volumes = {v["name"]: v for v in pod(dep)["volumes"]}
-    assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}  # 2 GiB per rank
     mounts = {m["name"]: m["mountPath"] for m in pod(dep)["containers"][0]["volumeMounts"]}
     assert mounts["dshm"] == "/dev/shm"
     assert pod(dep)["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] == "4"
     whole_node = manifests.deployment(parse_spec(body()), decision(8, "bf16"), CONFIG)
+    assert {v["name"]: v for v in pod(whole_node)["volumes"]}["dshm"]["emptyDir"]["sizeLimit"] == "16Gi"
     assert whole_node["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
 
 
