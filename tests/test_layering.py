@@ -1,0 +1,140 @@
+"""The boundaries between the parts, held by import blocking (STYLE.md: "held by a test, not by memory").
+
+Each rule names modules (an fnmatch glob; `pkg.*` also matches `pkg` itself) and the import prefixes
+they must never reach, directly or through anything they import. Every matching module is imported in
+a fresh interpreter whose first meta-path finder refuses the forbidden names and records who asked, so
+a violation fails with its import chain, even one a `try: import ... except ImportError` would hide.
+Imports inside functions are not seen: the rules are about what loading a module drags in.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGES = ("pagoda.operator", "pagoda.service", "pagoda.kernels")
+
+# (modules, forbidden import prefixes). Adding a boundary is adding a line.
+RULES: list[tuple[str, tuple[str, ...]]] = [
+    ("pagoda.operator.*", ("pagoda.service", "pagoda.kernels", "torch")),
+    ("pagoda.kernels.*", ("pagoda.service", "pagoda.operator")),
+    ("pagoda.service.engine.scheduler", ("torch", "fastapi", "grpc")),
+    ("pagoda.service.engine.block_manager", ("torch", "fastapi", "grpc")),
+    ("pagoda.service.engine.request", ("torch", "fastapi", "grpc")),
+    ("pagoda.service.model.*", ("pagoda.service.api", "fastapi", "grpc")),
+]
+
+CHILD = r"""
+import importlib, json, sys, traceback
+
+forbidden, modules = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+
+
+def is_forbidden(name):
+    return any(name == p or name.startswith(p + ".") for p in forbidden)
+
+
+def importers():
+    # The modules whose top-level code is running, outermost first: who asked for the import.
+    names, frame = [], sys._getframe(2)
+    while frame is not None:
+        name = frame.f_globals.get("__name__")
+        if frame.f_code.co_name == "<module>" and name not in (None, "__main__"):
+            if not names or names[-1] != name:
+                names.append(name)
+        frame = frame.f_back
+    return names[::-1]
+
+
+class Blocker:
+    def __init__(self):
+        self.chains = []
+
+    def find_spec(self, name, path=None, target=None):
+        if is_forbidden(name):
+            self.chains.append(" -> ".join([*importers(), name]))
+            raise ImportError(f"{name} is forbidden here")
+        return None
+
+
+blocker = Blocker()
+sys.meta_path.insert(0, blocker)
+report = {"preloaded": sorted(m for m in sys.modules if is_forbidden(m)), "errors": {}}
+for module in modules:
+    try:
+        importlib.import_module(module)
+    except Exception:
+        report["errors"][module] = traceback.format_exc(limit=-3)
+report["chains"] = list(dict.fromkeys(blocker.chains))
+print(json.dumps(report))
+"""
+
+
+def all_modules() -> list[str]:
+    """Every module under the three packages, found on disk (package-dir maps them to folders)."""
+    names = []
+    for package in PACKAGES:
+        spec = importlib.util.find_spec(package)
+        assert spec is not None and spec.submodule_search_locations, package
+        (folder,) = spec.submodule_search_locations
+        for path in sorted(Path(folder).rglob("*.py")):
+            parts = path.relative_to(folder).with_suffix("").parts
+            if "__pycache__" in parts or not (path.parent / "__init__.py").exists():
+                continue
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            names.append(".".join((package, *parts)))
+    return names
+
+
+def matches(module: str, pattern: str) -> bool:
+    return fnmatch.fnmatchcase(module, pattern) or (pattern.endswith(".*") and module == pattern[:-2])
+
+
+@pytest.mark.parametrize(("pattern", "forbidden"), RULES, ids=[pattern for pattern, _ in RULES])
+def test_boundary(pattern: str, forbidden: tuple[str, ...]) -> None:
+    modules = [m for m in all_modules() if matches(m, pattern)]
+    assert modules, f"{pattern} matches no module: a rule about nothing"
+    env = dict(os.environ, PYTHONSAFEPATH="1")  # the repo's operator/ must not shadow the stdlib
+    result = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(forbidden), json.dumps(modules)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert not report["preloaded"], f"loaded before any import: {report['preloaded']}"
+    assert not report["chains"], f"{pattern} must not import {', '.join(forbidden)}:\n" + "\n".join(
+        report["chains"]
+    )
+    assert not report["errors"], "\n".join(f"{m}:\n{tb}" for m, tb in report["errors"].items())
+
+
+def test_the_blocker_blocks(tmp_path: Path) -> None:
+    """A rule that is broken fails with the chain that breaks it."""
+    env = dict(os.environ, PYTHONSAFEPATH="1")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            CHILD,
+            json.dumps(["pagoda.operator.gpus"]),
+            json.dumps(["pagoda.operator.profile"]),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    report = json.loads(result.stdout.splitlines()[-1])
+    assert report["chains"] == ["pagoda.operator.profile -> pagoda.operator.gpus"]
+    assert "pagoda.operator.profile" in report["errors"]
