@@ -1,0 +1,285 @@
+"""The operator-engine contract (DESIGN.md): the pod gets only container args and env, and
+- every profile the operator can choose, on every GPU it knows, `pagoda serve` accepts;
+- every distinct (precision, tensor-parallel size) among them really serves, here on the CPU;
+- a user's engine.extraArgs never override a flag the operator renders (spec parsing and the CRD).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from pagoda.operator import manifests
+from pagoda.operator.catalogue import CATALOGUE
+from pagoda.operator.gpus import KNOWN_GPUS, GpuGroup
+from pagoda.operator.profile import PRECISIONS, TP_DEGREES, Decision, select_profile
+from pagoda.operator.spec import OPERATOR_FLAGS, OperatorConfig, ServiceSpec, operator_flag, parse_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+CRD = ROOT / "crds" / "serving.pagoda.dev_inferenceservices.yaml"
+CONFIG = OperatorConfig()
+
+
+def _body(spec: dict[str, Any], name: str = "contract") -> dict[str, Any]:
+    return {"metadata": {"name": name, "namespace": "ns"}, "spec": spec}
+
+
+def _bodies() -> Iterator[dict[str, Any]]:
+    """Every example as written, and every catalogue model at every precision and TP a spec can ask for."""
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        example = yaml.safe_load(path.read_text())
+        yield _body(example["spec"], example["metadata"]["name"])
+    for model in CATALOGUE:
+        for precision in PRECISIONS:
+            for tp in ("auto", *TP_DEGREES):
+                source = {"imagePath": f"/models/{model}"}
+                spec = {"model": {"name": model, "source": source}, "precision": precision}
+                yield _body(spec | {"tensorParallelSize": tp})
+
+
+def _groups() -> Iterator[GpuGroup]:
+    """Every GPU the operator knows (as GPU Feature Discovery labels it), in nodes of 1 to 8."""
+    for product, (cc, memory_mib) in KNOWN_GPUS.items():
+        for num_gpus in TP_DEGREES:
+            yield GpuGroup(product, cc, memory_mib, num_gpus, labels=(product,), node_names=("node",))
+
+
+@functools.cache
+def chosen_profiles() -> list[tuple[ServiceSpec, Decision]]:
+    """Every (spec, selected profile) the operator can reach, deduplicated on what the pod gets."""
+    seen: set[tuple] = set()
+    out = []
+    for body in _bodies():
+        spec = parse_spec(body)
+        for group in _groups():
+            decision = select_profile(spec.profile_request(), [group])
+            if not decision.is_selected:
+                continue
+            container = _container(spec, decision)
+            key = (
+                spec.model_name,
+                tuple(container["args"]),
+                repr(container["env"]),
+                group.compute_capability,
+            )
+            if key not in seen:
+                seen.add(key)
+                out.append((spec, decision))
+    return out
+
+
+def _container(spec: ServiceSpec, decision: Decision) -> dict[str, Any]:
+    return manifests.deployment(spec, decision, CONFIG)["spec"]["template"]["spec"]["containers"][0]
+
+
+def _with_values(args: list[str], **values: str) -> list[str]:
+    """`args` with the values of some flags replaced: `_with_values(args, model="/x")`."""
+    args = list(args)
+    for name, value in values.items():
+        flag = "--" + name.replace("_", "-")
+        args[args.index(flag) + 1] = value
+    return args
+
+
+class FakeNvml:
+    """NVML as `pagoda serve` sees it on the chosen node: its GPU's name and compute capability."""
+
+    def __init__(self, group: GpuGroup) -> None:
+        self.group = group
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import pynvml  # nvidia-ml-py, a server dependency
+
+        monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
+        monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: self.group.num_gpus)
+        monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda index: index)
+        monkeypatch.setattr(
+            pynvml, "nvmlDeviceGetCudaComputeCapability", lambda h: self.group.compute_capability
+        )
+        monkeypatch.setattr(pynvml, "nvmlDeviceGetName", lambda h: self.group.product)
+
+
+def test_the_table_reaches_every_precision_and_tp() -> None:
+    """What the contract covers: the operator's whole range, so a gap below is a real gap."""
+    reached = {(d.precision, d.tensor_parallel_size) for _, d in chosen_profiles()}
+    assert {p for p, _ in reached} == {"fp8", "bf16", "fp16"}
+    assert {tp for _, tp in reached} == set(TP_DEGREES)
+
+
+def test_serve_accepts_every_profile_the_operator_chooses(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from pagoda.service import cli as serve_cli
+
+    for name in [n for n in os.environ if n.startswith("PAGODA_")]:
+        monkeypatch.delenv(name)
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    for spec, decision in chosen_profiles():
+        assert decision.gpu is not None
+        container = _container(spec, decision)
+        with monkeypatch.context() as patch:
+            for var in container["env"]:  # PAGODA_* variables are flags too
+                if "value" in var:
+                    patch.setenv(var["name"], var["value"])
+            FakeNvml(decision.gpu).install(patch)
+            parser = argparse.ArgumentParser(exit_on_error=False)
+            serve_cli.add_arguments(parser)
+            where = f"{spec.name} on {decision.gpu.describe()}: {container['args']}"
+            try:
+                args = parser.parse_args(_with_values(container["args"], model=str(checkpoint)))
+                _, engine = serve_cli.build_configs(args)
+            except (argparse.ArgumentError, SystemExit, ValueError) as exc:
+                raise AssertionError(f"pagoda serve refuses {where}: {exc}") from exc
+        dtype, quantization = serve_cli.PRECISION_DTYPES[str(decision.precision)]
+        assert (engine.dtype, engine.quantization) == (dtype, quantization), where
+        assert engine.tensor_parallel_size == decision.tensor_parallel_size, where
+        assert engine.served_model_name == spec.model_name, where
+
+
+# --- extraArgs never override the operator's flags ---------------------------------------------------
+
+
+def _crd_flags() -> list[str]:
+    crd = yaml.safe_load(CRD.read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    (rule,) = spec["engine"]["properties"]["extraArgs"]["items"]["x-kubernetes-validations"]
+    return re.findall(r"'(--[a-z-]+)'", rule["rule"])
+
+
+def test_operator_flags_are_one_list_with_the_crd_and_what_is_rendered() -> None:
+    from pagoda.service import cli as serve_cli
+
+    assert _crd_flags() == list(OPERATOR_FLAGS)
+    engine = {"maxModelLen": 4096, "maxNumSeqs": 8, "prefixCaching": False}
+    full = parse_spec(
+        _body({"model": {"name": "llama-3.1-8b", "source": {"imagePath": "/m"}}, "engine": engine})
+    )
+    profiles = [(full, chosen_profiles()[0][1]), *chosen_profiles()]
+    rendered = {a for s, d in profiles for a in manifests.server_args(s, d, CONFIG) if a.startswith("--")}
+    assert rendered == set(OPERATOR_FLAGS)
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    serve_flags = {o for action in parser._actions for o in action.option_strings if o.startswith("--")}
+    assert set(OPERATOR_FLAGS) <= serve_flags
+    for flag in serve_flags - set(OPERATOR_FLAGS):  # the rule never takes a flag that is the user's
+        assert operator_flag(flag) is None and operator_flag(f"{flag}=1") is None, flag
+
+
+@pytest.mark.parametrize(
+    ("arg", "flag"),
+    [
+        ("--tensor-parallel-size=4", "--tensor-parallel-size"),
+        ("--tensor-parallel-size", "--tensor-parallel-size"),
+        ("--tensor=4", "--tensor-parallel-size"),  # argparse takes a unique prefix
+        ("--precision", "--precision"),
+        ("--model=/elsewhere", "--model"),
+        ("--grpc", "--grpc-port"),
+        ("--no-enable-prefix", "--no-enable-prefix-caching"),
+        ("--max-model-len=100000", "--max-model-len"),
+        ("--seed", None),
+        ("--device=cpu", None),
+        ("--max-num-batched-tokens=4096", None),
+        ("4", None),
+        ("--", None),
+        ("-h", None),
+    ],
+)
+def test_operator_flag(arg: str, flag: str | None) -> None:
+    assert operator_flag(arg) == flag
+
+
+def test_abbreviations_would_really_override() -> None:
+    """Why abbreviations are refused too: `pagoda serve` takes them, and the last value wins."""
+    from pagoda.service import cli as serve_cli
+
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    assert parser.parse_args(["--tensor-parallel-size", "1", "--tensor=4"]).tensor_parallel_size == 4
+
+
+def test_extra_args_that_override_are_refused_at_parsing() -> None:
+    spec = {"model": {"name": "llama-3.1-8b", "source": {"imagePath": "/m"}}}
+    ok = parse_spec(_body(spec | {"engine": {"extraArgs": ["--seed", "7", "--device=cuda"]}}))
+    assert ok.engine.extra_args == ("--seed", "7", "--device=cuda")
+    with pytest.raises(ValueError, match=r"'--tensor-parallel-size=4' would override --tensor-parallel-size"):
+        parse_spec(_body(spec | {"engine": {"extraArgs": ["--seed", "7", "--tensor-parallel-size=4"]}}))
+
+
+# --- every distinct (precision, TP) serves ------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tp8_llama_ckpt(tmp_path_factory: pytest.TempPathFactory, tokenizer_files: Path) -> Path:
+    """Llama with 16 query and 8 KV heads: at TP 8 each rank holds one KV head, as 70B and 405B do."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=16,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("tp8_llama")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    GenerationConfig(bos_token_id=1, eos_token_id=[2], do_sample=False).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_files / name, folder / name)
+    return folder
+
+
+def _distinct_profiles() -> dict[tuple[str, int], tuple[ServiceSpec, Decision]]:
+    out: dict[tuple[str, int], tuple[ServiceSpec, Decision]] = {}
+    for spec, decision in chosen_profiles():
+        key = (str(decision.precision), int(decision.tensor_parallel_size or 0))
+        out.setdefault(key, (spec, decision))
+    return dict(sorted(out.items(), key=lambda item: (item[0][1], item[0][0])))
+
+
+DISTINCT = _distinct_profiles()
+
+
+@pytest.mark.parametrize("key", list(DISTINCT), ids=[f"{p}-tp{tp}" for p, tp in DISTINCT])
+def test_every_distinct_profile_serves_on_the_cpu(
+    key: tuple[str, int], tp8_llama_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rendered args with the tiny checkpoint for the model, on the CPU, on free local ports."""
+    from pagoda.service.serve_process import ServeProcess
+
+    spec, decision = DISTINCT[key]
+    container = _container(spec, decision)
+    local = {"model": str(tp8_llama_ckpt), "host": "127.0.0.1", "port": "0", "grpc_port": "0"}
+    if "--max-model-len" in container["args"]:
+        local["max_model_len"] = "512"  # the tiny model's context is 2048
+    on_the_cpu = ["--device", "cpu", "--kv-cache-memory-bytes", str(8 << 20)]
+    args = _with_values(container["args"], **local) + on_the_cpu
+    for var in container["env"]:
+        if var["name"].startswith("PAGODA_") and "value" in var:
+            monkeypatch.setenv(var["name"], var["value"])
+    with ServeProcess(args, log_path=tmp_path / "serve.log") as server:
+        body = {"model": spec.model_name, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+        response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        (choice,) = response.json()["choices"]
+        assert choice["finish_reason"] in ("length", "stop") and isinstance(choice["text"], str)
+        if decision.tensor_parallel_size != 1:  # really sharded, over that many gloo ranks
+            assert f"tensor parallel over {decision.tensor_parallel_size} ranks" in server.log()
