@@ -85,8 +85,7 @@ def load_hf_folder(
             if shard is None:
                 return handles[file_name].get_tensor(name)
             view = handles[file_name].get_slice(name)
-            stop = min(shard.start + shard.size, view.get_shape()[shard.dim])
-            return view[shard.start : stop] if shard.dim == 0 else view[:, shard.start : stop]
+            return view[shard.start : shard.stop] if shard.dim == 0 else view[:, shard.start : shard.stop]
 
         model = build_model(config, get, _resolve_dtype(dtype, config), device, str(folder), tp)
     return model, config
@@ -126,7 +125,7 @@ def load_gguf(
             weights = _reverse_permute(weights, heads)
         if shard is None:
             return weights
-        stop = min(shard.start + shard.size, weights.shape[shard.dim])
+        stop = min(shard.stop, weights.shape[shard.dim])  # short of the shard: the shape check says so
         return weights.narrow(shard.dim, shard.start, stop - shard.start).clone()  # frees the rest
 
     model = build_model(config, get, _resolve_dtype(dtype, config), device, str(path), tp)
@@ -185,8 +184,8 @@ def _assemble(name: str, get: TensorSource, shards: tuple[Shard, ...] | None, so
         tensor = get(tensor_name, shard)
         if tensor is None:
             raise ValueError(f"{source}: checkpoint has no tensor {tensor_name!r}")
-        if shard is not None and tensor.shape[shard.dim] < shard.size:  # the vocabulary's padding rows
-            missing = list(tensor.shape)
+        if shard is not None and shard.limit is not None and tensor.shape[shard.dim] < shard.size:
+            missing = list(tensor.shape)  # the vocabulary's padding rows
             missing[shard.dim] = shard.size - tensor.shape[shard.dim]
             tensor = torch.cat([tensor, tensor.new_zeros(missing)], dim=shard.dim)
         tensors.append(tensor)

@@ -77,12 +77,18 @@ def check_tp_size(config: ModelConfig, size: int) -> None:
 
 @dataclass(frozen=True)
 class Shard:
-    """Indices [start, start + size) along `dim` of one checkpoint tensor. Indices past the tensor's
-    end (vocabulary padding) read as zeros."""
+    """Indices [start, start + size) along `dim` of one checkpoint tensor. `limit`: the dimension's
+    real length where the shard runs past it (the vocabulary's padding); indices from it read as zeros."""
 
     dim: int
     start: int
     size: int
+    limit: int | None = None
+
+    @property
+    def stop(self) -> int:  # the last index read from the file, plus one
+        end = self.start + self.size
+        return end if self.limit is None else min(end, self.limit)
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -121,7 +127,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_rows = -(-vocab_size // tp.size)
         self.first_row = tp.rank * self.num_rows
         self.weight = nn.Parameter(torch.empty(self.num_rows, hidden_size), requires_grad=False)
-        self.param_shards = {"weight": (Shard(0, self.first_row, self.num_rows),)}
+        self.param_shards = {"weight": (Shard(0, self.first_row, self.num_rows, limit=vocab_size),)}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, hidden]
         if self.tp.size == 1:

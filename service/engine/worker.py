@@ -1,0 +1,111 @@
+"""A tensor-parallel worker process: ranks 1..N-1 of the model side, started by `Executor`.
+
+It joins the process group, loads its shard, agrees on the KV block count with rank 0, warms up and
+captures its CUDA graphs, then runs every `StepInput` rank 0 sends until told to stop. It never
+samples and never answers a step: rank 0 learns of trouble from the process's exit. It dies with
+its parent (PR_SET_PDEATHSIG, even when the parent is SIGKILLed) and leaves Ctrl-C to the parent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagoda.service.engine.config import EngineConfig
+    from pagoda.service.engine.model_runner import ModelRunner
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    rank: int
+    size: int
+    store_port: int  # rank 0's TCPStore on 127.0.0.1
+    backend: str  # "nccl" or "gloo"
+    config: EngineConfig
+    model_path: str
+    eos_token_ids: frozenset[int]
+    num_threads: int  # torch intra-op threads, as rank 0 has
+    parent_pid: int
+    collective_timeout_s: float
+
+
+class _Stopped(Exception):
+    """Rank 0 gave up during start-up and said so."""
+
+
+def worker_main(args: WorkerArgs, conn: Connection) -> None:
+    """The process's target. Messages to rank 0: ("hello", None) once imported, ("num_blocks", n)
+    after loading, ("ready", None) after warm-up, or ("error", traceback) before exiting with 1."""
+    _die_with_parent(args.parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        runner = _start(args, conn)
+    except _Stopped:
+        return
+    except BaseException:
+        with contextlib.suppress(OSError):  # rank 0 is gone: nobody to tell
+            conn.send(("error", traceback.format_exc()))
+        sys.exit(1)
+    conn.send(("ready", None))
+    _serve(runner, conn)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:  # the parent died before the prctl took effect
+        os._exit(1)
+
+
+def _start(args: WorkerArgs, conn: Connection) -> ModelRunner:
+    import torch
+    import torch.distributed as dist
+
+    from pagoda.service.engine.model_runner import ModelRunner
+    from pagoda.service.model.parallel import init_tp_group
+
+    torch.set_num_threads(args.num_threads)
+    conn.send(("hello", None))
+    device = torch.device("cuda", args.rank) if args.backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=args.collective_timeout_s)
+    store = dist.TCPStore("127.0.0.1", args.store_port, args.size, is_master=False, timeout=timeout)
+    tp = init_tp_group(args.rank, args.size, store, args.backend, device, args.collective_timeout_s)
+
+    def agree_num_blocks(num_blocks: int) -> int:
+        conn.send(("num_blocks", num_blocks))
+        agreed = conn.recv()
+        if agreed is None:
+            raise _Stopped
+        return int(agreed)
+
+    return ModelRunner(args.config, args.model_path, set(args.eos_token_ids), tp, agree_num_blocks)
+
+
+def _serve(runner: ModelRunner, conn: Connection) -> None:
+    import torch.distributed as dist
+
+    while True:
+        try:
+            step = conn.recv()
+        except EOFError:  # rank 0 closed the pipe without a word: it is gone
+            break
+        if step is None:
+            break
+        runner.forward(step)
+    dist.destroy_process_group()
