@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import sys
@@ -242,4 +243,6 @@ def run(args: argparse.Namespace) -> int:
     from pagoda.service.engine.async_engine import AsyncEngine
     from pagoda.service.server import serve
 
-    return asyncio.run(serve(server_config, engine_config, AsyncEngine))
+    return asyncio.run(
+        serve(server_config, engine_config, functools.partial(AsyncEngine, log_level=args.log_level))
+    )

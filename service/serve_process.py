@@ -20,8 +20,17 @@ _PORTS = re.compile(r"HTTP on (\S+):(\d+), gRPC on (\S+):(\d+)")
 
 
 class ServeProcess:
-    def __init__(self, args: list[str], host: str = "127.0.0.1", log_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        host: str = "127.0.0.1",
+        log_path: Path | None = None,
+        new_session: bool = False,
+    ) -> None:
+        """`new_session`: run in a process group of its own (its pid), so a caller can find every
+        process it started."""
         self.args = args
+        self.new_session = new_session
         self.host = host
         self.log_path = log_path or Path(tempfile.mkstemp(prefix="pagoda-serve-", suffix=".log")[1])
         self.http_port = 0
@@ -52,7 +61,13 @@ class ServeProcess:
         self.args = args
         env = {**os.environ, "PYTHONSAFEPATH": "1"}  # the repo's operator/ must not shadow the stdlib
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=self.new_session,
+            )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

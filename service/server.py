@@ -132,8 +132,7 @@ async def serve(
     http.should_exit = True
     await asyncio.gather(http_task, return_exceptions=True)
     await grpc_server.stop(grace_s=_CLOSE_GRACE_S)
-    if load_task.done() and not load_task.cancelled() and load_task.exception() is None:
-        await client.shutdown()
+    await client.shutdown()
     if install_signal_handlers:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from pathlib import Path
 
 import pytest
 
-from pagoda.service.engine.async_engine import AsyncEngine
+from pagoda.service.engine.async_engine import AsyncEngine, EngineDeadError
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
 
@@ -17,7 +19,7 @@ def test_concurrent_streams_cancel_and_errors(llama_ckpt: Path) -> None:
         engine = AsyncEngine(
             EngineConfig(model=str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=8 << 20)
         )
-        engine.start()
+        await engine.start()
         try:
             params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -37,11 +39,12 @@ def test_concurrent_streams_cancel_and_errors(llama_ckpt: Path) -> None:
             await stream.__anext__()
             await stream.aclose()
             for _ in range(100):
-                if not engine.engine.has_unfinished:
+                stats = engine.stats()
+                if stats.num_running == stats.num_waiting == 0 and stats.kv_cache_usage == 0:
                     break
                 await asyncio.sleep(0.02)
-            bm = engine.engine.block_manager
-            assert not engine.engine.has_unfinished and bm.num_free_blocks == bm.num_blocks
+            stats = engine.stats()  # as the core process reported it
+            assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0)
 
             # An abort from outside (the server's drain timeout) ends the stream with a final output.
             outputs = []
@@ -55,6 +58,33 @@ def test_concurrent_streams_cancel_and_errors(llama_ckpt: Path) -> None:
                 async for _ in engine.generate([1, 2], SamplingParams(temperature=-1)):
                     pass
             assert engine.is_healthy
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_dead_core_fails_open_streams_and_health(llama_ckpt: Path) -> None:
+    """The engine core is its own process: killing it ends every open stream with EngineDeadError,
+    turns the engine unhealthy and refuses new requests."""
+
+    async def main() -> None:
+        engine = AsyncEngine(
+            EngineConfig(model=str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=8 << 20)
+        )
+        await engine.start()
+        try:
+            assert engine.pid is not None and engine.pid != os.getpid() and engine.is_healthy
+            stream = engine.generate([1, 2, 3], SamplingParams(max_tokens=2000, ignore_eos=True))
+            await stream.__anext__()
+            os.kill(engine.pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError, match="exited with code -9"):
+                async for _ in stream:
+                    pass
+            assert not engine.is_healthy
+            with pytest.raises(EngineDeadError):
+                async for _ in engine.generate([1, 2], SamplingParams()):
+                    pass
         finally:
             await engine.shutdown()
 

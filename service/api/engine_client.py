@@ -16,6 +16,9 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
+from pagoda.service.engine.async_engine import AsyncEngine, EngineDeadError
+from pagoda.service.engine.config import EngineConfig
+from pagoda.service.engine.messages import EngineStats
 from pagoda.service.metrics import RequestTracker, ServerMetrics
 from pagoda.service.outputs import RequestOutput
 from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
@@ -52,19 +55,22 @@ class APIError(Exception):
 
 
 class EngineClient:
-    """Wraps one AsyncEngine. `engine_factory(config)` builds it (blocking) in a worker thread."""
+    """Wraps one AsyncEngine. `engine_factory(config)` builds it (blocking) in a worker thread.
+
+    The transports see the engine only through this class: it owns prompt processing (chat templates,
+    tokens as text) and maps every engine failure to an `APIError`, so HTTP and gRPC answer alike."""
 
     def __init__(
         self,
-        config: Any,
-        engine_factory: Callable[[Any], Any],
+        config: EngineConfig,
+        engine_factory: Callable[[EngineConfig], AsyncEngine],
         max_waiting_requests: int = 0,
         enable_gpu_metrics: bool = True,
     ) -> None:
         self.config = config
         self._engine_factory = engine_factory
         self.max_waiting_requests = max_waiting_requests  # 0: no limit
-        self._engine: Any | None = None
+        self._engine: AsyncEngine | None = None
         self._state = ServingState.LOADING
         self.state_changed = asyncio.Event()  # set on every explicit transition (health mirrors wait on it)
         self._in_flight: set[str] = set()
@@ -74,10 +80,12 @@ class EngineClient:
 
     # ---- life cycle -------------------------------------------------------------------------------
     async def load(self) -> None:
-        """Build the engine off the event loop and start its step thread; UNHEALTHY (and raise) on failure."""
+        """Build the engine off the event loop (the tokenizer), then start its core process from this
+        thread; UNHEALTHY (and raise) on failure."""
         try:
             engine = await asyncio.to_thread(self._engine_factory, self.config)
-            engine.start()
+            self._engine = engine
+            await engine.start()
         except BaseException:
             self._state = ServingState.UNHEALTHY
             self.state_changed.set()
@@ -133,7 +141,7 @@ class EngineClient:
 
     # ---- the served model -----------------------------------------------------------------------
     @property
-    def engine(self) -> Any:
+    def engine(self) -> AsyncEngine:
         if self._engine is None:
             raise self.unavailable_error()
         return self._engine
@@ -149,8 +157,28 @@ class EngineClient:
         return int(self.engine.max_model_len)
 
     @property
-    def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+    def eos_token_ids(self) -> list[int]:
+        return sorted(self.engine.tokenizer.eos_token_ids)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """The prompt's token ids for a conversation, through the model's chat template."""
+        tokenizer = self.engine.tokenizer
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        except Exception as exc:
+            self.metrics.count_error("invalid_request")
+            raise APIError(
+                "invalid_request", f"messages do not fit the chat template: {exc}", "messages"
+            ) from exc
+        # The template writes BOS itself where the model wants one.
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.engine.tokenizer.decode(token_ids)
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """Each token as the vocabulary spells it (OpenAI's `logprobs.tokens`)."""
+        return [self.engine.tokenizer.id_to_token(t) for t in token_ids]
 
     def check_model(self, name: str | None) -> None:
         """Raise a `not_found` APIError unless `name` is empty or the served model's name."""
@@ -163,10 +191,10 @@ class EngineClient:
                 code="model_not_found",
             )
 
-    def stats(self) -> Any:
+    def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    def stats_or_none(self) -> Any | None:
+    def stats_or_none(self) -> EngineStats | None:
         return self._engine.stats() if self._engine is not None else None
 
     # ---- requests ----------------------------------------------------------------------------------
@@ -223,6 +251,10 @@ class EngineClient:
             raise APIError("invalid_request", str(exc), param=exc.param, code=code) from exc
         except (APIError, asyncio.CancelledError, GeneratorExit):
             raise
+        except EngineDeadError as exc:
+            failed = True
+            self.metrics.count_error("unavailable")
+            raise APIError("unavailable", f"The engine is not healthy: {exc}", code="unhealthy") from exc
         except Exception as exc:
             failed = True
             self.metrics.count_error("internal")

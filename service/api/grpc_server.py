@@ -84,9 +84,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         if kind == "token_ids":
             return list(request.token_ids.ids)
         if kind == "chat":
-            tokenizer = self.client.tokenizer
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+            return self.client.render_chat(messages)
         raise InvalidRequestError("one of text, token_ids or chat must be set", "prompt")
 
     async def Generate(
@@ -149,7 +148,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 max_context_length_tokens=self.client.max_model_len,
                 kv_block_size_tokens=stats.block_size,
                 num_kv_blocks=stats.num_kv_blocks,
-                eos_token_ids=list(self.client.tokenizer.eos_token_ids),
+                eos_token_ids=self.client.eos_token_ids,
             )
         except APIError as exc:
             await context.abort(GRPC_CODES[exc.kind], exc.message)

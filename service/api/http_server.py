@@ -67,8 +67,10 @@ def build_app(client: EngineClient) -> FastAPI:
         return error_response(exc.status_code, str(exc.detail), error_type)
 
     @app.get("/v1/health/live")
-    async def live() -> dict[str, str]:
-        return {"status": "live"}
+    async def live() -> JSONResponse:
+        # A dead engine core is not coming back: fail liveness too, so Kubernetes restarts the pod.
+        is_dead = client.state is ServingState.UNHEALTHY
+        return JSONResponse({"status": "dead" if is_dead else "live"}, status_code=503 if is_dead else 200)
 
     @app.get("/v1/health/ready")
     async def ready() -> JSONResponse:

@@ -69,11 +69,11 @@ def _completion_logprobs(logprobs: list[Logprob] | None, text_offset: int) -> di
     }
 
 
-def _prompt_logprobs(out: RequestOutput, tokenizer: Any) -> dict[str, Any] | None:
+def _prompt_logprobs(out: RequestOutput, client: EngineClient) -> dict[str, Any] | None:
     """The echoed prompt's part of a completion's `logprobs` (None for its first token)."""
     if out.prompt_logprobs is None:
         return None
-    tokens = [tokenizer.id_to_token(t) for t in out.prompt_token_ids]
+    tokens = client.token_strings(out.prompt_token_ids)
     offsets, offset = [], 0
     for token in tokens:
         offsets.append(offset)
@@ -138,18 +138,7 @@ class OpenAIServing:
     # ---- chat -----------------------------------------------------------------------------------------
     async def chat(self, request: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
         self.client.check_model(request.model)
-        tokenizer = self.client.tokenizer
-        try:
-            text = tokenizer.apply_chat_template(
-                request.chat_messages(), add_generation_prompt=request.add_generation_prompt
-            )
-        except Exception as exc:
-            self.client.metrics.count_error("invalid_request")
-            raise APIError(
-                "invalid_request", f"messages do not fit the chat template: {exc}", "messages"
-            ) from exc
-        # The template writes BOS itself where the model wants one.
-        prompt = tokenizer.encode(text, add_special_tokens=False)
+        prompt = self.client.render_chat(request.chat_messages(), request.add_generation_prompt)
         streams, firsts = await self._start([prompt], request)
         response_id, created, model = f"chatcmpl-{uuid.uuid4().hex}", now_s(), self.client.model_name
         if request.stream:
@@ -250,7 +239,7 @@ class OpenAIServing:
                         "index": p * n + c.index,
                         "text": echoes[p] + c.text,
                         "logprobs": _join_logprobs(
-                            _prompt_logprobs(final, self.client.tokenizer) if request.echo else None,
+                            _prompt_logprobs(final, self.client) if request.echo else None,
                             _completion_logprobs(c.logprobs, len(echoes[p])),
                         ),
                         "finish_reason": c.finish_reason,
@@ -268,7 +257,7 @@ class OpenAIServing:
         }
 
     def _echo_text(self, prompt: str | list[int]) -> str:
-        return prompt if isinstance(prompt, str) else self.client.tokenizer.decode(prompt)
+        return prompt if isinstance(prompt, str) else self.client.decode(prompt)
 
     async def _completion_stream(
         self,
@@ -312,7 +301,7 @@ class OpenAIServing:
                     if prefix or c.text_delta or c.logprobs_delta or finish is not None:
                         logprobs = _completion_logprobs(c.logprobs_delta, offsets[key] + len(prefix))
                         if prefix:
-                            logprobs = _join_logprobs(_prompt_logprobs(out, self.client.tokenizer), logprobs)
+                            logprobs = _join_logprobs(_prompt_logprobs(out, self.client), logprobs)
                         offsets[key] += len(prefix) + len(c.text_delta)
                         yield chunk(p * n + c.index, prefix + c.text_delta, logprobs, finish)
             if include_usage:

@@ -1,72 +1,173 @@
-"""The engine as an asyncio service: a background thread runs the step loop; each request is an async
-stream of `RequestOutput`s. The HTTP and gRPC layers use only this class."""
+"""The engine as the API process sees it: each request an async stream of `RequestOutput`s, served by
+an engine-core process (`core_process`) over two ZMQ sockets.
+
+This side owns the text: it validates and tokenizes prompts, detokenizes, finds stop strings (and
+tells the core to stop that sequence), and builds outputs. The core only schedules and steps, so its
+loop never waits for this process's GIL, nor this event loop for a step.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import json
 import logging
-import queue
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
+import zmq
+import zmq.asyncio
+
 from pagoda.service.engine.config import EngineConfig
-from pagoda.service.engine.llm_engine import EngineStats, LLMEngine
+from pagoda.service.engine.input_processor import InputProcessor
+from pagoda.service.engine.llm_engine import model_path_of
+from pagoda.service.engine.messages import (
+    Abort,
+    AddRequest,
+    CoreFailed,
+    CoreInput,
+    CoreMessage,
+    CoreReady,
+    EngineStats,
+    Shutdown,
+    encoder,
+    output_decoder,
+)
+from pagoda.service.engine.output_processor import OutputProcessor
+from pagoda.service.model import load_tokenizer
 from pagoda.service.outputs import RequestOutput
-from pagoda.service.sampling_params import SamplingParams
+from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
 from pagoda.service.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
+_SHUTDOWN_TIMEOUT_S = 30.0
+
 
 class EngineDeadError(RuntimeError):
-    """The step loop failed; the process should be restarted (readiness turns false)."""
+    """The engine core died or failed; the process should be restarted (health turns false)."""
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig) -> None:
-        self.engine = LLMEngine(config)
+    def __init__(self, config: EngineConfig, log_level: str = "info") -> None:
+        """Loads the tokenizer (blocking); `start()` starts the core."""
+        self.config = config
+        model_path = model_path_of(config)
+        self.tokenizer: Tokenizer = load_tokenizer(model_path)
+        self.model_name = config.served_model_name or model_path.rstrip("/").split("/")[-1]
+        self.log_level = log_level
+        self.max_model_len = 0
+        self._input_processor: InputProcessor | None = None
+        self._output_processor: OutputProcessor | None = None
+        self._stats = EngineStats()
         self._streams: dict[str, asyncio.Queue[Any]] = {}
-        self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self._wakeup = threading.Event()
-        self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._error: BaseException | None = None
+        self._error: str | None = None
         self._ids = itertools.count()
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self.engine.tokenizer
-
-    @property
-    def model_name(self) -> str:
-        return self.engine.model_name
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._exited = asyncio.Event()
+        self._socket_dir = tempfile.mkdtemp(prefix="pagoda-engine-")
+        self._stopping = False
+        self._context = zmq.asyncio.Context()
+        self._sync_context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._inputs: zmq.Socket[bytes] = self._sync_context.socket(zmq.PUSH)
+        self._outputs: zmq.asyncio.Socket = self._context.socket(zmq.PULL)
+        self._encode = encoder().encode
+        self._pump: asyncio.Task[None] | None = None
 
     @property
     def is_healthy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._error is None
+        return self._pump is not None and self._error is None and not self._exited.is_set()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
 
     def stats(self) -> EngineStats:
-        return self.engine.stats()
+        """As of the core's last step."""
+        return self._stats
 
-    def start(self) -> None:
-        """Start the step thread; call from inside the event loop that will consume the streams."""
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
-        self._thread.start()
+    async def start(self) -> None:
+        """Start the core process and wait until its model is loaded; raise `EngineDeadError` with the
+        core's own message when it cannot start. Call from the event loop's thread: the core is tied to
+        the life of the thread that started it (PR_SET_PDEATHSIG)."""
+        inputs_addr = f"ipc://{self._socket_dir}/inputs"
+        outputs_addr = f"ipc://{self._socket_dir}/outputs"
+        self._inputs.bind(inputs_addr)
+        self._outputs.bind(outputs_addr)
+        command = [
+            sys.executable,
+            "-m",
+            "pagoda.service.engine.core_process",
+            "--config",
+            msgspec.json.encode(self.config).decode(),
+            "--eos-token-ids",
+            json.dumps(sorted(self.tokenizer.eos_token_ids)),
+            "--inputs",
+            inputs_addr,
+            "--outputs",
+            outputs_addr,
+            "--parent-pid",
+            str(os.getpid()),
+            "--log-level",
+            self.log_level,
+        ]
+        env = {**os.environ, "PYTHONSAFEPATH": "1"}  # the repo's operator/ must not shadow the stdlib
+        self._proc = subprocess.Popen(command, env=env)
+        loop = asyncio.get_running_loop()
+        proc = self._proc
+        threading.Thread(
+            target=lambda: (proc.wait(), loop.call_soon_threadsafe(self._on_exit)),
+            name="pagoda-core-watch",
+            daemon=True,
+        ).start()
+        decode = output_decoder().decode
+        receive = asyncio.ensure_future(self._outputs.recv())
+        exited = asyncio.ensure_future(self._exited.wait())
+        await asyncio.wait({receive, exited}, return_when=asyncio.FIRST_COMPLETED)
+        exited.cancel()
+        if not receive.done():
+            receive.cancel()
+            raise EngineDeadError(f"the engine core exited with code {proc.returncode} while starting")
+        message: CoreMessage = decode(receive.result())
+        if isinstance(message, CoreFailed):
+            raise EngineDeadError(f"the engine core failed to start: {message.message}")
+        assert isinstance(message, CoreReady)
+        self.max_model_len = message.max_model_len
+        self._stats = message.stats
+        self._input_processor = InputProcessor(self.tokenizer, message.vocab_size, self.max_model_len)
+        self._output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
+        self._pump = asyncio.create_task(self._receive_outputs())
 
     async def shutdown(self) -> None:
-        self._stopping.set()
-        self._wakeup.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
+        """Stop the core (it stops its workers) and wait for it; kill it past the timeout."""
+        self._stopping = True
+        if self._proc is not None and self._proc.poll() is None and self._pump is None:
+            self._proc.kill()  # still loading: nothing to drain
+            await asyncio.to_thread(self._proc.wait)
+        if self._proc is not None and self._proc.poll() is None:
+            self._send(Shutdown())
+            try:
+                await asyncio.wait_for(self._exited.wait(), _SHUTDOWN_TIMEOUT_S)
+            except TimeoutError:
+                logger.warning("the engine core did not stop in %.0f s: killing it", _SHUTDOWN_TIMEOUT_S)
+                self._proc.kill()
+                await asyncio.to_thread(self._proc.wait)
+        if self._pump is not None:
+            self._pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pump
+        self._sync_context.destroy(linger=0)
+        self._context.destroy(linger=0)
+        shutil.rmtree(self._socket_dir, ignore_errors=True)
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
@@ -74,12 +175,20 @@ class AsyncEngine:
         """Stream a request's outputs. Invalid input raises `InvalidRequestError` before any output;
         closing the stream early (client gone, task cancelled) aborts the request."""
         if self._error is not None:
-            raise EngineDeadError(f"the engine failed: {self._error}")
+            raise EngineDeadError(self._error)
+        if self._input_processor is None or self._output_processor is None:
+            raise EngineDeadError("the engine has not started")
         request_id = request_id or f"req-{next(self._ids)}"
-        token_ids = self.engine.validate(prompt, params)
+        if request_id in self._output_processor.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        token_ids = self._input_processor.process(prompt, params)
+        now = time.monotonic()
+        self._output_processor.add_request(
+            request_id, prompt if isinstance(prompt, str) else None, token_ids, params, now
+        )
         stream: asyncio.Queue[Any] = asyncio.Queue()
         self._streams[request_id] = stream
-        self._send(("add", request_id, prompt, params, time.monotonic(), token_ids))
+        self._send(AddRequest(request_id, token_ids, params, now))
         finished = False
         try:
             while True:
@@ -96,54 +205,51 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        """Thread-safe and idempotent."""
-        self._send(("abort", request_id))
+        """Stop a request now; its stream, if still open, gets a final output. Idempotent."""
+        if self._output_processor is None:
+            return
+        final = self._output_processor.abort(request_id, time.monotonic())
+        if final is None:
+            return
+        self._send(Abort([request_id]))
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put_nowait(final)
 
-    def _send(self, command: tuple[Any, ...]) -> None:
-        self._commands.put(command)
-        self._wakeup.set()
+    def _send(self, message: CoreInput) -> None:
+        if self._error is None:
+            self._inputs.send(self._encode(message), copy=False)
 
-    # ---- the step thread -----------------------------------------------------------------------
-
-    def _deliver(self, items: list[tuple[str, Any]]) -> None:
-        for request_id, item in items:
-            stream = self._streams.get(request_id)
-            if stream is not None:
-                stream.put_nowait(item)
-
-    def _run(self) -> None:
-        assert self._loop is not None
-        engine = self.engine
-        while not self._stopping.is_set():
-            failed: list[tuple[str, Any]] = []  # errors and abort outputs, for their streams
-            while True:
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                if command[0] == "add":
-                    _, request_id, prompt, params, arrival, token_ids = command
-                    try:
-                        engine.add_request(request_id, prompt, params, arrival, validated_token_ids=token_ids)
-                    except Exception as exc:  # reported on that request's stream
-                        failed.append((request_id, exc))
-                else:
-                    final = engine.abort(command[1])
-                    if final is not None:
-                        failed.append((final.request_id, final))
-            if failed:
-                self._loop.call_soon_threadsafe(self._deliver, failed)
-            if not engine.has_unfinished:
-                self._wakeup.wait(timeout=0.5)
-                self._wakeup.clear()
-                continue
-            try:
-                outputs = engine.step()
-            except Exception as exc:
-                logger.exception("engine step failed")
-                self._error = exc
-                dead = EngineDeadError(f"the engine failed: {exc}")
-                self._loop.call_soon_threadsafe(self._deliver, [(rid, dead) for rid in list(self._streams)])
+    async def _receive_outputs(self) -> None:
+        assert self._output_processor is not None
+        processor, decode = self._output_processor, output_decoder().decode
+        while True:
+            message: CoreMessage = decode(await self._outputs.recv())
+            if isinstance(message, CoreFailed):
+                self._fail(message.message)
                 return
-            if outputs:
-                self._loop.call_soon_threadsafe(self._deliver, [(o.request_id, o) for o in outputs])
+            if isinstance(message, CoreReady):
+                continue
+            self._stats = message.stats
+            outputs, stops = processor.process(message.outputs, message.prompt_logprobs, time.monotonic())
+            for request_id, index in stops:
+                self._send(Abort([request_id], index))
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is not None:
+                    stream.put_nowait(output)
+
+    def _on_exit(self) -> None:
+        self._exited.set()
+        assert self._proc is not None
+        if self._error is None and self._pump is not None and not self._stopping:
+            self._fail(f"the engine core exited with code {self._proc.returncode}")
+
+    def _fail(self, message: str) -> None:
+        """Every open stream ends with `EngineDeadError`; new requests are refused."""
+        if self._error is None:
+            logger.error("engine failed: %s", message)
+            self._error = message
+        dead = EngineDeadError(f"the engine failed: {self._error}")
+        for stream in self._streams.values():
+            stream.put_nowait(dead)

@@ -48,7 +48,9 @@ class EngineCore:
         self.executor = executor
         self.max_model_len = executor.max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.block_manager = BlockManager(executor.kv.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            executor.kv.num_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self._requests: dict[str, list[Request]] = {}  # client request id -> its n sequences
         self._scheduled_time: dict[str, float] = {}  # sequence id -> first scheduled, until its first token

@@ -28,9 +28,9 @@ def model_path_of(config: EngineConfig) -> str:
 
 def build_executor(config: EngineConfig, eos_token_ids: set[int]) -> Any:
     """The model side of the core: every tensor-parallel rank, rank 0 in this process."""
-    from pagoda.service.engine.model_runner import ModelRunner
+    from pagoda.service.engine.executor import Executor
 
-    return ModelRunner(config, model_path_of(config), eos_token_ids)
+    return Executor(config, model_path_of(config), eos_token_ids)
 
 
 class LLMEngine:

@@ -75,7 +75,9 @@ class OutputProcessor:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         completions = [
-            CompletionState(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens))
+            CompletionState(
+                i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+            )
             for i in range(params.n)
         ]
         if params.logprobs is not None:
@@ -136,7 +138,9 @@ class OutputProcessor:
         known = len(client.prompt_logprobs)
         client.prompt_logprobs += [self._logprob(s) for s in scores[max(known - position, 0) :]]
 
-    def _process_token(self, client: ClientRequest, c: CompletionState, token: TokenOutput, now: float) -> None:
+    def _process_token(
+        self, client: ClientRequest, c: CompletionState, token: TokenOutput, now: float
+    ) -> None:
         params, sample = client.params, token.sample
         c.token_ids.append(sample.token_id)
         m = client.metrics

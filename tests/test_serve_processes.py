@@ -1,0 +1,115 @@
+"""`pagoda serve`'s processes live and die together: the API process, the engine core, and (TP > 1) the
+tensor-parallel workers. Each test starts a real server in a process group of its own and checks
+that no process of the group is left behind, whichever of them goes first."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pagoda.service.serve_process import ServeProcess
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is `pgid`, read from /proc."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+        state, pgrp = fields[0], int(fields[2])
+        if pgrp == pgid and state != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+def children(pid: int) -> list[int]:
+    return [p for p in group_members(os.getpgid(pid)) if p != pid]
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def wait_for(condition: object, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():  # type: ignore[operator]
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return None
+
+
+def start(llama_ckpt: Path, tmp_path: Path, tp: int = 1) -> ServeProcess:
+    args = ["--model", str(llama_ckpt), "--device", "cpu", "--kv-cache-memory-bytes", str(8 << 20)]
+    args += ["--tensor-parallel-size", str(tp)]
+    return ServeProcess(args, log_path=tmp_path / "serve.log", new_session=True).start()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_sigterm_stops_every_process(llama_ckpt: Path, tmp_path: Path, tp: int) -> None:
+    server = start(llama_ckpt, tmp_path, tp)
+    assert server.proc is not None
+    pgid = server.proc.pid
+    assert len(children(pgid)) >= tp, "the engine core (and its workers) run as processes of their own"
+    assert server.stop() == 0, server.log()[-3000:]
+    assert wait_for(lambda: not group_members(pgid), 10), group_members(pgid)
+
+
+def test_sigkill_of_the_api_process_takes_the_engine_with_it(llama_ckpt: Path, tmp_path: Path) -> None:
+    server = start(llama_ckpt, tmp_path, tp=2)
+    assert server.proc is not None
+    pgid = server.proc.pid
+    server.kill()
+    assert wait_for(lambda: not group_members(pgid), 10), group_members(pgid)
+
+
+@pytest.mark.parametrize("victim", ["core", "worker"])
+def test_a_dead_engine_process_fails_readiness_and_liveness(
+    llama_ckpt: Path, tmp_path: Path, victim: str
+) -> None:
+    """SIGKILL of the engine core, or of a tensor-parallel worker while the server is idle: both health
+    probes fail (Kubernetes restarts the pod), requests get 503, and SIGTERM still leaves nothing."""
+    server = start(llama_ckpt, tmp_path, tp=1 if victim == "core" else 2)
+    assert server.proc is not None
+    pgid = server.proc.pid
+    marker = "pagoda.service.engine.core_process" if victim == "core" else "spawn_main"
+    targets = [p for p in children(pgid) if marker in cmdline(p)]
+    assert len(targets) == 1, [cmdline(p) for p in children(pgid)]
+    os.kill(targets[0], signal.SIGKILL)
+    live, ready = f"{server.base_url}/v1/health/live", f"{server.base_url}/v1/health/ready"
+    assert wait_for(lambda: status(live) == 503, 30), server.log()[-3000:]
+    assert status(ready) == 503
+    request = urllib.request.Request(
+        f"{server.base_url}/v1/completions",
+        data=b'{"prompt": "Hi", "max_tokens": 2}',
+        headers={"Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=10)
+    assert refused.value.code == 503
+    server.stop()
+    assert wait_for(lambda: not group_members(pgid), 10), group_members(pgid)
