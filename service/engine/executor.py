@@ -39,10 +39,12 @@ import torch
 import torch.distributed as dist
 
 from pagoda.service.engine.config import EngineConfig
+from pagoda.service.engine.cuda_graphs import DecodeGraphs
 from pagoda.service.engine.model_runner import KVCacheLayout, ModelRunner, StepResult, resolve_device
 from pagoda.service.engine.scheduler import SchedulerOutput
 from pagoda.service.engine.worker import WorkerArgs, worker_main
 from pagoda.service.model.config import ModelConfig
+from pagoda.service.model.llama import LlamaForCausalLM
 from pagoda.service.model.parallel import init_tp_group
 
 logger = logging.getLogger(__name__)
@@ -93,13 +95,22 @@ class Executor:
     def model_config(self) -> ModelConfig:
         return self.runner.model_config
 
+    # Rank 0's, for benchmarks and checks that look inside (`pagoda bench`, `gpu_check`, tests).
     @property
-    def device(self) -> torch.device:  # rank 0's
+    def device(self) -> torch.device:
         return self.runner.device
 
     @property
     def dtype(self) -> torch.dtype:
         return self.runner.dtype
+
+    @property
+    def model(self) -> LlamaForCausalLM:
+        return self.runner.model
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        return self.runner.graphs
 
     # ---- start-up ------------------------------------------------------------------------------
 
