@@ -42,6 +42,12 @@ class ModelExecutor(Protocol):
 
     def execute(self, out: SchedulerOutput) -> StepResult: ...
 
+    def check_alive(self) -> None:
+        """Raise when a rank has died (the core then fails rather than hang in a collective)."""
+
+    def shutdown(self) -> None:
+        """Stop every rank; idempotent."""
+
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: ModelExecutor, eos_token_ids: set[int]) -> None:

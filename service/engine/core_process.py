@@ -23,7 +23,7 @@ import msgspec
 import zmq
 
 from pagoda.service.engine.config import EngineConfig
-from pagoda.service.engine.core import EngineCore
+from pagoda.service.engine.core import EngineCore, ModelExecutor
 from pagoda.service.engine.messages import (
     Abort,
     AddRequest,
@@ -52,13 +52,12 @@ def die_with_parent(parent_pid: int) -> None:
 def run(core: EngineCore, inputs: zmq.Socket[bytes], outputs: zmq.Socket[bytes]) -> int:
     """The step loop; returns the exit code. Waits on the input socket only when there is no work."""
     encode, decode = encoder().encode, input_decoder().decode
-    check_alive = getattr(core.executor, "check_alive", lambda: None)
     while True:
         if not core.has_unfinished and not inputs.poll(_IDLE_CHECK_MS):
             # Idle: nothing would notice a dead tensor-parallel worker until the next request; look now,
             # so health fails (and Kubernetes restarts the pod) while no one is asking.
             try:
-                check_alive()
+                core.executor.check_alive()
             except Exception as exc:
                 logger.error("%s", exc)
                 outputs.send(encode(CoreFailed(str(exc))))
@@ -132,10 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         _close(executor, context)
 
 
-def _close(executor: object, context: zmq.Context[zmq.Socket[bytes]]) -> None:
-    shutdown = getattr(executor, "shutdown", None)
-    if shutdown is not None:
-        shutdown()
+def _close(executor: ModelExecutor | None, context: zmq.Context[zmq.Socket[bytes]]) -> None:
+    if executor is not None:
+        executor.shutdown()
     context.destroy(linger=1000)  # let the last message out
 
 
