@@ -4,7 +4,9 @@ that no process of the group is left behind, whichever of them goes first."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import time
 import urllib.error
@@ -113,3 +115,22 @@ def test_a_dead_engine_process_fails_readiness_and_liveness(
     assert refused.value.code == 503
     server.stop()
     assert wait_for(lambda: not group_members(pgid), 10), group_members(pgid)
+
+
+def test_a_start_up_error_reaches_the_log_and_the_exit_code(llama_ckpt: Path, tmp_path: Path) -> None:
+    """A checkpoint that cannot load on any rank: `pagoda serve` exits 1, says why, leaves nothing."""
+    broken = tmp_path / "broken"
+    shutil.copytree(llama_ckpt, broken)
+    config = json.loads((broken / "config.json").read_text())
+    config["num_hidden_layers"] += 1  # the weights of one more layer than the file has
+    (broken / "config.json").write_text(json.dumps(config))
+    server = ServeProcess(
+        ["--model", str(broken), "--device", "cpu", "--tensor-parallel-size", "2"],
+        log_path=tmp_path / "serve.log",
+        new_session=True,
+    )
+    with pytest.raises(RuntimeError, match="exited with 1"):
+        server.start()
+    assert "checkpoint has no tensor" in server.log()
+    assert server.proc is not None
+    assert wait_for(lambda: not group_members(server.proc.pid), 10)  # type: ignore[union-attr]
