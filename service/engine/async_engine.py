@@ -29,7 +29,6 @@ import zmq.asyncio
 
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.input_processor import InputProcessor
-from pagoda.service.engine.llm_engine import model_path_of
 from pagoda.service.engine.messages import (
     Abort,
     AddRequest,
@@ -61,9 +60,8 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, log_level: str = "info") -> None:
         """Loads the tokenizer (blocking); `start()` starts the core."""
         self.config = config
-        model_path = model_path_of(config)
-        self.tokenizer: Tokenizer = load_tokenizer(model_path)
-        self.model_name = config.served_model_name or model_path.rstrip("/").split("/")[-1]
+        self.tokenizer: Tokenizer = load_tokenizer(config.model_path)
+        self.model_name = config.model_name
         self.log_level = log_level
         self.max_model_len = 0
         self._input_processor: InputProcessor | None = None

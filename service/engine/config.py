@@ -26,6 +26,18 @@ class EngineConfig:
     enforce_eager: bool = False  # on a GPU, never replay decode steps from CUDA graphs
     tensor_parallel_size: int = 1  # ranks the model is sharded over: GPUs (NCCL), or CPU processes (gloo)
 
+    @property
+    def model_path(self) -> str:
+        """The checkpoint folder or .gguf file to load: `model`, or the embedded default."""
+        from pagoda.service.model import default_model_path
+
+        return str(self.model) if self.model else str(default_model_path())
+
+    @property
+    def model_name(self) -> str:
+        """The name clients pass as `model`: the served name, else the checkpoint's folder or file name."""
+        return self.served_model_name or self.model_path.rstrip("/").split("/")[-1]
+
     def __post_init__(self) -> None:
         positive = {
             "max_num_seqs": self.max_num_seqs,

@@ -14,34 +14,29 @@ from pagoda.service.engine.core import EngineCore
 from pagoda.service.engine.input_processor import InputProcessor
 from pagoda.service.engine.messages import AddRequest, EngineStats
 from pagoda.service.engine.output_processor import OutputProcessor
-from pagoda.service.model import default_model_path, load_tokenizer
+from pagoda.service.model import load_tokenizer
 from pagoda.service.outputs import RequestOutput
 from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
 from pagoda.service.tokenizer import Tokenizer
 
-__all__ = ["EngineStats", "LLMEngine", "build_executor", "model_path_of"]
-
-
-def model_path_of(config: EngineConfig) -> str:
-    return str(config.model) if config.model else str(default_model_path())
+__all__ = ["EngineStats", "LLMEngine", "build_executor"]
 
 
 def build_executor(config: EngineConfig, eos_token_ids: set[int]) -> Any:
     """The model side of the core: every tensor-parallel rank, rank 0 in this process."""
     from pagoda.service.engine.executor import Executor
 
-    return Executor(config, model_path_of(config), eos_token_ids)
+    return Executor(config, config.model_path, eos_token_ids)
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        model_path = model_path_of(config)
-        self.tokenizer: Tokenizer = load_tokenizer(model_path)
+        self.tokenizer: Tokenizer = load_tokenizer(config.model_path)
         self.runner = build_executor(config, self.tokenizer.eos_token_ids)
         self.core = EngineCore(config, self.runner, self.tokenizer.eos_token_ids)
         self.max_model_len = self.core.max_model_len
-        self.model_name = config.served_model_name or model_path.rstrip("/").split("/")[-1]
+        self.model_name = config.model_name
         self.input_processor = InputProcessor(
             self.tokenizer, self.runner.model_config.vocab_size, self.max_model_len
         )

