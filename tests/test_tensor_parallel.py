@@ -249,3 +249,24 @@ def test_fp8_tp2_close_to_tp1(llama_ckpt: Path) -> None:
     fp8_tp2 = torch.tensor([lp.logprob for lp in out.prompt_logprobs[1:] if lp is not None])
     assert (fp8_tp2 - fp8).abs().mean() < (fp8 - exact).abs().mean()
     assert (fp8_tp2 - fp8).abs().mean() < 0.05
+
+
+def test_refused_before_any_process_starts(monkeypatch: pytest.MonkeyPatch, llama_ckpt: Path) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from pagoda.service.engine import executor as executor_module
+
+    config = EngineConfig(device="cuda", tensor_parallel_size=2)
+    monkeypatch.setattr(executor_module, "resolve_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 needs 2 GPUs .*this machine has 1"):
+        Executor(config, str(llama_ckpt), {2})
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(seconds=5))
+    try:
+        with pytest.raises(RuntimeError, match="one tensor-parallel engine per process"):
+            Executor(EngineConfig(tensor_parallel_size=2), str(llama_ckpt), {2})
+    finally:
+        dist.destroy_process_group()

@@ -115,6 +115,11 @@ class Executor:
     # ---- start-up ------------------------------------------------------------------------------
 
     def _start(self, config: EngineConfig, model_path: str, eos_token_ids: set[int]) -> ModelRunner:
+        if dist.is_initialized():
+            raise RuntimeError(
+                "a torch.distributed group already exists in this process (an engine not shut down?); "
+                "one tensor-parallel engine per process"
+            )
         device = resolve_device(config.device)
         if device.type == "cuda":
             num_gpus = torch.cuda.device_count()
@@ -147,6 +152,7 @@ class Executor:
                 num_threads=torch.get_num_threads(),
                 parent_pid=os.getpid(),
                 collective_timeout_s=COLLECTIVE_TIMEOUT_S,
+                log_level=logging.getLogger().getEffectiveLevel(),
             )
             ours, theirs = context.Pipe()
             process = context.Process(

@@ -216,9 +216,11 @@ class ModelRunner:
         # Logits at position p score the prompt's token p + 1: a chunk scores up to the last prompt token.
         prompt_chunks = []
         for i, req in enumerate(reqs):
-            end = min(int(starts[i] + counts[i]), req.num_prompt_tokens - 1)
-            if req.params.prompt_logprobs is not None and starts[i] < end:
-                prompt_chunks.append((i, int(query_start_loc[i]), end - int(starts[i])))
+            if req.params.prompt_logprobs is not None:
+                start = req.num_computed_tokens
+                end = min(start + out.num_scheduled_tokens[i], req.num_prompt_tokens - 1)
+                if start < end:
+                    prompt_chunks.append((i, int(query_start_loc[i]), end - start))
         rows = [i for i in range(len(reqs)) if out.needs_sample(i)]
         return StepInput(batch, list(out.copy_ops), rows, prompt_chunks)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import signal
 import sys
@@ -38,6 +39,7 @@ class WorkerArgs:
     num_threads: int  # torch intra-op threads, as rank 0 has
     parent_pid: int
     collective_timeout_s: float
+    log_level: int  # the root logger's level in rank 0's process
 
 
 class _Stopped(Exception):
@@ -49,6 +51,11 @@ def worker_main(args: WorkerArgs, conn: Connection) -> None:
     after loading, ("ready", None) after warm-up, or ("error", traceback) before exiting with 1."""
     _die_with_parent(args.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(
+        level=args.log_level,
+        format=f"%(asctime)s %(levelname)s %(name)s [tp rank {args.rank}]: %(message)s",
+        stream=sys.stderr,
+    )
     try:
         runner = _start(args, conn)
     except _Stopped:

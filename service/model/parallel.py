@@ -36,9 +36,11 @@ class TPGroup:
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:  # [n, d] -> [n, size * d], rank order
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        # One collective into one buffer (not a list of outputs): the form NCCL captures in CUDA graphs.
+        n, d = x.shape
+        out = x.new_empty(self.size * n, d)
+        dist.all_gather_into_tensor(out, x.contiguous(), group=self.group)
+        return out.view(self.size, n, d).transpose(0, 1).reshape(n, self.size * d)
 
 
 SINGLE_RANK = TPGroup()
