@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from pagoda.operator.catalogue import ModelShape, resolve
-from pagoda.operator.profile import DEFAULT_KV_CACHE_FRACTION, GpuPreference, ProfileRequest
+from pagoda.operator.profile import DEFAULT_KV_CACHE_FRACTION, PRECISIONS, GpuPreference, ProfileRequest
 
 SourceKind = Literal["pvc", "hostPath", "imagePath", "uri"]
 
@@ -151,6 +151,13 @@ def _extra_args(raw: list[str] | None) -> tuple[str, ...]:
     return tuple(raw or ())
 
 
+def _precision(value: str | None, where: str) -> str | None:
+    # Objects stored before int8 left the CRD's enum still carry it.
+    if value is not None and value not in PRECISIONS:
+        raise ValueError(f"{where} {value!r}: pagoda serve runs {', '.join(PRECISIONS)}")
+    return value
+
+
 def _engine(raw: Mapping[str, Any]) -> EngineSettings:
     return EngineSettings(
         max_model_len=raw.get("maxModelLen"),
@@ -167,7 +174,11 @@ def parse_spec(body: Mapping[str, Any]) -> ServiceSpec:
     model = spec.get("model") or {}
     tp = spec.get("tensorParallelSize", "auto")
     preferences = tuple(
-        GpuPreference(p["product"], p.get("precision"), p.get("tensorParallelSize"))
+        GpuPreference(
+            p["product"],
+            _precision(p.get("precision"), "gpuPreferences.precision"),
+            p.get("tensorParallelSize"),
+        )
         for p in spec.get("gpuPreferences") or ()
     )
     return ServiceSpec(
@@ -176,7 +187,7 @@ def parse_spec(body: Mapping[str, Any]) -> ServiceSpec:
         model_name=model["name"],
         model=resolve(model["name"], model.get("parameters")),
         source=_source(model.get("source") or {}),
-        precision=spec.get("precision", "auto"),
+        precision=_precision(spec.get("precision", "auto"), "precision") or "auto",
         tensor_parallel_size=None if tp in (None, "auto") else int(tp),
         preferences=preferences,
         replicas=int(spec.get("replicas", 1)),

@@ -217,6 +217,15 @@ def test_extra_args_that_override_are_refused_at_parsing() -> None:
         parse_spec(_body(spec | {"engine": {"extraArgs": ["--seed", "7", "--tensor-parallel-size=4"]}}))
 
 
+def test_a_stored_int8_object_is_an_invalid_spec() -> None:
+    """int8 left the CRD's enums; an object stored before says why it cannot run, not a KeyError."""
+    spec = {"model": {"name": "llama-3.1-8b", "source": {"imagePath": "/m"}}}
+    with pytest.raises(ValueError, match="precision 'int8': pagoda serve runs auto, bf16, fp16, fp8"):
+        parse_spec(_body(spec | {"precision": "int8"}))
+    with pytest.raises(ValueError, match=r"gpuPreferences\.precision 'int8'"):
+        parse_spec(_body(spec | {"gpuPreferences": [{"product": "T4", "precision": "int8"}]}))
+
+
 # --- every distinct (precision, TP) serves ------------------------------------------------------------
 
 
