@@ -5,10 +5,12 @@
 set -uo pipefail
 tok=${1:?tokenizer folder}; out=${2:?output folder}
 root=$(cd "$(dirname "$0")/.." && pwd)
+# msgspec and pyzmq (the engine's messages) are not on the GPU machine: carried as wheels in .whl.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$root"/.whl/*.whl || exit 1
 shim=$(mktemp -d)/p
 mkdir -p "$shim/pagoda" && cp "$root"/pagoda/*.py "$shim/pagoda/"
 for d in kernels service operator; do ln -s "$root/$d" "$shim/pagoda/$d"; done
-export PYTHONPATH=$shim PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$shim PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -m pagoda.service.gpu_check --tokenizer "$tok" 2>&1 | tee "$out/engine_check.log" | grep -v Loading
 python3 -m pagoda.service.gpu_check --tokenizer "$tok" --build-8b /tmp/llama-8b-random 2>&1 | tail -3

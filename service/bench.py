@@ -40,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     offline.add_argument("--input-len", type=int, default=128)
     offline.add_argument("--output-len", type=int, default=128)
     offline.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    offline.add_argument("--tensor-parallel-size", type=int, default=1)
     offline.add_argument("--peer", choices=["transformers", "none"], default="transformers")
     offline.add_argument("--output", default=None, help="append the Markdown result to this file")
     serve = sub.add_parser(
@@ -101,6 +102,7 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
         device=args.device,
         max_num_seqs=max(args.num_prompts, 1),
         max_num_batched_tokens=args.max_num_batched_tokens,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     runner = llm.engine.runner
     vocab = runner.model_config.vocab_size
@@ -124,6 +126,7 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
             ttft_ms = 1000 * (m.first_token_time - m.arrival_time)
         results.append(Result("pagoda", batch, seconds, batch * args.output_len, decode_ms, ttft_ms))
     setup = Setup(runner.device, runner.dtype, vocab, runner.max_model_len)
+    llm.shutdown()
     del llm, runner  # free the weights and the KV cache before the peer loads its copy
     gc.collect()
     if setup.device.type == "cuda":

@@ -94,6 +94,7 @@ def build_checkpoint(kind: str, folder: Path, tokenizer: Path, vocab: int) -> Pa
 
 
 def _release(llm: LLM) -> None:
+    llm.shutdown()
     del llm.engine
     gc.collect()
     if torch.cuda.is_available():
@@ -151,9 +152,15 @@ def teacher_forced(
     quantization: str | None,
     device: str,
     rows: list[tuple[str, str, bool | None, str]],
+    tp: int = 1,
 ) -> None:
     llm = LLM(
-        str(folder), dtype="bfloat16", quantization=quantization, device=device, gpu_memory_utilization=0.3
+        str(folder),
+        dtype="bfloat16",
+        quantization=quantization,
+        device=device,
+        gpu_memory_utilization=0.3,
+        tensor_parallel_size=tp,
     )
     outs = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=1))
     _release(llm)
@@ -198,7 +205,7 @@ def teacher_forced(
 
 
 def check(
-    kind: str, folder: Path, rows: list[tuple[str, str, bool | None, str]], device: str = "cuda"
+    kind: str, folder: Path, rows: list[tuple[str, str, bool | None, str]], device: str = "cuda", tp: int = 1
 ) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -208,7 +215,12 @@ def check(
     torch.backends.cudnn.allow_tf32 = False
 
     llm = LLM(
-        str(folder), dtype="float32", device=device, max_num_batched_tokens=512, gpu_memory_utilization=0.3
+        str(folder),
+        dtype="float32",
+        device=device,
+        max_num_batched_tokens=512,
+        gpu_memory_utilization=0.3,
+        tensor_parallel_size=tp,
     )
     assert device == "cpu" or llm.engine.runner.graphs is not None, "CUDA graphs should be on"
     ours = [o.outputs[0].token_ids for o in llm.generate(batch, params)]
@@ -222,14 +234,21 @@ def check(
         (kind, "fp32 greedy == transformers", same == len(batch), f"{same}/{len(batch)} prompts identical")
     )
 
-    eager = LLM(str(folder), dtype="float32", device=device, enforce_eager=True, gpu_memory_utilization=0.3)
+    eager = LLM(
+        str(folder),
+        dtype="float32",
+        device=device,
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+        tensor_parallel_size=tp,
+    )
     eager_out = [o.outputs[0].token_ids for o in eager.generate(batch, params)]
     _release(eager)
     same = sum(a == b for a, b in zip(ours, eager_out, strict=True))
     rows.append((kind, "fp32 graphs == eager", same == len(batch), f"{same}/{len(batch)} prompts identical"))
 
     for quantization in (None, "fp8"):
-        teacher_forced(kind, folder, hf, batch, quantization, device, rows)
+        teacher_forced(kind, folder, hf, batch, quantization, device, rows, tp)
     del hf
     gc.collect()
     if torch.cuda.is_available():
@@ -259,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
     parser.add_argument("--only", default=None, help="run one checkpoint kind")
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="run the engine's checks over this many GPUs"
+    )
     args = parser.parse_args(argv)
     if args.build_8b is not None:
         build_llama_8b(args.build_8b, args.tokenizer)
@@ -270,13 +292,13 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             folder = build_checkpoint(kind, Path(tmp) / kind, args.tokenizer, 49152)
             try:
-                check(kind, folder, rows, args.device)
+                check(kind, folder, rows, args.device, args.tensor_parallel_size)
             except Exception as exc:  # report and go on with the next checkpoint
                 rows.append((kind, "crashed", False, f"{type(exc).__name__}: {exc}"))
     if args.device == "cuda":
         rows.append(fp8_layer_check())
     where = torch.cuda.get_device_name() if args.device == "cuda" else args.device
-    print(f"Device: {where}, torch {torch.__version__}")
+    print(f"Device: {where}, torch {torch.__version__}, tensor parallel size {args.tensor_parallel_size}")
     print("| checkpoint | check | result | detail |\n| --- | --- | --- | --- |")
     for kind, name, ok, detail in rows:
         print(f"| {kind} | {name} | {'INFO' if ok is None else 'PASS' if ok else 'FAIL'} | {detail} |")

@@ -21,6 +21,16 @@ class LLM:
             raise ValueError(f"unknown engine arguments {unknown}; known: {sorted(fields)}")
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
 
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel workers; `with LLM(...) as llm:` does it on exit."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -96,3 +96,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return self.core.stats()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (a no-op with one rank); idempotent."""
+        self.runner.shutdown()

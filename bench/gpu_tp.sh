@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Tensor parallelism on a machine with N >= 2 GPUs, in one go: the engine GPU check at TP=N (fp32
+# greedy vs transformers, CUDA graphs vs eager, bf16/fp8 teacher-forced), then `pagoda bench offline`
+# on the random Llama-3.1-8B-shaped checkpoint at TP=1 and TP=N. NCCL's NVLink-multicast variables
+# stay as the machine sets them. Usage: bash bench/gpu_tp.sh TOKENIZER_DIR OUT_DIR [N]
+set -uo pipefail
+tok=${1:?tokenizer folder}; out=${2:?output folder}; tp=${3:-2}
+root=$(cd "$(dirname "$0")/.." && pwd)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$root"/.whl/*.whl || exit 1
+shim=$(mktemp -d)/p
+mkdir -p "$shim/pagoda" && cp "$root"/pagoda/*.py "$shim/pagoda/"
+for d in kernels service operator; do ln -s "$root/$d" "$shim/pagoda/$d"; done
+export PYTHONPATH=/tmp/site:$shim PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -m pagoda.service.gpu_check --tokenizer "$tok" --tensor-parallel-size "$tp" 2>&1 | tee "$out/tp_check.log" | grep -E "^\||Device|Error|error" | head -40
+[ -d /tmp/llama-8b-random ] || python3 -m pagoda.service.gpu_check --tokenizer "$tok" --build-8b /tmp/llama-8b-random 2>&1 | tail -3
+for n in 1 "$tp"; do
+    python3 -m pagoda.service.bench offline --model /tmp/llama-8b-random --dtype bfloat16 --tensor-parallel-size "$n" \
+        --num-prompts 256 --input-len 128 --output-len 128 --peer none --output "$out/tp_bench.md" 2>&1 | tee -a "$out/tp_bench.log" | grep -E "^\||Error|error"
+done
