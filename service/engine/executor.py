@@ -268,19 +268,28 @@ class Executor:
         if self._is_stopped:
             return
         self._is_stopped = True
-        if self._finalizer is not None:
-            self._finalizer()
-            atexit.unregister(self._finalizer)
+        # Workers destroy their process group on stop, and NCCL's teardown wants every rank at it: tell
+        # them first, tear rank 0's down alongside theirs, then join. (Joining first deadlocked on two
+        # H200s: the worker waited in its teardown for rank 0, rank 0 in join for the worker.)
+        _tell_workers_to_stop(self._workers)
         # With a failed NCCL step the communicator may be stuck: leave it to the process's exit.
         if self._has_group and (self._failure is None or dist.get_backend() == "gloo"):
             dist.destroy_process_group()
+        if self._finalizer is not None:
+            self._finalizer()
+            atexit.unregister(self._finalizer)
         self._store = None
 
 
-def _stop_workers(workers: list[_Worker]) -> None:
+def _tell_workers_to_stop(workers: list[_Worker]) -> None:
     for worker in workers:
-        with contextlib.suppress(OSError):  # already gone
-            worker.conn.send(None)
+        if not worker.conn.closed:
+            with contextlib.suppress(OSError):  # already gone
+                worker.conn.send(None)
+
+
+def _stop_workers(workers: list[_Worker]) -> None:
+    _tell_workers_to_stop(workers)
     for worker in workers:
         worker.process.join(JOIN_TIMEOUT_S)
         if worker.process.is_alive():
