@@ -5,12 +5,7 @@
 # Usage: bash bench/gpu_serve.sh TOKENIZER_DIR OUT_DIR
 set -uo pipefail
 tok=${1:?tokenizer folder}; out=${2:?output folder}
-root=$(cd "$(dirname "$0")/.." && pwd)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$root"/.whl/*.whl || exit 1
-shim=$(mktemp -d)/p
-mkdir -p "$shim/pagoda" && cp "$root"/pagoda/*.py "$shim/pagoda/"
-for d in kernels service operator; do ln -s "$root/$d" "$shim/pagoda/$d"; done
-export PYTHONPATH=/tmp/site:$shim PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_env.sh"
 python3 -m pagoda.service.gpu_check --tokenizer "$tok" --build-8b /tmp/llama-8b-random > /dev/null 2>&1 || exit 1
 python3 -m pagoda.cli serve --model /tmp/llama-8b-random --served-model-name llama-8b-random --port 8000 \
     --grpc-port 8001 --max-num-seqs 128 > "$out/serve.log" 2>&1 &

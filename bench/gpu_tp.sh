@@ -5,12 +5,7 @@
 # stay as the machine sets them. Usage: bash bench/gpu_tp.sh TOKENIZER_DIR OUT_DIR [N]
 set -uo pipefail
 tok=${1:?tokenizer folder}; out=${2:?output folder}; tp=${3:-2}
-root=$(cd "$(dirname "$0")/.." && pwd)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$root"/.whl/*.whl || exit 1
-shim=$(mktemp -d)/p
-mkdir -p "$shim/pagoda" && cp "$root"/pagoda/*.py "$shim/pagoda/"
-for d in kernels service operator; do ln -s "$root/$d" "$shim/pagoda/$d"; done
-export PYTHONPATH=/tmp/site:$shim PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -m pagoda.service.gpu_check --tokenizer "$tok" --tensor-parallel-size "$tp" 2>&1 | tee "$out/tp_check.log" | grep -E "^\||Device|Error|error" | head -40
 [ -d /tmp/llama-8b-random ] || python3 -m pagoda.service.gpu_check --tokenizer "$tok" --build-8b /tmp/llama-8b-random 2>&1 | tail -3

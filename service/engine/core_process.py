@@ -12,9 +12,7 @@ even after a SIGKILL of the parent, so no core outlives its server. Ctrl-C is th
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
-import os
 import signal
 import sys
 import traceback
@@ -34,19 +32,11 @@ from pagoda.service.engine.messages import (
     encoder,
     input_decoder,
 )
+from pagoda.service.engine.parent_death import die_with_parent
 
 logger = logging.getLogger("pagoda.service.engine.core")
 
-_PR_SET_PDEATHSIG = 1
 _IDLE_CHECK_MS = 1000  # how often an idle core checks that its workers live
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Linux: SIGKILL this process when its parent exits; exit now if the parent is already gone."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:
-        os._exit(1)
 
 
 def run(core: EngineCore, inputs: zmq.Socket[bytes], outputs: zmq.Socket[bytes]) -> int:

@@ -9,9 +9,7 @@ its parent (PR_SET_PDEATHSIG, even when the parent is SIGKILLed) and leaves Ctrl
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
-import os
 import signal
 import sys
 import traceback
@@ -20,11 +18,11 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
+from pagoda.service.engine.parent_death import die_with_parent
+
 if TYPE_CHECKING:
     from pagoda.service.engine.config import EngineConfig
     from pagoda.service.engine.model_runner import ModelRunner
-
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 @dataclass(frozen=True)
@@ -49,7 +47,7 @@ class _Stopped(Exception):
 def worker_main(args: WorkerArgs, conn: Connection) -> None:
     """The process's target. Messages to rank 0: ("hello", None) once imported, ("num_blocks", n)
     after loading, ("ready", None) after warm-up, or ("error", traceback) before exiting with 1."""
-    _die_with_parent(args.parent_pid)
+    die_with_parent(args.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         level=args.log_level,
@@ -66,16 +64,6 @@ def worker_main(args: WorkerArgs, conn: Connection) -> None:
         sys.exit(1)
     conn.send(("ready", None))
     _serve(runner, conn)
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != parent_pid:  # the parent died before the prctl took effect
-        os._exit(1)
 
 
 def _start(args: WorkerArgs, conn: Connection) -> ModelRunner:

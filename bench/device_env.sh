@@ -1,0 +1,10 @@
+# Sourced by the bench/gpu_*.sh scripts on the GPU machine, which has torch/triton/transformers but
+# neither this package nor some of its dependencies: installs the wheels carried in .whl (msgspec,
+# pyzmq, FastAPI, uvicorn, pydantic, newer grpc/protobuf; see /work/.library/device/README.md) and
+# puts a `pagoda` package shim on PYTHONPATH. Sets `root` to the repository.
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$root"/.whl/*.whl || exit 1
+shim=$(mktemp -d)/p
+mkdir -p "$shim/pagoda" && cp "$root"/pagoda/*.py "$shim/pagoda/"
+for d in kernels service operator; do ln -s "$root/$d" "$shim/pagoda/$d"; done
+export PYTHONPATH=/tmp/site:$shim PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
