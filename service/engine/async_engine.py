@@ -97,6 +97,10 @@ class AsyncEngine:
         """Start the core process and wait until its model is loaded; raise `EngineDeadError` with the
         core's own message when it cannot start. Call from the event loop's thread: the core is tied to
         the life of the thread that started it (PR_SET_PDEATHSIG)."""
+        # No high-water marks: admission (--max-waiting-requests) bounds what is in flight, and a send
+        # that blocked at a full queue would stall the event loop.
+        self._inputs.setsockopt(zmq.SNDHWM, 0)
+        self._outputs.setsockopt(zmq.RCVHWM, 0)
         inputs_addr = f"ipc://{self._socket_dir}/inputs"
         outputs_addr = f"ipc://{self._socket_dir}/outputs"
         self._inputs.bind(inputs_addr)

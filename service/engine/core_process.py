@@ -97,8 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
+    inputs.setsockopt(zmq.RCVHWM, 0)  # as the API process's side: never drop, never block the sender
     inputs.connect(args.inputs)
     outputs = context.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.SNDHWM, 0)
     outputs.connect(args.outputs)
     encode = encoder().encode
     executor = None
