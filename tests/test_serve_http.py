@@ -404,3 +404,22 @@ def test_metrics_exports_every_documented_name_and_values_move(server: ServeProc
     text = httpx.get(f"{server.base_url}/metrics").text
     assert f'vllm:num_requests_waiting{{model_name="{MODEL}"}} 0.0' in text
     assert re.search(r'vllm:cache_config_info\{block_size="16",num_gpu_blocks="\d+"\} 1.0', text)
+
+
+def test_hostile_sampling_values_are_refused_or_harmless(server: ServeProcess, client: openai.OpenAI) -> None:
+    """Two of these used to kill the engine for every client (a huge top_k overflowed in the sampler; a
+    negative stop token id indexed out of bounds): now one is harmless and the others are 400s."""
+    ok = client.completions.create(
+        model=MODEL, prompt="Hi", max_tokens=3, extra_body={"top_k": 10**19, "ignore_eos": True}
+    )
+    assert len(ok.choices[0].text) > 0 and ok.choices[0].finish_reason == "length"
+    refused = [
+        {"min_tokens": 2, "stop_token_ids": [-100000]},
+        {"stop_token_ids": [10**12]},
+        {"n": 129},
+    ]
+    for extra in refused:
+        with pytest.raises(openai.BadRequestError) as error:
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, extra_body=extra)
+        assert next(iter(extra.keys() - {"min_tokens"})) in str(error.value)
+    assert server.ready_status() == 200

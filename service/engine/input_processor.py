@@ -6,6 +6,8 @@ from __future__ import annotations
 from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
 from pagoda.service.tokenizer import Tokenizer
 
+MAX_N = 128  # completions per request, as OpenAI allows
+
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> None:
@@ -16,6 +18,7 @@ class InputProcessor:
     def process(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
         """The prompt's token ids; `InvalidRequestError` naming the field when the request cannot run."""
         params.validate()
+        self._check_token_params(params)
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt)
         else:
@@ -41,3 +44,16 @@ class InputProcessor:
                 param="max_tokens",
             )
         return token_ids
+
+    def _check_token_params(self, params: SamplingParams) -> None:
+        """What only the model's vocabulary can judge. A top_k of the vocabulary or more keeps every
+        token, so it becomes 0 (off) here rather than reaching the sampler as a huge integer."""
+        if params.n > MAX_N:
+            raise InvalidRequestError(f"n must be at most {MAX_N}, got {params.n}", param="n")
+        if params.top_k >= self.vocab_size:
+            params.top_k = 0
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"stop_token_ids out of range [0, {self.vocab_size}): {bad[:5]}", param="stop_token_ids"
+            )
