@@ -95,6 +95,20 @@ def test_generate_chat_and_token_ids_with_n2(channel: grpc.Channel) -> None:
     assert list(stub.Generate(ids, timeout=60))[-1].usage.prompt_tokens == 3
 
 
+def test_a_reused_request_id_is_refused_and_the_first_goes_on(channel: grpc.Channel) -> None:
+    stub = pb_grpc.InferenceStub(channel)
+    sampling = pb.SamplingParameters(max_new_tokens=40, ignore_eos=True)
+    request = pb.GenerateRequest(request_id="same", text="Hi", sampling=sampling)
+    first = stub.Generate(request, timeout=60)
+    next(first)  # the first is running
+    with pytest.raises(grpc.RpcError) as refused:
+        list(stub.Generate(request, timeout=60))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "already in use" in (refused.value.details() or "")
+    rest = list(first)
+    assert rest[-1].usage.completion_tokens == 40
+
+
 @pytest.mark.parametrize(
     ("request_", "code"),
     [
@@ -132,9 +146,9 @@ def test_cancelled_call_aborts_the_request(server: ServeProcess, channel: grpc.C
     next(call)
     call.cancel()
     metrics = ""
-    for _ in range(200):
+    for _ in range(200):  # the running gauge is the core's, as of its next message after the abort
         metrics = httpx.get(f"{server.base_url}/metrics").text
-        if count(metrics) > before:
+        if count(metrics) > before and "pagoda_requests_running 0.0" in metrics:
             break
         time.sleep(0.05)
     assert count(metrics) == before + 1

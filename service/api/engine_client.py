@@ -233,6 +233,9 @@ class EngineClient:
         output; closing the iterator early (client gone) aborts the request in the engine."""
         self.admit()
         request_id = request_id or uuid.uuid4().hex
+        if request_id in self._in_flight:  # refused before anything could touch the live one
+            self.metrics.count_error("invalid_request")
+            raise APIError("invalid_request", f"request id {request_id!r} is already in use", "request_id")
         engine = self.engine
         tracker = RequestTracker(self.metrics)
         self._in_flight.add(request_id)
