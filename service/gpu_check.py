@@ -93,6 +93,16 @@ def build_checkpoint(kind: str, folder: Path, tokenizer: Path, vocab: int) -> Pa
     return _save(model, folder, tokenizer)
 
 
+def _generate(folder: Path, batch: list[list[int]], params: SamplingParams, **engine_args: Any) -> list[Any]:
+    """Outputs of a fresh engine on `folder` (a third of the GPU), released before returning, so the next
+    engine or transformers gets the memory (and, under TP, the process group)."""
+    llm = LLM(str(folder), gpu_memory_utilization=0.3, **engine_args)
+    try:
+        return llm.generate(batch, params)
+    finally:
+        _release(llm)
+
+
 def _release(llm: LLM) -> None:
     llm.shutdown()
     del llm.engine
@@ -154,16 +164,16 @@ def teacher_forced(
     rows: list[tuple[str, str, bool | None, str]],
     tp: int = 1,
 ) -> None:
-    llm = LLM(
-        str(folder),
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=1)
+    outs = _generate(
+        folder,
+        batch,
+        params,
         dtype="bfloat16",
         quantization=quantization,
         device=device,
-        gpu_memory_utilization=0.3,
         tensor_parallel_size=tp,
     )
-    outs = llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=1))
-    _release(llm)
     # Teacher-forced on the engine's own bf16 continuation: fp32 transformers is the truth; bf16
     # transformers shows how far bf16 rounding alone moves top-1 choices on a random model.
     stats = {"ours": [0, 0.0], "hf_bf16": [0, 0.0]}  # top-1 agreements with fp32, worst |dlogprob|
@@ -234,16 +244,10 @@ def check(
         (kind, "fp32 greedy == transformers", same == len(batch), f"{same}/{len(batch)} prompts identical")
     )
 
-    eager = LLM(
-        str(folder),
-        dtype="float32",
-        device=device,
-        enforce_eager=True,
-        gpu_memory_utilization=0.3,
-        tensor_parallel_size=tp,
+    eager = _generate(
+        folder, batch, params, dtype="float32", device=device, enforce_eager=True, tensor_parallel_size=tp
     )
-    eager_out = [o.outputs[0].token_ids for o in eager.generate(batch, params)]
-    _release(eager)
+    eager_out = [o.outputs[0].token_ids for o in eager]
     same = sum(a == b for a, b in zip(ours, eager_out, strict=True))
     rows.append((kind, "fp32 graphs == eager", same == len(batch), f"{same}/{len(batch)} prompts identical"))
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from pagoda.service.engine.block_manager import BlockManager
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.core import EngineCore
 from pagoda.service.engine.input_processor import InputProcessor
 from pagoda.service.engine.messages import AddRequest, EngineStats
 from pagoda.service.engine.output_processor import OutputProcessor
+from pagoda.service.engine.scheduler import Scheduler
 from pagoda.service.model import load_tokenizer
 from pagoda.service.outputs import RequestOutput
 from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
@@ -43,11 +45,11 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
 
     @property
-    def block_manager(self) -> Any:
+    def block_manager(self) -> BlockManager:
         return self.core.block_manager
 
     @property
-    def scheduler(self) -> Any:
+    def scheduler(self) -> Scheduler:
         return self.core.scheduler
 
     @property
