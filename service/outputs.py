@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 @dataclass
@@ -68,3 +68,4 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
     # precedes it); complete from the first output that carries a generated token.
     prompt_logprobs: list[Logprob | None] | None = None
+    error: str | None = None  # why the engine failed this request (finish_reason "error")

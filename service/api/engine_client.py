@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
-from pagoda.service.engine.async_engine import AsyncEngine, EngineDeadError
+from pagoda.service.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.messages import EngineStats
 from pagoda.service.metrics import RequestTracker, ServerMetrics
@@ -258,6 +258,11 @@ class EngineClient:
             failed = True
             self.metrics.count_error("unavailable")
             raise APIError("unavailable", f"The engine is not healthy: {exc}", code="unhealthy") from exc
+        except RequestFailedError as exc:
+            failed = True
+            self.metrics.count_error("internal")
+            logger.error("request %s failed inside the engine: %s", request_id, exc)
+            raise APIError("internal", f"The engine failed on this request (others go on): {exc}") from exc
         except Exception as exc:
             failed = True
             self.metrics.count_error("internal")

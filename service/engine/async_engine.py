@@ -56,6 +56,10 @@ class EngineDeadError(RuntimeError):
     """The engine core died or failed; the process should be restarted (health turns false)."""
 
 
+class RequestFailedError(RuntimeError):
+    """This request (and only it) failed inside an engine step; the engine goes on serving others."""
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig, log_level: str = "info") -> None:
         """Loads the tokenizer (blocking); `start()` starts the core."""
@@ -236,6 +240,11 @@ class AsyncEngine:
             outputs, stops = processor.process(message.outputs, message.prompt_logprobs, time.monotonic())
             for request_id, index in stops:
                 self._send(Abort([request_id], index))
+            for failure in message.failures:
+                processor.fail(failure.request_id, failure.message, time.monotonic())
+                failed = self._streams.get(failure.request_id)
+                if failed is not None:
+                    failed.put_nowait(RequestFailedError(failure.message))
             for output in outputs:
                 stream = self._streams.get(output.request_id)
                 if stream is not None:

@@ -11,14 +11,25 @@ with a fake executor, and runs the same in-process (offline `LLM`) or in its own
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Protocol
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 from pagoda.service.engine.block_manager import BlockManager
 from pagoda.service.engine.config import EngineConfig
-from pagoda.service.engine.messages import AddRequest, EngineStats, PromptLogprobs, SampleResult, TokenOutput
+from pagoda.service.engine.messages import (
+    AddRequest,
+    EngineStats,
+    PromptLogprobs,
+    RequestFailure,
+    SampleResult,
+    TokenOutput,
+)
 from pagoda.service.engine.request import Request, RequestStatus
 from pagoda.service.engine.scheduler import Scheduler, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 
 class KVLayout(Protocol):
@@ -49,6 +60,23 @@ class ModelExecutor(Protocol):
         """Stop every rank; idempotent."""
 
 
+@dataclass
+class _IsolatedResult:
+    sampled: dict[str, SampleResult]
+    prompt_logprobs: dict[str, tuple[int, list[SampleResult]]]
+
+
+class StepOutputs(NamedTuple):
+    tokens: list[TokenOutput]  # a new token for every sequence that got one, in batch order
+    prompt_logprobs: list[PromptLogprobs]
+    failures: list[RequestFailure]  # client requests that failed inside this step (and ended)
+
+
+# Steps in a row in which every request, run alone, still failed: then the model side is broken, not a
+# request, and the core gives up (the API process fails health, and Kubernetes restarts the pod).
+MAX_FAILED_STEPS_IN_A_ROW = 3
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: ModelExecutor, eos_token_ids: set[int]) -> None:
         self.executor = executor
@@ -63,6 +91,8 @@ class EngineCore:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.computed_tokens_total = 0  # tokens run through the model (prefix-cache hits are not)
+        self.failed_requests_total = 0
+        self._failed_steps_in_a_row = 0
 
     @property
     def has_unfinished(self) -> bool:
@@ -91,16 +121,22 @@ class EngineCore:
             self._finish(seq)
         self._forget_if_done(request_id)
 
-    def step(self) -> tuple[list[TokenOutput], list[PromptLogprobs]]:
-        """Run one batch: a `TokenOutput` for every sequence that got a token, in batch order."""
+    def step(self) -> StepOutputs:
+        """Run one batch. A request that makes the step raise fails alone (see `_execute_isolated`)."""
         out = self.scheduler.schedule()
         if out.is_empty:
-            return [], []
+            return StepOutputs([], [], [])
         now = time.monotonic()
         for seq in out.requests:
             self._scheduled_time.setdefault(seq.request_id, now)
         self.computed_tokens_total += out.total_num_tokens
-        result = self.executor.execute(out)
+        failures: list[RequestFailure] = []
+        try:
+            result = self.executor.execute(out)
+            self._failed_steps_in_a_row = 0
+        except Exception as exc:
+            self.executor.check_alive()  # a dead rank is the engine's failure, not a request's
+            result, failures = self._execute_isolated(out, exc)
         owners = {seq.request_id: seq for seq in out.requests}
         prompt_logprobs = [
             PromptLogprobs(owners[seq_id].request_id.rpartition("#")[0], position, scores)
@@ -123,7 +159,49 @@ class EngineCore:
             outputs.append(output)
         for client_id in done:
             self._forget_if_done(client_id)
-        return outputs, prompt_logprobs
+        return StepOutputs(outputs, prompt_logprobs, failures)
+
+    def _execute_isolated(
+        self, out: SchedulerOutput, error: Exception
+    ) -> tuple[StepResult, list[RequestFailure]]:
+        """The batch raised `error`: run its sequences one at a time, so only those that fail alone
+        fail (with their whole client request); the others get their tokens as if nothing happened.
+
+        Re-running is safe: nothing in the core moved yet, and a rerun writes the same KV slots with the
+        same values. Past `MAX_FAILED_STEPS_IN_A_ROW` steps in which every sequence failed alone, the
+        error is the model side's, not a request's: raise it and let the engine fail."""
+        logger.warning(
+            "a step of %d sequences failed (%r); running them one by one", len(out.requests), error
+        )
+        sampled: dict[str, SampleResult] = {}
+        prompt_logprobs: dict[str, tuple[int, list[SampleResult]]] = {}
+        failed: dict[str, str] = {}  # client request id -> why
+        for seq, num_tokens in zip(out.requests, out.num_scheduled_tokens, strict=True):
+            client_id = seq.request_id.rpartition("#")[0]
+            if client_id in failed:
+                continue
+            try:
+                alone = self.executor.execute(SchedulerOutput([seq], [num_tokens], out.copy_ops))
+            except Exception as exc:
+                self.executor.check_alive()
+                logger.exception("request %s failed inside the step", client_id)
+                failed[client_id] = f"{type(exc).__name__}: {exc}"
+                continue
+            sampled.update(alone.sampled)
+            prompt_logprobs.update(alone.prompt_logprobs)
+        if len(failed) == len({s.request_id.rpartition("#")[0] for s in out.requests}):
+            self._failed_steps_in_a_row += 1
+            if self._failed_steps_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
+                raise error
+        else:
+            self._failed_steps_in_a_row = 0
+        for client_id in failed:
+            for seq in self._requests.get(client_id, []):
+                self._finish(seq)
+            self._forget_if_done(client_id)
+        self.failed_requests_total += len(failed)
+        failures = [RequestFailure(client_id, message) for client_id, message in failed.items()]
+        return _IsolatedResult(sampled, prompt_logprobs), failures
 
     def _check_stop(self, seq: Request, output: TokenOutput) -> None:
         params, token = seq.params, seq.token_ids[-1]

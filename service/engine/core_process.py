@@ -69,12 +69,12 @@ def run(core: EngineCore, inputs: zmq.Socket[bytes], outputs: zmq.Socket[bytes])
                 return 0
         if core.has_unfinished:
             try:
-                tokens, prompt_logprobs = core.step()
+                step = core.step()
             except Exception as exc:
                 logger.exception("engine step failed")
                 outputs.send(encode(CoreFailed(f"the engine step failed: {exc!r}")))
                 return 1
-            outputs.send(encode(CoreOutputs(tokens, prompt_logprobs, core.stats())))
+            outputs.send(encode(CoreOutputs(step.tokens, step.prompt_logprobs, core.stats(), step.failures)))
         elif changed:  # aborts freed blocks: the API's queue and KV gauges should see it
             outputs.send(encode(CoreOutputs([], [], core.stats())))
 

@@ -27,8 +27,9 @@ __all__ = ["EngineStats", "LLMEngine", "build_executor"]
 def build_executor(config: EngineConfig, eos_token_ids: set[int]) -> Any:
     """The model side of the core: every tensor-parallel rank, rank 0 in this process."""
     from pagoda.service.engine.executor import Executor
+    from pagoda.service.engine.fault_injection import maybe_inject_failures
 
-    return Executor(config, config.model_path, eos_token_ids)
+    return maybe_inject_failures(Executor(config, config.model_path, eos_token_ids))
 
 
 class LLMEngine:
@@ -90,10 +91,15 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch; return an output for every client request that changed."""
-        tokens, prompt_logprobs = self.core.step()
-        outputs, stops = self.output_processor.process(tokens, prompt_logprobs, time.monotonic())
+        step = self.core.step()
+        now = time.monotonic()
+        outputs, stops = self.output_processor.process(step.tokens, step.prompt_logprobs, now)
         for request_id, index in stops:
             self.core.abort(request_id, index)
+        for failure in step.failures:  # ended by the core: their final outputs say why
+            final = self.output_processor.fail(failure.request_id, failure.message, now)
+            if final is not None:
+                outputs.append(final)
         return outputs
 
     def stats(self) -> EngineStats:

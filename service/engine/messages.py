@@ -91,10 +91,18 @@ class PromptLogprobs(msgspec.Struct, array_like=True):
     scores: list[SampleResult]
 
 
+class RequestFailure(msgspec.Struct, array_like=True):
+    """A client request that failed inside a step (and only it): the core has ended and freed it."""
+
+    request_id: str
+    message: str
+
+
 class CoreOutputs(msgspec.Struct, tag=True):
     outputs: list[TokenOutput]
     prompt_logprobs: list[PromptLogprobs]
     stats: EngineStats
+    failures: list[RequestFailure] = []
 
 
 class CoreReady(msgspec.Struct, tag=True):

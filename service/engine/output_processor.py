@@ -125,6 +125,19 @@ class OutputProcessor:
                 c.finish_reason = "abort"
         return self._output(client, now)
 
+    def fail(self, request_id: str, message: str, now: float) -> RequestOutput | None:
+        """The final output of a request that failed inside the engine (`finish_reason="error"`, and
+        `error` says why); None when the request is unknown or done."""
+        client = self.requests.get(request_id)
+        if client is None:
+            return None
+        for c in client.completions:
+            if c.finish_reason is None:
+                c.finish_reason = "error"
+        output = self._output(client, now)
+        output.error = message
+        return output
+
     def _logprob(self, sample: SampleResult) -> Logprob:
         top = [TokenLogprob(t, self.tokenizer.id_to_token(t), lp) for t, lp in sample.top or []]
         return Logprob(

@@ -1,0 +1,87 @@
+"""A request that makes a step raise fails alone: the others in its batch get exactly the tokens they
+would have got without it, and the engine goes on. The failure is injected by the named test double
+`fault_injection.FailingExecutor` (`PAGODA_TEST_FAIL_SEED`), around the real model on the CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pagoda.service.engine import core as core_module
+from pagoda.service.engine.config import EngineConfig
+from pagoda.service.engine.fault_injection import ENV, InjectedFailure
+from pagoda.service.engine.llm_engine import LLMEngine
+from pagoda.service.outputs import RequestOutput
+from pagoda.service.sampling_params import SamplingParams
+
+HOSTILE_SEED = 666
+PROMPTS = {"a": [101, 2002, 3003, 4004], "b": [7, 8, 9, 10, 11, 12], "c": [5005, 6006]}
+
+
+@pytest.fixture
+def engine(llama_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> LLMEngine:
+    monkeypatch.setenv(ENV, str(HOSTILE_SEED))
+    return LLMEngine(EngineConfig(model=str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=8 << 20))
+
+
+def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, RequestOutput]:
+    finals: dict[str, RequestOutput] = {}
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks  # the failed request's blocks came back too
+    return finals
+
+
+def greedy(**kw: object) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, **kw)  # type: ignore[arg-type]
+
+
+def test_a_failing_request_fails_alone(engine: LLMEngine) -> None:
+    expected = run(engine, {rid: (p, greedy()) for rid, p in PROMPTS.items()})
+    mixed = {rid: (p, greedy()) for rid, p in PROMPTS.items()}
+    mixed["hostile"] = ([42, 43, 44], greedy(seed=HOSTILE_SEED, n=2))
+    finals = run(engine, mixed)
+
+    hostile = finals["hostile"]
+    assert [c.finish_reason for c in hostile.outputs] == ["error", "error"]
+    assert hostile.error is not None and "injected failure" in hostile.error
+    for rid in PROMPTS:
+        assert finals[rid].error is None
+        assert finals[rid].outputs[0].token_ids == expected[rid].outputs[0].token_ids
+    assert engine.core.failed_requests_total == 1
+    # The engine goes on: the same requests again, still the same tokens.
+    again = run(engine, {rid: (p, greedy()) for rid, p in PROMPTS.items()})
+    assert {rid: o.outputs[0].token_ids for rid, o in again.items()} == {
+        rid: o.outputs[0].token_ids for rid, o in expected.items()
+    }
+
+
+def test_a_request_that_joins_mid_decode_fails_without_disturbing_running_ones(engine: LLMEngine) -> None:
+    expected = run(engine, {"a": (PROMPTS["a"], greedy())})["a"].outputs[0].token_ids
+    engine.add_request("a", PROMPTS["a"], greedy())
+    engine.step()  # a prefills and gets its first token
+    engine.add_request("hostile", [42, 43], greedy(seed=HOSTILE_SEED))
+    finals: dict[str, RequestOutput] = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert finals["hostile"].outputs[0].finish_reason == "error"
+    assert finals["a"].outputs[0].token_ids == expected
+
+
+def test_steps_where_everything_fails_alone_fail_the_engine(engine: LLMEngine) -> None:
+    """A broken model side is not a request's fault: after a few steps in which every request failed
+    even alone, the step raises (the server then fails health and the pod restarts)."""
+    for i in range(core_module.MAX_FAILED_STEPS_IN_A_ROW - 1):
+        engine.add_request(f"h{i}", [42, 43], greedy(seed=HOSTILE_SEED))
+        assert engine.step()[0].outputs[0].finish_reason == "error"
+    engine.add_request("last", [42, 43], greedy(seed=HOSTILE_SEED))
+    with pytest.raises(InjectedFailure):
+        engine.step()
