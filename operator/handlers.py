@@ -53,6 +53,14 @@ class Reconciler:
             return self._locks.setdefault(uid, threading.Lock())
 
     def run(self, body: Mapping[str, Any]) -> Result:
+        """Reconcile and report; raises kopf.TemporaryError (no traceback, one retry later) on ApplyFailed."""
+        result = self._run(body)
+        if result.retry_seconds is not None:
+            ready = next(c for c in result.status["conditions"] if c["type"] == "Ready")
+            raise kopf.TemporaryError(ready["message"], delay=result.retry_seconds)
+        return result
+
+    def _run(self, body: Mapping[str, Any]) -> Result:
         meta = body["metadata"]
         uid = meta["uid"]
         with self._lock(uid):
@@ -81,7 +89,7 @@ class Reconciler:
         owner = self.kube.get_inference_service(namespace, name)
         if owner is None or owner["metadata"]["uid"] != uid or owner["metadata"].get("deletionTimestamp"):
             return
-        self.run(owner)
+        self._run(owner)  # an event handler has no retry; the owner's own handlers and the timer do
 
     def forget(self, uid: str) -> None:
         with self._guard:

@@ -29,6 +29,7 @@ class KubeError(Exception):
     def __init__(self, status: int, method: str, path: str, body: Any) -> None:
         message = body.get("message") if isinstance(body, dict) else str(body)
         super().__init__(f"{method} {path}: {status} {message}")
+        self.message = str(message)
         self.status = status
         self.reason = body.get("reason", "") if isinstance(body, dict) else ""
 
@@ -88,11 +89,16 @@ class Kube:
                 return None
             raise
 
-    def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
-        """Server-side apply; `force` takes back fields someone else changed (drift correction)."""
+    def apply(self, obj: Mapping[str, Any], dry_run: bool = False) -> dict[str, Any]:
+        """Server-side apply; `force` takes back fields someone else changed (drift correction).
+
+        With dry_run the API server validates and admits the object but stores nothing.
+        """
         meta = obj["metadata"]
         path = object_path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
         query = [("fieldManager", FIELD_MANAGER), ("force", "true")]
+        if dry_run:
+            query.append(("dryRun", "All"))
         return self.request("PATCH", path, body=obj, query=query, content_type="application/apply-patch+yaml")
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:

@@ -18,7 +18,7 @@ import kopf
 from pagoda.operator import manifests
 from pagoda.operator import status as status_mod
 from pagoda.operator.gpus import gpu_groups
-from pagoda.operator.kube import Kube
+from pagoda.operator.kube import Kube, KubeError
 from pagoda.operator.profile import Decision, select_profile
 from pagoda.operator.spec import OperatorConfig, parse_spec
 
@@ -44,6 +44,38 @@ class Event:
 class Result:
     status: dict[str, Any]
     events: tuple[Event, ...] = ()
+    retry_seconds: float | None = None  # the API failed for a reason that may pass: try again then
+
+
+@dataclasses.dataclass(frozen=True)
+class ApplyFailure:
+    """Why the desired children were not (all) applied: the API server's own words."""
+
+    reason: Literal["InvalidSpec", "ApplyFailed"]
+    message: str
+
+
+APPLY_RETRY_SECONDS = 30.0
+
+
+def _failure(obj: Mapping[str, Any], err: KubeError, is_dry_run: bool) -> ApplyFailure:
+    # 400/422: the object itself is wrong (validation, admission); anything else may pass on a retry.
+    reason: Literal["InvalidSpec", "ApplyFailed"] = (
+        "InvalidSpec" if err.status in (400, 422) else "ApplyFailed"
+    )
+    stage = "refused by the API server" if is_dry_run else "failed to apply"
+    return ApplyFailure(reason, f"{obj['kind']} {obj['metadata']['name']} {stage}: {err.message}")
+
+
+def _warn_once(old_status: Mapping[str, Any], reason: str, message: str) -> list[Event]:
+    """A Warning, unless the Ready condition already says exactly this (the timer re-runs every minute)."""
+    for cond in old_status.get("conditions") or ():
+        if cond.get("type") == status_mod.READY and (cond.get("reason"), cond.get("message")) == (
+            reason,
+            message,
+        ):
+            return []
+    return [Event("Warning", reason, message)]
 
 
 def is_owned(obj: Mapping[str, Any], owner_uid: str) -> bool:
@@ -81,6 +113,7 @@ def reconcile(body: Mapping[str, Any], kube: Kube, config: OperatorConfig, now: 
         spec = parse_spec(body)
     except (ValueError, KeyError) as err:
         decision = Decision(False, f"invalid spec: {err}")
+        invalid = ApplyFailure("InvalidSpec", str(err))
         result = status_mod.status(
             old=old_status,
             decision=decision,
@@ -89,8 +122,9 @@ def reconcile(body: Mapping[str, Any], kube: Kube, config: OperatorConfig, now: 
             now=now,
             urls={},
             selector="",
+            failure=(invalid.reason, invalid.message),
         )
-        return Result(result, (Event("Warning", "InvalidSpec", str(err)),))
+        return Result(result, tuple(_warn_once(old_status, invalid.reason, invalid.message)))
 
     groups = gpu_groups(kube.list_nodes(), spec.node_selector, spec.tolerations)
     decision = select_profile(spec.profile_request(), groups)
@@ -105,27 +139,32 @@ def reconcile(body: Mapping[str, Any], kube: Kube, config: OperatorConfig, now: 
     is_kept = not decision.is_selected and "Deployment" in owned and not spec_changed
 
     deployment = owned.get("Deployment")
+    failure: ApplyFailure | None = None
     if theirs:
         events += [Event("Warning", "Conflict", f"refusing to overwrite: {msg}") for msg in theirs]
     elif not is_kept:
         desired = manifests.children(spec, decision, config) if decision.is_selected else []
         for obj in desired:
             kopf.adopt(obj, owner=kopf.Body(cast(kopf.RawBody, dict(body))))
-            applied = kube.apply(obj)
-            if obj["kind"] == "Deployment":
-                before = owned.get("Deployment")
-                if before is not None and _template_changed(before, applied):
-                    events.append(Event("Normal", "RollingOut", f"rolling out Deployment {spec.name}"))
-                deployment = applied
-            if obj["kind"] not in owned:
-                events.append(Event("Normal", "Created", f"created {obj['kind']} {spec.name}"))
-        wanted = {obj["kind"] for obj in desired}
-        for api, kind in CHILD_KINDS:
-            if kind in owned and kind not in wanted and (kind in WORKLOAD_KINDS or not decision.is_selected):
-                kube.delete(api, kind, spec.namespace, spec.name)
-                events.append(Event("Normal", "Deleted", f"deleted {kind} {spec.name}: no longer wanted"))
-                if kind == "Deployment":
-                    deployment = None
+        applied, failure, apply_events = _apply(kube, desired, owned)
+        events += apply_events
+        deployment = applied.get("Deployment", deployment)
+        owned |= applied
+        if failure is None:
+            wanted = {obj["kind"] for obj in desired}
+            for api, kind in CHILD_KINDS:
+                if (
+                    kind in owned
+                    and kind not in wanted
+                    and (kind in WORKLOAD_KINDS or not decision.is_selected)
+                ):
+                    kube.delete(api, kind, spec.namespace, spec.name)
+                    events.append(Event("Normal", "Deleted", f"deleted {kind} {spec.name}: no longer wanted"))
+                    owned.pop(kind)
+                    if kind == "Deployment":
+                        deployment = None
+    if failure is not None:
+        events += _warn_once(old_status, failure.reason, failure.message)
 
     selector = ",".join(f"{k}={v}" for k, v in manifests.selector_labels(spec).items())
     result = status_mod.status(
@@ -134,15 +173,45 @@ def reconcile(body: Mapping[str, Any], kube: Kube, config: OperatorConfig, now: 
         state=status_mod.rollout(deployment),
         generation=generation,
         now=now,
-        urls=manifests.urls(spec, config),
+        urls=manifests.urls(spec, config) if "Service" in owned else {"url": None, "grpcAddress": None},
         selector=selector,
         conflicts=theirs,
         is_kept=is_kept,
+        failure=(failure.reason, failure.message) if failure else None,
     )
     if is_kept:  # what runs is still the old profile: show it, with why it could not be chosen now
         old_profile = old_status.get("profile") or {}
         result["profile"] = {**result["profile"], **{k: v for k, v in old_profile.items() if k in _RUNNING}}
-    return Result(result, tuple(events))
+    retry = APPLY_RETRY_SECONDS if failure is not None and failure.reason == "ApplyFailed" else None
+    return Result(result, tuple(events), retry)
+
+
+def _apply(
+    kube: Kube, desired: list[dict[str, Any]], owned: Mapping[str, dict[str, Any]]
+) -> tuple[dict[str, dict[str, Any]], ApplyFailure | None, list[Event]]:
+    """Dry-run every child, then apply them all: a child the API server refuses leaves none half-made.
+
+    Returns the applied objects by kind, the failure if any, and the Created/RollingOut events.
+    """
+    for obj in desired:
+        try:
+            kube.apply(obj, dry_run=True)
+        except KubeError as err:
+            return {}, _failure(obj, err, is_dry_run=True), []
+    applied: dict[str, dict[str, Any]] = {}
+    events: list[Event] = []
+    for obj in desired:
+        kind, name = obj["kind"], obj["metadata"]["name"]
+        try:
+            applied[kind] = kube.apply(obj)
+        except KubeError as err:
+            return applied, _failure(obj, err, is_dry_run=False), events
+        before = owned.get(kind)
+        if kind == "Deployment" and before is not None and _template_changed(before, applied[kind]):
+            events.append(Event("Normal", "RollingOut", f"rolling out Deployment {name}"))
+        if before is None:
+            events.append(Event("Normal", "Created", f"created {kind} {name}"))
+    return applied, None, events
 
 
 def _template_changed(before: Mapping[str, Any], after: Mapping[str, Any]) -> bool:

@@ -59,14 +59,27 @@ def conditions(
     state: Rollout | None,
     conflicts: Sequence[str] = (),
     is_kept: bool = False,
+    failure: tuple[str, str] | None = None,
 ) -> list[Condition]:
-    """The four conditions for one observation; is_kept: no profile now, but the old workload runs on."""
+    """The four conditions for one observation.
+
+    is_kept: no profile now, but the old workload runs on; failure: (reason, message) of a spec the
+    operator could not parse or the API server refused, which wins over everything else.
+    """
     selected = Condition(
         PROFILE_SELECTED,
         decision.is_selected,
         "Selected" if decision.is_selected else "NoFittingGpu",
         decision.reason,
     )
+    if failure is not None:
+        reason, message = failure
+        return [
+            selected,
+            Condition(READY, False, reason, message),
+            Condition(PROGRESSING, False, reason, message),
+            Condition(DEGRADED, True, reason, message),
+        ]
     if conflicts:
         message = "; ".join(conflicts)
         return [
@@ -140,12 +153,13 @@ def status(
     state: Rollout | None,
     generation: int,
     now: str,
-    urls: Mapping[str, str],
+    urls: Mapping[str, str | None],
     selector: str,
     conflicts: Sequence[str] = (),
     is_kept: bool = False,
+    failure: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
-    conds = conditions(decision, state, conflicts, is_kept)
+    conds = conditions(decision, state, conflicts, is_kept, failure)
     return {
         "observedGeneration": generation,
         "conditions": merge_conditions(old.get("conditions") or (), conds, now, generation),

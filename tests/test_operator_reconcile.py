@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 
 from pagoda.operator import status as status_mod
+from pagoda.operator.kube import KubeError
 from pagoda.operator.reconcile import reconcile
 from pagoda.operator.spec import OperatorConfig
 
@@ -40,6 +41,7 @@ class FakeKube:
         self.nodes = nodes
         self.objects: dict[tuple[str, str, str], dict] = {}
         self.writes: list[str] = []
+        self.refuse: dict[tuple[str, bool], KubeError] = {}  # (kind, dry_run) -> the API server's answer
 
     def list_nodes(self) -> list[dict]:
         return copy.deepcopy(self.nodes)
@@ -48,7 +50,11 @@ class FakeKube:
         obj = self.objects.get((kind, namespace, name))
         return copy.deepcopy(obj) if obj else None
 
-    def apply(self, obj: dict) -> dict:
+    def apply(self, obj: dict, dry_run: bool = False) -> dict:
+        if (error := self.refuse.get((obj["kind"], dry_run))) is not None:
+            raise error
+        if dry_run:
+            return copy.deepcopy(obj)
         key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
         before = self.objects.get(key)
         stored = copy.deepcopy(obj)
@@ -236,3 +242,39 @@ def test_status_fits_the_crd_schema() -> None:
     for body in (inference_service(), inference_service(gpuPreferences=[{"product": "T4"}])):
         status = run(kube, body).status
         assert _value_keys(status) <= allowed
+
+
+def _invalid(message: str) -> KubeError:
+    return KubeError(
+        422, "PATCH", "/apis/apps/v1/.../deployments/llm", {"message": message, "reason": "Invalid"}
+    )
+
+
+def test_a_child_the_api_server_refuses_leaves_nothing_half_applied() -> None:
+    kube, body = FakeKube([H100]), inference_service()
+    message = 'Deployment.apps "llm" is invalid: spec.template.spec.containers[0].env[1].name: Invalid value'
+    kube.refuse[("Deployment", True)] = _invalid(message)
+    result = run(kube, body)
+    assert kube.objects == {}  # not the Service, not the PDB: the dry run of every child came first
+    cond = {c["type"]: c for c in result.status["conditions"]}
+    assert (cond["Ready"]["status"], cond["Ready"]["reason"]) == ("False", "InvalidSpec")
+    assert message in cond["Ready"]["message"] and cond["Degraded"]["status"] == "True"
+    assert [(e.type, e.reason) for e in result.events if e.type == "Warning"] == [("Warning", "InvalidSpec")]
+    assert message in result.events[-1].message
+    assert result.retry_seconds is None  # only a spec change can help; the update handler will come
+    assert result.status["url"] is None  # no Service, no URL
+    assert not [e for e in run(kube, body).events if e.type == "Warning"]  # said once, not every resync
+    del kube.refuse[("Deployment", True)]
+    body["metadata"]["generation"] = 2
+    result = run(kube, body)
+    assert sorted(k for k, _, _ in kube.objects) == ["Deployment", "PodDisruptionBudget", "Service"]
+    assert result.status["url"] == "http://llm.ns.svc.cluster.local:8000/v1"
+
+
+def test_an_apply_that_fails_for_another_reason_is_retried_later() -> None:
+    kube, body = FakeKube([H100]), inference_service()
+    kube.refuse[("PodDisruptionBudget", False)] = KubeError(500, "PATCH", "/x", {"message": "etcd timeout"})
+    result = run(kube, body)
+    assert conditions(result)[status_mod.READY] == ("False", "ApplyFailed")
+    assert "etcd timeout" in result.status["conditions"][1]["message"]
+    assert result.retry_seconds is not None and result.retry_seconds >= 10
