@@ -7,6 +7,8 @@
 - `namespace` (function): a fresh namespace name, deleted afterwards (its pods are waited for).
 - `kubeconfig` (session): the cluster's kubeconfig path.
 - `gpu_catalogue`: e2e/gpu_nodes.yaml as loaded data; `cluster_harness`: the launcher module.
+- `real_node` (session): this machine joined to `cluster` as a real node running containers
+  (harness/realnode.py); skips with the reason when the machine cannot run containers.
 
 By default the cluster is built and started here (e2e/harness/cluster.py; binaries from
 e2e/tools/build.sh). PAGODA_E2E_KUBECONFIG=<path> uses an existing cluster instead (kind, see
@@ -127,3 +129,12 @@ def gpu_catalogue() -> dict:
 def cluster_harness() -> ModuleType:
     """The launcher module (e2e/harness/cluster.py): `start(workdir, bin_dir)`, `stop(workdir)`, ..."""
     return harness
+
+
+@pytest.fixture(scope="session")
+def real_node(cluster) -> object:
+    """This machine as a real node of `cluster` (started on first use, stopped with the cluster)."""
+    try:
+        return harness.start_real_node(cluster, attached=True)
+    except harness.realnode.Unavailable as e:
+        pytest.skip(f"no real node on this machine: {e}")

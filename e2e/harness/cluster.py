@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 E2E = HERE.parent
@@ -56,6 +57,7 @@ def _load(name: str) -> ModuleType:
 
 pki = _load("pki")
 nodes = _load("nodes")
+realnode = _load("realnode")
 
 
 class KubectlError(subprocess.CalledProcessError):
@@ -100,6 +102,13 @@ class Cluster:
         with os.fdopen(fd, "w") as f:
             json.dump(config, f, indent=2)
         return Path(path)
+
+    def node_kubeconfig(self, node: str) -> Path:
+        """A kubeconfig for kubelet `node` (system:node:<node> in system:nodes); only for our cluster."""
+        assert self.workdir is not None
+        name = pki.node_client(self.workdir / "pki", node)
+        server = json.loads(self.kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
+        return _kubeconfig(self.workdir / f"{name}.kubeconfig", server, pki.Pki(self.workdir / "pki"), name)
 
     def stop(self) -> None:
         if self.workdir is not None:
@@ -179,8 +188,19 @@ def stop(workdir: Path, grace: float = 2.0) -> None:
     """Stops every process of the cluster in `workdir`: process groups first, then any straggler.
 
     The data is throwaway, so graceful shutdown gets `grace` seconds (kube-apiserver and etcd would
-    take 10-15 s to drain each other) before SIGKILL."""
+    take 10-15 s to drain each other) before SIGKILL. A real node's pods go first, its host state
+    (bridge, mounts, cgroups, iptables) last."""
     workdir = Path(workdir).resolve()
+    realnode.stop_pods(workdir)
+    _kill(workdir, grace)
+    for pidfile in (workdir / "pids").glob("*.pid"):
+        pidfile.unlink()
+    realnode.release(workdir)
+
+
+def _kill(workdir: Path, grace: float) -> None:
+    """SIGTERM, then SIGKILL, to the process groups of the pid files and to every process whose command
+    line mentions `workdir` (or a folder below it)."""
     groups = []
     for pidfile in sorted((workdir / "pids").glob("*.pid")):
         pid = int(pidfile.read_text())
@@ -198,8 +218,6 @@ def stop(workdir: Path, grace: float = 2.0) -> None:
             time.sleep(0.1)
         if not leftover_pids(workdir):
             break
-    for pidfile in (workdir / "pids").glob("*.pid"):
-        pidfile.unlink()
 
 
 def _wait(what: str, check: Callable[[], bool], procs: dict[str, subprocess.Popen], workdir: Path) -> None:
@@ -359,6 +377,8 @@ def _start(workdir: Path, bin_dir: Path, attached: bool, catalogue: Path, hpa_sy
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-cluster-ip-range={SERVICE_CIDR}", "--authorization-mode=Node,RBAC",
             "--allow-privileged=true", "--endpoint-reconciler-type=none",
+            # kubeadm's order: the real node's name resolves nowhere, its InternalIP is its own.
+            "--kubelet-preferred-address-types=InternalIP,Hostname",
             # Aggregation layer: the front proxy's client certificate, trusted by extension API servers.
             f"--requestheader-client-ca-file={p.crt('front-proxy-ca')}",
             f"--requestheader-allowed-names={pki.FRONT_PROXY_CLIENT}",
@@ -430,6 +450,31 @@ def _start(workdir: Path, bin_dir: Path, attached: bool, catalogue: Path, hpa_sy
         raise
     (workdir / "started").write_text(f"{time.monotonic() - t0:.1f}\n")
     return cluster
+
+
+def start_real_node(cluster: Cluster, attached: bool = True, labels: dict[str, str] | None = None) -> Any:
+    """Adds this machine as a real node (realnode.py) to our `cluster`; returns a realnode.RealNode.
+    Raises realnode.Unavailable (with the reason) when this machine cannot run it."""
+    if cluster.workdir is None:
+        raise realnode.Unavailable("the real node joins only a cluster this harness started")
+    if reason := realnode.unavailable_reason():
+        raise realnode.Unavailable(reason)
+    node_bin = realnode.ensure_binaries()
+    workdir = cluster.workdir
+    try:
+        return realnode.start(
+            cluster,
+            node_bin,
+            spawn=lambda name, cmd: _spawn(workdir, name, cmd, attached),
+            wait=lambda what, check, procs: _wait(what, check, procs, workdir),
+            free_ports=_free_ports,
+            is_alive=lambda d: bool(leftover_pids(d)),
+            labels=labels,
+        )
+    except BaseException:
+        _kill(workdir / "node", grace=2.0)  # containerd, kubelet, kube-proxy, shims: all name node/
+        realnode.release(workdir)
+        raise
 
 
 # ---------------------------------------------------------------------------------------------------

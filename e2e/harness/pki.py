@@ -73,6 +73,14 @@ def _leaf(d: Path, name: str, ca: str, subject: str, usage: str, sans: tuple[str
     )  # fmt: skip
 
 
+def node_client(d: Path, node: str) -> str:
+    """Issues the client certificate of kubelet `node` (group system:nodes, as the Node authorizer
+    wants) into the PKI in `d`; returns its name for Pki.crt/key."""
+    name = f"node-{node}"
+    _leaf(d, name, "ca", f"/O=system:nodes/CN=system:node:{node}", "clientAuth")
+    return name
+
+
 def generate(d: Path) -> Pki:
     """Writes the whole PKI into `d` (created) and returns it."""
     d.mkdir(parents=True, exist_ok=True)
