@@ -21,6 +21,7 @@ from pagoda.operator.spec import GROUP, KIND, PLURAL, VERSION, OperatorConfig
 
 RETRY_SECONDS = 10.0  # after an API error (kopf waits 60 s by default)
 MANAGED = {"app.kubernetes.io/managed-by": "pagoda-operator"}
+SERVER_PODS = MANAGED | {"app.kubernetes.io/component": "inference-server"}
 CHILD_RESOURCES = (
     ("", "v1", "services"),
     ("apps", "v1", "deployments"),
@@ -84,10 +85,12 @@ class Reconciler:
                 )
         return result
 
-    def run_by_name(self, namespace: str, name: str, uid: str) -> None:
-        """For child events: read the owner fresh and reconcile it."""
+    def run_by_name(self, namespace: str, name: str, uid: str | None = None) -> None:
+        """For child and pod events: read the owner fresh and reconcile it (uid: only if still that one)."""
         owner = self.kube.get_inference_service(namespace, name)
-        if owner is None or owner["metadata"]["uid"] != uid or owner["metadata"].get("deletionTimestamp"):
+        if owner is None or owner["metadata"].get("deletionTimestamp"):
+            return
+        if uid is not None and owner["metadata"]["uid"] != uid:
             return
         self._run(owner)  # an event handler has no retry; the owner's own handlers and the timer do
 
@@ -149,3 +152,11 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler) -> None:
             for ref in body.metadata.get("ownerReferences") or ():
                 if ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(GROUP + "/"):
                     reconciler.run_by_name(str(body.metadata.namespace), ref["name"], ref["uid"])
+
+    # A pod's scheduling or container state changes nothing in its Deployment's status: watch the pods
+    # (labelled by manifests.labels) so that "why not ready" reaches the status in seconds.
+    @kopf.on.event("", "v1", "pods", labels=SERVER_PODS, registry=registry, id="server-pods")
+    def on_pod(body: kopf.Body, **_: Any) -> None:
+        instance = body.metadata.labels.get("app.kubernetes.io/instance")
+        if instance:
+            reconciler.run_by_name(str(body.metadata.namespace), instance)

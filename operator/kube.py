@@ -15,9 +15,15 @@ from pagoda.operator.spec import GROUP, PLURAL, VERSION
 FIELD_MANAGER = "pagoda-operator"
 
 # (apiVersion, kind) -> plural, for every kind the operator writes or reads.
+# Read only: Node, Pod (capacity, why pods wait), PersistentVolumeClaim and Secret (do they exist; a
+# Secret's metadata only, charts/pagoda grants `get` on secrets and nothing else).
+READ_ONLY = ("Node", "Pod", "PersistentVolumeClaim", "Secret", "InferenceService")
 PLURALS = {
     ("v1", "Service"): "services",
     ("v1", "Node"): "nodes",
+    ("v1", "Pod"): "pods",
+    ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
+    ("v1", "Secret"): "secrets",
     ("apps/v1", "Deployment"): "deployments",
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
@@ -64,8 +70,9 @@ class Kube:
         body: Any = None,
         query: list[tuple[str, str]] | None = None,
         content_type: str = "application/json",
+        accept: str = "application/json",
     ) -> Any:
-        headers = {"Accept": "application/json", "Content-Type": content_type}
+        headers = {"Accept": accept, "Content-Type": content_type}
         prepared = self._api.param_serialize(
             method,
             path,
@@ -109,8 +116,27 @@ class Kube:
             if err.status != 404:
                 raise
 
+    def exists(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        """Only the metadata is fetched (PartialObjectMetadata): a Secret's data never crosses the wire."""
+        try:
+            path = object_path(api_version, kind, namespace, name)
+            self.request("GET", path, accept="application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1")
+        except KubeError as err:
+            if err.status == 404:
+                return False
+            raise
+        return True
+
     def list_nodes(self) -> list[dict[str, Any]]:
         return self.request("GET", "/api/v1/nodes")["items"]
+
+    def list_pods(self, namespace: str | None = None, selector: str = "") -> list[dict[str, Any]]:
+        """Pods not yet finished, in one namespace or (None) all of them."""
+        path = f"/api/v1/namespaces/{namespace}/pods" if namespace else "/api/v1/pods"
+        query = [("fieldSelector", "status.phase!=Succeeded,status.phase!=Failed")]
+        if selector:
+            query.append(("labelSelector", selector))
+        return self.request("GET", path, query=query)["items"]
 
     def get_inference_service(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self.get(f"{GROUP}/{VERSION}", "InferenceService", namespace, name)

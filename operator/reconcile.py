@@ -19,8 +19,9 @@ from pagoda.operator import manifests
 from pagoda.operator import status as status_mod
 from pagoda.operator.gpus import gpu_groups
 from pagoda.operator.kube import Kube, KubeError
+from pagoda.operator.pods import PodIssue, diagnose
 from pagoda.operator.profile import Decision, select_profile
-from pagoda.operator.spec import OperatorConfig, parse_spec
+from pagoda.operator.spec import OperatorConfig, ServiceSpec, parse_spec
 
 # Every kind an InferenceService may own, in apply order.
 CHILD_KINDS = (
@@ -67,15 +68,30 @@ def _failure(obj: Mapping[str, Any], err: KubeError, is_dry_run: bool) -> ApplyF
     return ApplyFailure(reason, f"{obj['kind']} {obj['metadata']['name']} {stage}: {err.message}")
 
 
-def _warn_once(old_status: Mapping[str, Any], reason: str, message: str) -> list[Event]:
-    """A Warning, unless the Ready condition already says exactly this (the timer re-runs every minute)."""
+def _warn_once(
+    old_status: Mapping[str, Any], reason: str, message: str, condition: str = status_mod.READY
+) -> list[Event]:
+    """A Warning, unless the condition already says exactly this (the timer re-runs every minute)."""
     for cond in old_status.get("conditions") or ():
-        if cond.get("type") == status_mod.READY and (cond.get("reason"), cond.get("message")) == (
-            reason,
-            message,
-        ):
+        if cond.get("type") == condition and (cond.get("reason"), cond.get("message")) == (reason, message):
             return []
     return [Event("Warning", reason, message)]
+
+
+def missing_reference(kube: Kube, spec: ServiceSpec) -> PodIssue | None:
+    """A PVC or Secret the spec names that does not exist: pods would wait for it without a word."""
+    ns = spec.namespace
+    if spec.source.kind == "pvc" and not kube.exists("v1", "PersistentVolumeClaim", ns, spec.source.location):
+        message = (
+            f'PersistentVolumeClaim "{spec.source.location}" (model.source.pvc) not found in namespace {ns}'
+        )
+        return PodIssue("PersistentVolumeClaimNotFound", message, True)
+    secrets = [(spec.source.token_secret[0], "model.source.tokenSecret")] if spec.source.token_secret else []
+    secrets += [(name, "imagePullSecrets") for name in spec.image_pull_secrets]
+    for name, field in secrets:
+        if not kube.exists("v1", "Secret", ns, name):
+            return PodIssue("SecretNotFound", f'Secret "{name}" ({field}) not found in namespace {ns}', True)
+    return None
 
 
 def is_owned(obj: Mapping[str, Any], owner_uid: str) -> bool:
@@ -167,6 +183,11 @@ def reconcile(body: Mapping[str, Any], kube: Kube, config: OperatorConfig, now: 
         events += _warn_once(old_status, failure.reason, failure.message)
 
     selector = ",".join(f"{k}={v}" for k, v in manifests.selector_labels(spec).items())
+    issue = None
+    if deployment is not None and failure is None and not theirs:
+        issue = missing_reference(kube, spec) or diagnose(kube.list_pods(spec.namespace, selector))
+        if issue is not None and issue.is_failure:
+            events += _warn_once(old_status, issue.reason, issue.message, status_mod.DEGRADED)
     result = status_mod.status(
         old=old_status,
         decision=decision,
@@ -178,6 +199,7 @@ def reconcile(body: Mapping[str, Any], kube: Kube, config: OperatorConfig, now: 
         conflicts=theirs,
         is_kept=is_kept,
         failure=(failure.reason, failure.message) if failure else None,
+        issue=issue,
     )
     if is_kept:  # what runs is still the old profile: show it, with why it could not be chosen now
         old_profile = old_status.get("profile") or {}

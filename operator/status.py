@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pagoda.operator.pods import PodIssue
 from pagoda.operator.profile import Decision
 
 READY, PROFILE_SELECTED, PROGRESSING, DEGRADED = "Ready", "ProfileSelected", "Progressing", "Degraded"
@@ -33,6 +34,7 @@ class Rollout:
     ready: int
     is_complete: bool
     failure: str | None = None  # why the rollout cannot finish, if it cannot
+    updated: int = 0  # replicas on the current pod template
 
 
 def rollout(deployment: Mapping[str, Any] | None) -> Rollout | None:
@@ -51,7 +53,8 @@ def rollout(deployment: Mapping[str, Any] | None) -> Rollout | None:
         if cond.get("type") == "ReplicaFailure" and cond.get("status") == "True":
             failure = f"pods cannot be created: {cond.get('message', '')}".strip()
     is_complete = observed and updated == desired and total == desired and available == desired
-    return Rollout(desired, total, int(status.get("readyReplicas", 0)), is_complete, failure)
+    ready = int(status.get("readyReplicas", 0))
+    return Rollout(desired, total, ready, is_complete, failure, updated if observed else 0)
 
 
 def conditions(
@@ -60,11 +63,13 @@ def conditions(
     conflicts: Sequence[str] = (),
     is_kept: bool = False,
     failure: tuple[str, str] | None = None,
+    issue: PodIssue | None = None,
 ) -> list[Condition]:
     """The four conditions for one observation.
 
     is_kept: no profile now, but the old workload runs on; failure: (reason, message) of a spec the
-    operator could not parse or the API server refused, which wins over everything else.
+    operator could not parse or the API server refused, which wins over everything else; issue: why
+    replicas are not ready (pods.diagnose, or a missing PVC/Secret).
     """
     selected = Condition(
         PROFILE_SELECTED,
@@ -102,6 +107,11 @@ def conditions(
         ready = Condition(READY, False, "ScaledToZero", "0 replicas requested")
     elif state.is_complete and state.ready >= state.desired:
         ready = Condition(READY, True, "ReplicasReady", counts)
+    elif issue is not None:
+        ready = Condition(READY, False, issue.reason, f"{counts}; {issue.message}")
+    elif state.ready >= state.desired:  # ready, but some of them from the previous template
+        updated = f"{state.updated}/{state.desired} on the current spec"
+        ready = Condition(READY, False, "RollingOut", f"{counts}, {updated}")
     else:
         ready = Condition(READY, False, "ReplicasNotReady", counts)
     if state.is_complete:
@@ -110,6 +120,8 @@ def conditions(
         progressing = Condition(PROGRESSING, True, "RollingOut", f"rolling out: {counts}")
     if state.failure:
         degraded = Condition(DEGRADED, True, "RolloutFailed", state.failure)
+    elif issue is not None and issue.is_failure:
+        degraded = Condition(DEGRADED, True, issue.reason, issue.message)
     elif is_kept:
         degraded = Condition(DEGRADED, True, "NoFittingGpu", f"kept the running workload; {decision.reason}")
     else:
@@ -158,8 +170,9 @@ def status(
     conflicts: Sequence[str] = (),
     is_kept: bool = False,
     failure: tuple[str, str] | None = None,
+    issue: PodIssue | None = None,
 ) -> dict[str, Any]:
-    conds = conditions(decision, state, conflicts, is_kept, failure)
+    conds = conditions(decision, state, conflicts, is_kept, failure, issue)
     return {
         "observedGeneration": generation,
         "conditions": merge_conditions(old.get("conditions") or (), conds, now, generation),

@@ -18,6 +18,7 @@ def test_handlers_are_registered() -> None:
     assert timers["resync"].interval == 7
     watching = {h.id for h in registry._watching.get_all_handlers()}
     assert {f"child-{p}" for p in ("services", "deployments", "horizontalpodautoscalers")} <= watching
+    assert "server-pods" in watching
 
 
 def test_settings() -> None:

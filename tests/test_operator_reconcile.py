@@ -42,6 +42,8 @@ class FakeKube:
         self.objects: dict[tuple[str, str, str], dict] = {}
         self.writes: list[str] = []
         self.refuse: dict[tuple[str, bool], KubeError] = {}  # (kind, dry_run) -> the API server's answer
+        self.pods: list[dict] = []
+        self.present: set[tuple[str, str]] = set()  # (kind, name) of PVCs and Secrets that exist
 
     def list_nodes(self) -> list[dict]:
         return copy.deepcopy(self.nodes)
@@ -67,6 +69,12 @@ class FakeKube:
             stored["status"] = before["status"]
         self.objects[key] = stored
         return copy.deepcopy(stored)
+
+    def exists(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        return (kind, name) in self.present
+
+    def list_pods(self, namespace: str | None = None, selector: str = "") -> list[dict]:
+        return copy.deepcopy(self.pods)
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         self.writes.append(f"delete {kind}")
@@ -278,3 +286,35 @@ def test_an_apply_that_fails_for_another_reason_is_retried_later() -> None:
     assert conditions(result)[status_mod.READY] == ("False", "ApplyFailed")
     assert "etcd timeout" in result.status["conditions"][1]["message"]
     assert result.retry_seconds is not None and result.retry_seconds >= 10
+
+
+def test_a_missing_pvc_or_secret_is_named_in_the_status() -> None:
+    source = {"pvc": {"claimName": "models", "path": "llama"}}
+    kube, body = FakeKube([H100]), inference_service(model={"name": "llama-3.1-8b", "source": source})
+    result = run(kube, body)
+    assert ("Deployment", "ns", "llm") in kube.objects  # created: the pods start once the claim exists
+    cond = {c["type"]: c for c in result.status["conditions"]}
+    assert (cond["Degraded"]["status"], cond["Degraded"]["reason"]) == (
+        "True",
+        "PersistentVolumeClaimNotFound",
+    )
+    assert (
+        'PersistentVolumeClaim "models" (model.source.pvc) not found in namespace ns'
+        in cond["Ready"]["message"]
+    )
+    assert [e.reason for e in result.events if e.type == "Warning"] == ["PersistentVolumeClaimNotFound"]
+    assert not [e for e in run(kube, body).events if e.type == "Warning"]
+    kube.present.add(("PersistentVolumeClaim", "models"))
+    pulling = {"name": "server", "ready": False, "state": {"waiting": {"reason": "ImagePullBackOff"}}}
+    kube.pods = [{"metadata": {"name": "llm-x"}, "status": {"containerStatuses": [pulling]}}]
+    assert conditions(run(kube, body))[status_mod.DEGRADED] == ("True", "ImagePullFailed")
+    kube.pods = []
+    assert conditions(run(kube, body))[status_mod.DEGRADED] == ("False", "AsExpected")
+
+    hf = {"uri": "hf://org/model", "tokenSecret": {"name": "hf-token"}}
+    body = inference_service(model={"name": "llama-3.1-8b", "source": hf})
+    result = run(kube, body)
+    assert conditions(result)[status_mod.DEGRADED] == ("True", "SecretNotFound")
+    assert (
+        'Secret "hf-token" (model.source.tokenSecret) not found' in result.status["conditions"][3]["message"]
+    )

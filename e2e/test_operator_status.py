@@ -1,0 +1,109 @@
+"""Status says why pods do not run, in the scheduler's and the kubelet's words: a missing PVC, pods the
+scheduler cannot place, an image that cannot be pulled (a kubelet's report, written here as kwok does
+not simulate image pulls), and Ready/Degraded that agree with the pods.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+
+def _load_base() -> ModuleType:
+    # e2e/ is not a package (importlib mode): share test_operator.py's helpers and fixture by path.
+    name = "pagoda_e2e_test_operator_base"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("test_operator.py"))
+        assert spec and spec.loader
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+base = _load_base()
+operator = base.operator  # the module-scoped fixture: chart installed, `pagoda operator` running
+
+
+def conditions_of(cluster, namespace: str, name: str) -> dict[str, dict]:
+    isvc = base.get(cluster, namespace, "inferenceservice", name)
+    return {c["type"]: c for c in ((isvc or {}).get("status") or {}).get("conditions") or ()}
+
+
+def wait_reason(cluster, namespace: str, name: str, kind: str, reason: str, op) -> dict[str, dict]:
+    def check() -> dict[str, dict] | None:
+        conds = conditions_of(cluster, namespace, name)
+        return conds if conds.get(kind, {}).get("reason") == reason else None
+
+    def context() -> str:
+        return json.dumps(conditions_of(cluster, namespace, name), indent=1) + "\n" + op.tail()
+
+    return base.wait_for(f"{name} {kind} reason {reason}", check, timeout=60, context=context)
+
+
+def warnings(cluster, namespace: str, reason: str) -> list[str]:
+    out = cluster.kubectl(
+        "get", "events", "-n", namespace, "--field-selector", f"reason={reason}", "-o", "json"
+    )
+    return [e["message"] for e in json.loads(out.stdout)["items"] if e["type"] == "Warning"]
+
+
+def test_a_missing_pvc_is_named_then_the_scheduler_is_quoted(cluster, namespace, operator) -> None:
+    source = {"pvc": {"claimName": "models", "path": "llama"}}
+    base.apply(
+        cluster, namespace, base.small_service("nopvc", model={"name": "llama-3.1-8b", "source": source})
+    )
+    conds = wait_reason(cluster, namespace, "nopvc", "Degraded", "PersistentVolumeClaimNotFound", operator)
+    assert conds["Degraded"]["status"] == "True" and conds["Ready"]["status"] == "False"
+    message = f'PersistentVolumeClaim "models" (model.source.pvc) not found in namespace {namespace}'
+    assert message in conds["Ready"]["message"]
+    assert warnings(cluster, namespace, "PersistentVolumeClaimNotFound") == [message]
+    # The claim exists but is never bound: the scheduler's own words reach the status.
+    base.apply(cluster, namespace, {
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models"},
+        "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "none",
+                 "resources": {"requests": {"storage": "1Gi"}}},
+    })  # fmt: skip
+    conds = wait_reason(cluster, namespace, "nopvc", "Degraded", "PersistentVolumeClaimNotReady", operator)
+    assert "cannot be scheduled: 0/8 nodes are available" in conds["Degraded"]["message"]
+    assert "PersistentVolumeClaim" in conds["Degraded"]["message"]
+
+
+def test_an_unschedulable_pod_says_what_is_missing(cluster, namespace, operator) -> None:
+    body = base.small_service("huge", resources={"requests": {"memory": "100Ti"}})
+    base.apply(cluster, namespace, body)
+    conds = wait_reason(cluster, namespace, "huge", "Ready", "Unschedulable", operator)
+    assert conds["Ready"]["status"] == "False"
+    assert conds["Ready"]["message"].startswith("0/1 replicas ready; pod huge-")
+    assert "Insufficient memory" in conds["Ready"]["message"]
+    assert (conds["Degraded"]["status"], conds["Degraded"]["reason"]) == ("True", "Unschedulable")
+    isvc = base.get(cluster, namespace, "inferenceservice", "huge")
+    assert isvc["status"]["url"].startswith("http://huge.")  # the Service exists
+
+
+def test_image_pull_errors_and_recovery_reach_the_status(cluster, namespace, operator) -> None:
+    base.apply(cluster, namespace, base.small_service("pull"))
+    base.ready_service(cluster, namespace, "pull", operator)
+    (pod,) = base.running_pods(cluster, namespace, "pull")
+    name = pod["metadata"]["name"]
+    waiting = {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "example.invalid/pagoda:0"'}
+    container = {"name": "server", "ready": False, "restartCount": 0, "image": "x", "imageID": ""}
+    status = {
+        "conditions": [{"type": "Ready", "status": "False"}, {"type": "ContainersReady", "status": "False"}],
+        "containerStatuses": [container | {"state": {"waiting": waiting}}],
+    }
+    cluster.kubectl(
+        "patch", "pod", name, "-n", namespace, "--subresource=status", "-p", json.dumps({"status": status})
+    )
+    conds = wait_reason(cluster, namespace, "pull", "Degraded", "ImagePullFailed", operator)
+    assert conds["Ready"]["status"] == "False" and conds["Ready"]["reason"] == "ImagePullFailed"
+    assert 'ImagePullBackOff: Back-off pulling image "example.invalid/pagoda:0"' in conds["Ready"]["message"]
+    assert any(name in m for m in warnings(cluster, namespace, "ImagePullFailed"))
+    cluster.kubectl("delete", "pod", name, "-n", namespace, "--wait=false")  # the new pod pulls fine
+    base.ready_service(cluster, namespace, "pull", operator)
+    conds = conditions_of(cluster, namespace, "pull")
+    assert (conds["Degraded"]["status"], conds["Degraded"]["reason"]) == ("False", "AsExpected")
+    assert conds["Ready"]["message"] == "1/1 replicas ready"
