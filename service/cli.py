@@ -136,6 +136,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         30.0,
         float,
     )
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="A key clients must send as `Authorization: Bearer <key>` (gRPC: `authorization` metadata); "
+        "repeat for several. Probes and /metrics stay open. Prefer the env var, which `ps` does not show "
+        f"[env: {env_name('--api-key')}, comma-separated]",
+    )
+    flag(
+        "--allowed-origins",
+        "Comma-separated origins allowed by CORS (`*` for any); unset: no CORS.",
+        "",
+    )
+    flag(
+        "--max-request-bytes",
+        "Largest HTTP request body; larger ones get 413 before they are read (0: no limit).",
+        16 << 20,
+        int,
+    )
     flag("--device", "auto (cuda when there is a GPU, else cpu), cuda, cuda:N or cpu.", "auto")
     flag("--seed", "Seed of the engine's random generator (requests with a `seed` have their own).", 0, int)
     flag("--log-level", "Logging level.", "info", choices=("debug", "info", "warning", "error"))
@@ -161,6 +180,10 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    if args.max_request_bytes < 0:
+        raise ValueError(f"--max-request-bytes must be >= 0, got {args.max_request_bytes}")
+    api_keys = args.api_key or os.environ.get(env_name("--api-key"), "").split(",")
+    api_keys = tuple(key.strip() for key in api_keys if key.strip())
     check_gpu(args.precision, args.device)
     server = ServerConfig(
         host=args.host,
@@ -169,6 +192,9 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         max_waiting_requests=args.max_waiting_requests,
         drain_timeout_s=args.drain_timeout,
         log_level=args.log_level,
+        api_keys=api_keys,
+        allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
+        max_request_bytes=args.max_request_bytes,
     )
     engine = EngineConfig(
         model=args.model,

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Bounds on what one request may ask for, whatever the transport (HTTP, gRPC, offline).
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what a 64-bit generator seed can hold
 
 
 @dataclass
@@ -36,7 +44,20 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> None:
-        """Raise `ValueError` naming the first bad field (`param` attribute set for API errors)."""
+        """Raise `InvalidRequestError` naming the first bad field. Floats must be finite (JSON allows
+        NaN and Infinity through Python's parser), integers fit what the engine's messages carry."""
+        floats = (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        )
+        for name in floats:
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value):
+                raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", param=name)
         checks: list[tuple[str, bool, str]] = [
             ("n", self.n >= 1, f"n must be at least 1, got {self.n}"),
             ("temperature", self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
@@ -59,6 +80,11 @@ class SamplingParams:
                 f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
             ),
             (
+                "seed",
+                self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1],
+                f"seed must be a 64-bit integer, got {self.seed}",
+            ),
+            (
                 "max_tokens",
                 self.max_tokens is None or self.max_tokens >= 1,
                 f"max_tokens must be at least 1, got {self.max_tokens}",
@@ -71,10 +97,30 @@ class SamplingParams:
             ),
             (
                 "logprobs",
-                self.logprobs is None or 0 <= self.logprobs <= 20,
-                f"logprobs must be in [0, 20], got {self.logprobs}",
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+            ),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
+            ),
+            (
+                "stop",
+                len(self.stop) <= MAX_STOP_STRINGS,
+                f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}",
             ),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty"),
+            (
+                "stop",
+                all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+                f"each stop string must be at most {MAX_STOP_STRING_CHARS} characters",
+            ),
+            (
+                "stop_token_ids",
+                len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+                f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}",
+            ),
         ]
         for param, ok, message in checks:
             if not ok:

@@ -26,10 +26,12 @@ class ServeProcess:
         host: str = "127.0.0.1",
         log_path: Path | None = None,
         new_session: bool = False,
+        env: dict[str, str] | None = None,
     ) -> None:
         """`new_session`: run in a process group of its own (its pid), so a caller can find every
-        process it started."""
+        process it started. `env`: added to this process's environment."""
         self.args = args
+        self.extra_env = env or {}
         self.new_session = new_session
         self.host = host
         self.log_path = log_path or Path(tempfile.mkstemp(prefix="pagoda-serve-", suffix=".log")[1])
@@ -59,7 +61,8 @@ class ServeProcess:
             if flag not in args:
                 args += [flag, "0"]
         self.args = args
-        env = {**os.environ, "PYTHONSAFEPATH": "1"}  # the repo's operator/ must not shadow the stdlib
+        # PYTHONSAFEPATH: the repo's operator/ must not shadow the stdlib.
+        env = {**os.environ, **self.extra_env, "PYTHONSAFEPATH": "1"}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 self.command,

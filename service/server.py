@@ -23,7 +23,7 @@ import uvicorn
 
 from pagoda.service.api.engine_client import EngineClient, ServingState
 from pagoda.service.api.grpc_server import GrpcServer
-from pagoda.service.api.http_server import build_app
+from pagoda.service.api.http_server import DEFAULT_MAX_REQUEST_BYTES, build_app
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,9 @@ class ServerConfig:
     max_waiting_requests: int = 1024  # 0: no limit
     drain_timeout_s: float = 30.0
     log_level: str = "info"
+    api_keys: tuple[str, ...] = ()  # none: no authentication
+    allowed_origins: tuple[str, ...] = ()  # CORS; none: no CORS headers
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
 class _Uvicorn(uvicorn.Server):
@@ -75,7 +78,12 @@ async def serve(
     sock = _bind(server_config.host, server_config.port)
     http = _Uvicorn(
         uvicorn.Config(
-            build_app(client),
+            build_app(
+                client,
+                server_config.api_keys,
+                server_config.allowed_origins,
+                server_config.max_request_bytes,
+            ),
             lifespan="off",
             log_level=server_config.log_level,
             access_log=False,
@@ -85,7 +93,7 @@ async def serve(
             timeout_graceful_shutdown=_CLOSE_GRACE_S,
         )
     )
-    grpc_server = GrpcServer(client, server_config.host, server_config.grpc_port)
+    grpc_server = GrpcServer(client, server_config.host, server_config.grpc_port, server_config.api_keys)
     await grpc_server.start()
     http_task = asyncio.create_task(http.serve(sockets=[sock]))
     logger.info(

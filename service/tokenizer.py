@@ -6,6 +6,7 @@ template as metadata, from which a byte-level BPE is rebuilt the way transformer
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from functools import cache
@@ -41,6 +42,9 @@ _GGUF_SPLITS = {
     "deepseek-r1-qwen": _QWEN2_SPLIT,
 }
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
+
+
+RELEASE_GIL_CHARS = 16_384  # longer texts are encoded with the GIL released
 
 
 class Tokenizer:
@@ -181,7 +185,17 @@ class Tokenizer:
         )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > RELEASE_GIL_CHARS:
+            # `encode` holds the GIL for its whole run (about 1 s per 2 MB); `encode_batch` releases it,
+            # so a long prompt tokenized in a worker thread leaves the event loop free meanwhile.
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token can stand for: a text longer than this times the context
+        length cannot fit, whatever it says, so it is refused without tokenizing it."""
+        return max(len(token) for token in self.backend.get_vocab(with_added_tokens=True))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pagoda.service.model import load_tokenizer
-from pagoda.service.tokenizer import IncrementalDetokenizer, Tokenizer
+from pagoda.service.tokenizer import RELEASE_GIL_CHARS, IncrementalDetokenizer, Tokenizer
 
 TEXTS = [
     "Hello world!",
@@ -131,3 +131,33 @@ def test_missing_tokenizer_files(tmp_path: Path) -> None:
         load_tokenizer(tmp_path)
     with pytest.raises(FileNotFoundError, match="nope"):
         load_tokenizer(tmp_path / "nope")
+
+
+def test_a_long_text_is_encoded_without_holding_the_gil(gguf_pair) -> None:
+    """A long prompt tokenized in a worker thread must leave the event loop's thread running: a thread
+    that ticks every millisecond is never stalled for long, and the ids are the ones `encode` gives."""
+    import itertools
+    import threading
+    import time
+
+    ours, _ = gguf_pair
+    text = "The quick brown fox jumps over the lazy dog. " * 40_000  # 1.8 MB: about 1 s of tokenizing
+    assert len(text) > RELEASE_GIL_CHARS
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    time.sleep(0.02)
+    ids = ours.encode(text)
+    stop.set()
+    ticker.join()
+    longest_stall = max(b - a for a, b in itertools.pairwise(ticks))
+    assert longest_stall < 0.5, f"the GIL was held for {longest_stall:.2f} s"
+    assert ids == ours.backend.encode(text).ids
+    assert ours.max_token_chars >= max(len(ours.decode([t])) for t in ids[:50])

@@ -22,6 +22,7 @@ from pagoda.service.engine.messages import EngineStats
 from pagoda.service.metrics import RequestTracker, ServerMetrics
 from pagoda.service.outputs import RequestOutput
 from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
+from pagoda.service.tokenizer import RELEASE_GIL_CHARS
 
 logger = logging.getLogger(__name__)
 
@@ -160,8 +161,18 @@ class EngineClient:
     def eos_token_ids(self) -> list[int]:
         return sorted(self.engine.tokenizer.eos_token_ids)
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        """The prompt's token ids for a conversation, through the model's chat template."""
+    async def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """The prompt's token ids for a conversation, through the model's chat template. Checks what
+        every transport must refuse alike: no messages, an unknown role."""
+        try:
+            check_chat_messages(messages)
+        except InvalidRequestError as exc:
+            self.metrics.count_error("invalid_request")
+            raise APIError("invalid_request", str(exc), exc.param) from exc
+        # Chat templates know system/user/assistant; OpenAI's newer "developer" role is a system prompt.
+        messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         tokenizer = self.engine.tokenizer
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
@@ -171,6 +182,8 @@ class EngineClient:
                 "invalid_request", f"messages do not fit the chat template: {exc}", "messages"
             ) from exc
         # The template writes BOS itself where the model wants one.
+        if len(text) > RELEASE_GIL_CHARS:  # off the event loop (the tokenizer releases the GIL then)
+            return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
         return tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, token_ids: list[int]) -> str:
@@ -207,16 +220,25 @@ class EngineClient:
         }
         return APIError("unavailable", messages.get(state, "unavailable"), code=state.value, retry_after_s=5)
 
-    def admit(self) -> None:
-        """Raise an APIError when a new request cannot be taken now (not ready, queue over its limit)."""
+    def admit(self, num_requests: int = 1) -> None:
+        """Raise an APIError when `num_requests` new requests cannot be taken now: not ready, or the
+        waiting queue would pass its limit (a batch larger than the limit itself is a 400: it never fits)."""
         if not self.is_ready:
             self.metrics.count_error("unavailable")
             raise self.unavailable_error()
         if self.max_waiting_requests > 0:
+            if num_requests > self.max_waiting_requests:
+                self.metrics.count_error("invalid_request")
+                raise APIError(
+                    "invalid_request",
+                    f"this request holds {num_requests} prompts, more than the {self.max_waiting_requests} "
+                    "the server lets wait at once (--max-waiting-requests); send it in smaller batches",
+                    "prompt",
+                )
             stats = self.engine.stats()
             # Requests handed to the engine but not yet in its queue count as waiting too.
             num_waiting = max(stats.num_waiting, len(self._in_flight) - stats.num_running)
-            if num_waiting >= self.max_waiting_requests:
+            if num_waiting + num_requests > self.max_waiting_requests:
                 self.metrics.count_error("queue_full")
                 raise APIError(
                     "queue_full",
@@ -227,11 +249,17 @@ class EngineClient:
                 )
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        admitted: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Admission and validation errors raise APIError before the first
-        output; closing the iterator early (client gone) aborts the request in the engine."""
-        self.admit()
+        output; closing the iterator early (client gone) aborts the request in the engine. `admitted`:
+        the caller already admitted it, with its batch (`admit(len(batch))`)."""
+        if not admitted:
+            self.admit()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._in_flight:  # refused before anything could touch the live one
             self.metrics.count_error("invalid_request")
@@ -281,6 +309,21 @@ class EngineClient:
     def abort(self, request_id: str) -> None:
         if self._engine is not None:
             self._engine.abort(request_id)
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+def check_chat_messages(messages: list[dict[str, Any]]) -> None:
+    """`InvalidRequestError` for a conversation no transport may pass on to the template."""
+    if not messages:
+        raise InvalidRequestError("messages must contain at least one message", "messages")
+    for i, message in enumerate(messages):
+        if message.get("role") not in CHAT_ROLES:
+            raise InvalidRequestError(
+                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {message.get('role')!r}",
+                f"messages.{i}.role",
+            )
 
 
 def now_s() -> int:

@@ -3,7 +3,8 @@ the same engine client as HTTP."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import hmac
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -77,7 +78,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def __init__(self, client: EngineClient) -> None:
         self.client = client
 
-    def _prompt(self, request: pb.GenerateRequest) -> str | list[int]:
+    async def _prompt(self, request: pb.GenerateRequest) -> str | list[int]:
         kind = request.WhichOneof("prompt")
         if kind == "text":
             return request.text
@@ -85,7 +86,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             return list(request.token_ids.ids)
         if kind == "chat":
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            return self.client.render_chat(messages)
+            return await self.client.render_chat(messages)
         raise InvalidRequestError("one of text, token_ids or chat must be set", "prompt")
 
     async def Generate(
@@ -95,7 +96,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             self.client.check_model(request.model)
             self.client.admit()
             try:
-                prompt = self._prompt(request)
+                prompt = await self._prompt(request)
                 params = sampling_params(request.sampling)
             except InvalidRequestError as exc:
                 self.client.metrics.count_error("invalid_request")
@@ -167,11 +168,59 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         )
 
 
+class APIKeyInterceptor(grpc.aio.ServerInterceptor):
+    """UNAUTHENTICATED unless the `authorization` metadata is `Bearer <key>` with one of `keys`; the
+    health service and reflection stay open, as HTTP's probes do."""
+
+    OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+    def __init__(self, keys: Sequence[str]) -> None:
+        self.keys = [k.encode() for k in keys]
+
+    def authorized(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
+        for name, value in metadata or ():
+            if name == "authorization":
+                raw = value if isinstance(value, bytes) else value.encode()
+                scheme, _, token = raw.partition(b" ")
+                matches = [hmac.compare_digest(token.strip(), key) for key in self.keys]
+                return scheme.lower() == b"bearer" and any(matches)
+        return False
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        method = details.method  # type: ignore[attr-defined]
+        if handler is None or method.startswith(self.OPEN_PREFIXES):
+            return handler
+        if self.authorized(details.invocation_metadata):  # type: ignore[attr-defined]
+            return handler
+        message = "missing or incorrect API key: send `authorization: Bearer <key>` metadata"
+
+        async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            yield  # pragma: no cover - abort raises
+
+        kwargs = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(deny_stream, **kwargs)
+        return grpc.unary_unary_rpc_method_handler(deny, **kwargs)
+
+
 class GrpcServer:
     """The grpc.aio server with Inference, grpc.health.v1.Health and reflection."""
 
-    def __init__(self, client: EngineClient, host: str, port: int) -> None:
-        self.server = grpc.aio.server()
+    def __init__(self, client: EngineClient, host: str, port: int, api_keys: Sequence[str] = ()) -> None:
+        interceptors = [APIKeyInterceptor(api_keys)] if api_keys else []
+        self.server = grpc.aio.server(interceptors=interceptors)
         pb_grpc.add_InferenceServicer_to_server(InferenceServicer(client), self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

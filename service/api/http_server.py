@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda import __version__
 from pagoda.service.api.engine_client import APIError, EngineClient, ServingState
+from pagoda.service.api.http_guards import APIKeyGuard, BodyLimit
 from pagoda.service.api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from pagoda.service.api.openai_serving import OpenAIServing
 from pagoda.service.metrics import CONTENT_TYPE
@@ -40,9 +42,30 @@ def error_response(
     return JSONResponse(body, status_code=status, headers=headers or None)
 
 
-def build_app(client: EngineClient) -> FastAPI:
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20
+
+
+def build_app(
+    client: EngineClient,
+    api_keys: Sequence[str] = (),
+    allowed_origins: Sequence[str] = (),
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+) -> FastAPI:
+    """The HTTP app. `api_keys`: if any, every route but the probes and /metrics needs one of them;
+    `allowed_origins`: CORS origins (none: no CORS headers); `max_request_bytes`: 0 for no limit."""
     app = FastAPI(title="Pagoda", version=__version__, docs_url=None, redoc_url=None)
     serving = OpenAIServing(client)
+    # Added innermost first: CORS answers preflights, then the key is checked, then the body read.
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    if api_keys:
+        app.add_middleware(APIKeyGuard, keys=api_keys)
+    if allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
 
     @app.exception_handler(APIError)
     async def on_api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -60,6 +83,12 @@ def build_app(client: EngineClient) -> FastAPI:
             f"{param}: {first.get('msg', 'invalid')}" if param else str(first.get("msg", "invalid body"))
         )
         return error_response(400, message, "invalid_request_error", param)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # Still JSON in OpenAI's shape; the traceback goes to the log (Starlette logs it after this).
+        client.metrics.count_error("internal")
+        return error_response(500, f"Internal server error: {type(exc).__name__}", "internal_server_error")
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

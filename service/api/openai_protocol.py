@@ -10,13 +10,45 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
 
 
+def find_lone_surrogate(value: Any, path: str = "") -> str | None:
+    """Where the first string holding a lone UTF-16 surrogate (JSON's "\\ud800") is, or None. Python's
+    JSON parser lets them through; no tokenizer, or UTF-8 response, can take them."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return f"{path or 'body'} (character {exc.start})"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = find_lone_surrogate(key, path) or find_lone_surrogate(item, f"{path}.{key}".lstrip("."))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            if found := find_lone_surrogate(item, f"{path}.{i}".lstrip(".")):
+                return found
+    return None
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if where := find_lone_surrogate(data):
+            raise PydanticCustomError(
+                "invalid_unicode",
+                "invalid Unicode in {where}: a lone surrogate; send text as valid UTF-8",
+                {"where": where},
+            )
+        return data
 
     model: str | None = None
     n: int = 1

@@ -123,22 +123,25 @@ class OpenAIServing:
         except InvalidRequestError as exc:
             self.client.metrics.count_error("invalid_request")
             raise APIError("invalid_request", str(exc), param=exc.param) from exc
+        self.client.admit(len(prompts))  # a batch is admitted whole, or not at all
         base_id = uuid.uuid4().hex
-        streams = [self.client.generate(p, params, f"{base_id}-{i}") for i, p in enumerate(prompts)]
-        firsts = []
-        try:
-            for stream in streams:
-                firsts.append(await anext(stream))
-        except BaseException:
+        streams = [
+            self.client.generate(p, params, f"{base_id}-{i}", admitted=True) for i, p in enumerate(prompts)
+        ]
+        # All prompts enter the engine together (one at a time, each would wait for the last one's
+        # first token). The first error, if any, is raised once every stream has stopped.
+        results = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
             for stream in streams:
                 await stream.aclose()
-            raise
-        return streams, firsts
+            raise errors[0]
+        return streams, results
 
     # ---- chat -----------------------------------------------------------------------------------------
     async def chat(self, request: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
         self.client.check_model(request.model)
-        prompt = self.client.render_chat(request.chat_messages(), request.add_generation_prompt)
+        prompt = await self.client.render_chat(request.chat_messages(), request.add_generation_prompt)
         streams, firsts = await self._start([prompt], request)
         response_id, created, model = f"chatcmpl-{uuid.uuid4().hex}", now_s(), self.client.model_name
         if request.stream:

@@ -45,7 +45,7 @@ from pagoda.service.engine.output_processor import OutputProcessor
 from pagoda.service.model import load_tokenizer
 from pagoda.service.outputs import RequestOutput
 from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
-from pagoda.service.tokenizer import Tokenizer
+from pagoda.service.tokenizer import RELEASE_GIL_CHARS, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +187,12 @@ class AsyncEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._output_processor.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        token_ids = self._input_processor.process(prompt, params)
+        if isinstance(prompt, str) and len(prompt) > RELEASE_GIL_CHARS:
+            # Off the event loop (the tokenizer releases the GIL for such texts): health probes and
+            # other requests are answered while a long prompt is tokenized.
+            token_ids = await asyncio.to_thread(self._input_processor.process, prompt, params)
+        else:
+            token_ids = self._input_processor.process(prompt, params)
         now = time.monotonic()
         self._output_processor.add_request(
             request_id, prompt if isinstance(prompt, str) else None, token_ids, params, now

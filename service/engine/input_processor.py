@@ -20,9 +20,21 @@ class InputProcessor:
         params.validate()
         self._check_token_params(params)
         if isinstance(prompt, str):
+            if len(prompt) > self.max_model_len * self.tokenizer.max_token_chars:
+                raise InvalidRequestError(
+                    f"this model's maximum context length is {self.max_model_len} tokens, and the prompt's "
+                    f"{len(prompt)} characters are more than that many tokens can hold; shorten the prompt",
+                    param="prompt",
+                )
             token_ids = self.tokenizer.encode(prompt)
         else:
             token_ids = list(prompt)
+            if len(token_ids) > self.max_model_len:
+                raise InvalidRequestError(
+                    f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
+                    f"{len(token_ids)} tokens; shorten the prompt",
+                    param="prompt",
+                )
             bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidRequestError(
@@ -52,6 +64,12 @@ class InputProcessor:
             raise InvalidRequestError(f"n must be at most {MAX_N}, got {params.n}", param="n")
         if params.top_k >= self.vocab_size:
             params.top_k = 0
+        if params.min_tokens >= self.max_model_len:
+            raise InvalidRequestError(
+                f"min_tokens must be less than the context length ({self.max_model_len}), "
+                f"got {params.min_tokens}",
+                param="min_tokens",
+            )
         bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(

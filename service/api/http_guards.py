@@ -1,0 +1,115 @@
+"""What every HTTP request passes before a route sees it: the API key and the body size limit. Pure ASGI
+middleware (no per-request task or body copy beyond the limit), answering in OpenAI's error shape."""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+# Probes and scrapes never need a key: the kubelet and Prometheus do not hold one.
+OPEN_PATHS = frozenset({"/v1/health/live", "/v1/health/ready", "/metrics", "/version"})
+
+
+async def send_error(
+    send: Send, status: int, message: str, error_type: str, code: str, headers: dict[str, str] | None = None
+) -> None:
+    body = json.dumps(
+        {"error": {"message": message, "type": error_type, "param": None, "code": code}}
+    ).encode()
+    raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class APIKeyGuard:
+    """401 unless `Authorization: Bearer <key>` holds one of `keys` (compared in constant time)."""
+
+    def __init__(self, app: ASGIApp, keys: Iterable[str]) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in keys]
+
+    def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        for name, value in headers:
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                token = token.strip()
+                # Check every key (no early exit): the time taken says nothing about which one matched.
+                matches = [hmac.compare_digest(token, key) for key in self.keys]
+                return scheme.lower() == b"bearer" and any(matches)
+        return False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or scope["method"] == "OPTIONS"  # CORS preflights carry no credentials
+            or scope["path"] in OPEN_PATHS
+            or self.authorized(scope["headers"])
+        ):
+            await self.app(scope, receive, send)
+            return
+        await send_error(
+            send,
+            401,
+            "Incorrect or missing API key: send it as `Authorization: Bearer <key>`.",
+            "invalid_request_error",
+            "invalid_api_key",
+            {"www-authenticate": "Bearer"},
+        )
+
+
+class BodyLimit:
+    """413 for a request body over `max_bytes`, by its Content-Length before reading anything, or as
+    soon as a chunked body passes the limit; nothing of it reaches the route."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self, send: Send, size: str) -> Any:
+        return send_error(
+            send,
+            413,
+            f"The request body ({size}) is larger than this server accepts ({self.max_bytes} bytes, "
+            "--max-request-bytes).",
+            "invalid_request_error",
+            "request_too_large",
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.max_bytes <= 0:
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                await self._too_large(send, f"{int(value)} bytes")
+                return
+        # Read the body here (it is bounded), then hand it to the route as one message.
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break  # the client left: let the route see the disconnect
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._too_large(send, f"more than {self.max_bytes} bytes")
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                if message["type"] != "http.request":
+                    return message
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
