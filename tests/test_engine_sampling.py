@@ -143,3 +143,9 @@ def test_abort_frees_blocks_at_once(engine: LLMEngine) -> None:
     assert engine.abort("gone") is None  # idempotent
     assert not engine.has_unfinished
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_context_past_the_models_positions_is_refused_at_start(llama_ckpt: Path) -> None:
+    """The tiny model has 2048 positions: a longer --max-model-len would fail the first long prompt."""
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        LLMEngine(EngineConfig(model=str(llama_ckpt), dtype="float32", max_model_len=4096))

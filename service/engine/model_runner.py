@@ -147,6 +147,12 @@ class ModelRunner:
     def _max_model_len(self) -> int:
         mc = self.model_config
         limit = self.config.max_model_len or mc.max_position_embeddings
+        if limit > mc.max_position_embeddings:
+            # Positions past the model's own limit have no rotary embedding: a prompt there would fail.
+            raise ValueError(
+                f"--max-model-len {limit} is more than the model's max_position_embeddings "
+                f"({mc.max_position_embeddings}); use at most that"
+            )
         if mc.sliding_window is not None and limit > mc.sliding_window:
             # Attention here is full-context; within the window that is exactly sliding-window attention.
             logger.warning("max_model_len clamped to the sliding window, %d tokens", mc.sliding_window)
