@@ -3,7 +3,8 @@
 # pyzmq, FastAPI, uvicorn, pydantic, newer grpc/protobuf; see /work/.library/device/README.md) and
 # puts a `pagoda` package shim on PYTHONPATH. Sets `root` to the repository.
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$root"/.whl/*.whl || exit 1
+# PAGODA_WHL_DIR: the wheels' folder when this tree is a copy without them (default: the repo's .whl).
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${PAGODA_WHL_DIR:-$root/.whl}"/*.whl || exit 1
 shim=$(mktemp -d)/p
 mkdir -p "$shim/pagoda" && cp "$root"/pagoda/*.py "$shim/pagoda/"
 for d in kernels service operator; do ln -s "$root/$d" "$shim/pagoda/$d"; done
