@@ -396,39 +396,71 @@ def test_objects_not_ours_are_left_alone(cluster, namespace, operator) -> None:
     assert svc is not None and not svc["metadata"].get("ownerReferences")
 
 
-def test_new_gpu_node_is_picked_up_by_the_periodic_check(
+def test_a_new_gpu_node_is_used_and_a_cordon_moves_nothing(
     cluster, namespace, operator, cluster_harness
 ) -> None:
+    # Waiting for a GPU the cluster does not have yet; and one running on L40S.
+    apply(cluster, namespace, small_service("waiting", gpuPreferences=[{"product": "B200"}]))
     apply(
-        cluster,
-        namespace,
-        small_service("movable", gpuPreferences=[{"product": "B200"}, {"product": "L40S"}]),
+        cluster, namespace, small_service("steady", gpuPreferences=[{"product": "B200"}, {"product": "L40S"}])
     )
-    isvc = ready_service(cluster, namespace, "movable", operator)
+    isvc = ready_service(cluster, namespace, "steady", operator)
     assert isvc["status"]["profile"]["gpu"]["product"] == "NVIDIA-L40S"
+    (steady_pod,) = [p["metadata"]["name"] for p in running_pods(cluster, namespace, "steady")]
     gpus = {"NVIDIA-B200": {"family": "blackwell", "compute": "10.0", "memory": "183359"}}
     entry = {"name": "gpu-b200-e2e", "product": "NVIDIA-B200", "gpus": 8, "cpu": "224", "memory": "2Ti"}
     node = cluster_harness.nodes.node_manifest(entry, gpus)
     cluster.kubectl("create", "-f", "-", input=json.dumps(node))
     try:
         wait_for(
-            "the service to move to the new B200 node",
+            "the waiting service to start on the new B200 node",
             lambda: (
-                [p["spec"]["nodeName"] for p in running_pods(cluster, namespace, "movable")]
+                [p["spec"]["nodeName"] for p in running_pods(cluster, namespace, "waiting")]
                 == ["gpu-b200-e2e"]
             ),
             timeout=90,
             context=operator.tail,
         )
-        isvc = ready_service(cluster, namespace, "movable", operator)
-        assert (isvc["status"]["profile"]["gpu"]["product"], isvc["status"]["profile"]["precision"]) == (
-            "NVIDIA-B200",
-            "fp8",
-        )
+        isvc = ready_service(cluster, namespace, "waiting", operator)
+        profile = isvc["status"]["profile"]
+        assert (profile["gpu"]["product"], profile["precision"]) == ("NVIDIA-B200", "fp8")
         events = cluster.kubectl(
             "get", "events", "-n", namespace, "--field-selector", "reason=ProfileSelected"
         )
         assert "NVIDIA-B200" in events.stdout
+
+        # Cordon the L40S node: the running pod stays where it is (each move reloads the weights).
+        cluster.kubectl("cordon", "gpu-l40s-0")
+        try:
+
+            def kept() -> dict | None:
+                i = get(cluster, namespace, "inferenceservice", "steady")
+                conds = {c["type"]: c for c in ((i or {}).get("status") or {}).get("conditions") or ()}
+                return conds if conds.get("ProfileSelected", {}).get("reason") == "KeptRunning" else None
+
+            conds = wait_for("ProfileSelected KeptRunning", kept, timeout=30, context=operator.tail)
+            assert "NVIDIA-B200" in conds["ProfileSelected"]["message"]  # where a fresh choice would go
+            assert conds["Degraded"]["status"] == "False" and conds["Ready"]["status"] == "True"
+            time.sleep(2 * RESYNC_SECONDS)
+            assert [p["metadata"]["name"] for p in running_pods(cluster, namespace, "steady")] == [steady_pod]
+            dep = get(cluster, namespace, "deployment", "steady")
+            assert dep["metadata"]["annotations"]["serving.pagoda.dev/profile"] == "NVIDIA-L40S/fp8/tp1"
+        finally:
+            cluster.kubectl("uncordon", "gpu-l40s-0")
+        # Uncordoned: still nothing moves, and the status goes back to Selected.
+        isvc = wait_for(
+            "ProfileSelected Selected again",
+            lambda: (
+                (i := get(cluster, namespace, "inferenceservice", "steady"))
+                and {c["type"]: c["reason"] for c in i["status"]["conditions"]}["ProfileSelected"]
+                == "Selected"
+                and i
+            ),
+            timeout=30,
+            context=operator.tail,
+        )
+        assert "kept: the current profile still fits" in isvc["status"]["profile"]["reason"]
+        assert [p["metadata"]["name"] for p in running_pods(cluster, namespace, "steady")] == [steady_pod]
     finally:
         cluster.kubectl(
             "delete", "pis", "--all", "-n", namespace, "--wait=true", "--timeout=60s", check=False

@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     )
     config = build_config(args)
     registry = kopf.OperatorRegistry()
-    register(registry, Reconciler(Kube.from_environment(), config))
+    register(registry, Reconciler(Kube.from_environment(), config), tuple(args.namespace))
     settings = kopf.OperatorSettings()
     configure(settings)
     logging.getLogger("pagoda.operator").info("starting with %s", config)

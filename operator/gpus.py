@@ -52,6 +52,14 @@ class GpuGroup:
     labels: tuple[str, ...] = ()  # raw nvidia.com/gpu.product values, for node affinity
     node_names: tuple[str, ...] = ()
     is_shared: bool = False
+    free_gpus: tuple[int, ...] | None = (
+        None  # per node (as node_names): allocatable - requested; None: unknown
+    )
+
+    @property
+    def max_free(self) -> int:
+        """The most GPUs one replica can get on one node of the group (all of them when unknown)."""
+        return max(self.free_gpus) if self.free_gpus else self.num_gpus
 
     @property
     def cc(self) -> str:
@@ -135,12 +143,61 @@ def matches_selector(node: Mapping[str, Any], node_selector: Mapping[str, str]) 
     return all(labels.get(k) == v for k, v in node_selector.items())
 
 
+def _pod_gpus(pod: Mapping[str, Any]) -> int:
+    """GPUs a pod holds: the sum over its containers, or its largest init container if that is more."""
+    spec = pod.get("spec") or {}
+
+    def gpus(container: Mapping[str, Any]) -> int:
+        resources = container.get("resources") or {}
+        wanted = (resources.get("requests") or {}).get(RESOURCE) or (resources.get("limits") or {}).get(
+            RESOURCE
+        )
+        return int(wanted or 0)
+
+    main = sum(gpus(c) for c in spec.get("containers") or ())
+    return max([main, *(gpus(c) for c in spec.get("initContainers") or ())])
+
+
+def requested_gpus(pods: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+    """node name -> GPUs requested by the pods bound to it that have not finished."""
+    used: dict[str, int] = {}
+    for pod in pods:
+        node = (pod.get("spec") or {}).get("nodeName")
+        if node and (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
+            used[node] = used.get(node, 0) + _pod_gpus(pod)
+    return used
+
+
+def why_no_gpu_nodes(
+    nodes: Iterable[Mapping[str, Any]],
+    node_selector: Mapping[str, str] | None = None,
+    tolerations: Iterable[Mapping[str, Any]] = (),
+) -> str:
+    """Why gpu_groups() found nothing: no labelled nodes, or labelled ones that the spec or state excludes."""
+    tolerations = list(tolerations)
+    labelled = [n for n in nodes if (n.get("metadata", {}).get("labels") or {}).get(PRODUCT)]
+    if not labelled:
+        return "no schedulable GPU nodes (none has the nvidia.com/gpu.product label)"
+    unselected = [n for n in labelled if not matches_selector(n, node_selector or {})]
+    blocked = [n for n in labelled if n not in unselected and not is_schedulable(n, tolerations)]
+    parts = [f"{len(labelled)} GPU nodes"]
+    if unselected:
+        parts.append(f"{len(unselected)} excluded by the nodeSelector")
+    if blocked:
+        parts.append(f"{len(blocked)} cordoned, not ready or tainted without a toleration")
+    return "no schedulable GPU nodes: " + ", ".join(parts)
+
+
 def gpu_groups(
     nodes: Iterable[Mapping[str, Any]],
     node_selector: Mapping[str, str] | None = None,
     tolerations: Iterable[Mapping[str, Any]] = (),
+    used: Mapping[str, int] | None = None,
 ) -> list[GpuGroup]:
-    """Group the schedulable GPU nodes by (product, compute capability, memory, GPUs per node)."""
+    """Group the schedulable GPU nodes by (product, compute capability, memory, GPUs per node).
+
+    used: GPUs already requested per node (requested_gpus); the groups then carry each node's free count.
+    """
     tolerations = list(tolerations)
     grouped: dict[tuple[str, tuple[int, int], int, int], list[tuple[str, str, bool]]] = {}
     for node in nodes:
@@ -158,15 +215,23 @@ def gpu_groups(
             continue
         key = (base_product(product), (major, minor), memory, num_gpus)
         grouped.setdefault(key, []).append((product, node["metadata"]["name"], is_shared))
-    return [
-        GpuGroup(
-            product=base,
-            compute_capability=cc,
-            memory_mib=memory,
-            num_gpus=num_gpus,
-            labels=tuple(sorted({raw for raw, _, _ in members})),
-            node_names=tuple(sorted(name for _, name, _ in members)),
-            is_shared=any(shared for _, _, shared in members),
+    groups = []
+    for (base, cc, memory, num_gpus), members in sorted(grouped.items()):
+        names = tuple(sorted(name for _, name, _ in members))
+        is_shared = any(shared for _, _, shared in members)
+        # Time-sliced GPUs count replicas in allocatable, not GPUs: their capacity is not counted here.
+        is_counted = used is not None and not is_shared
+        free = tuple(max(0, num_gpus - used.get(n, 0)) for n in names) if is_counted and used else None
+        groups.append(
+            GpuGroup(
+                product=base,
+                compute_capability=cc,
+                memory_mib=memory,
+                num_gpus=num_gpus,
+                labels=tuple(sorted({raw for raw, _, _ in members})),
+                node_names=names,
+                is_shared=is_shared,
+                free_gpus=free,
+            )
         )
-        for (base, cc, memory, num_gpus), members in sorted(grouped.items())
-    ]
+    return groups

@@ -94,6 +94,13 @@ class Reconciler:
             return
         self._run(owner)  # an event handler has no retry; the owner's own handlers and the timer do
 
+    def run_all(self, namespaces: tuple[str, ...] = ()) -> None:
+        """For node changes: reconcile every InferenceService served (all namespaces when none given)."""
+        for namespace in namespaces or (None,):
+            for body in self.kube.list_inference_services(namespace):
+                if not body["metadata"].get("deletionTimestamp"):
+                    self._run(body)
+
     def forget(self, uid: str) -> None:
         with self._guard:
             self._locks.pop(uid, None)
@@ -111,7 +118,21 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.scanning.disabled = True  # no CRD/namespace watching: serve the resources found at start
 
 
-def register(registry: kopf.OperatorRegistry, reconciler: Reconciler) -> None:
+def node_fingerprint(node: Mapping[str, Any]) -> tuple:
+    """What selection reads from a node; heartbeats and image lists change nothing of it."""
+    meta, spec, status = node.get("metadata") or {}, node.get("spec") or {}, node.get("status") or {}
+    gpu_labels = sorted((k, v) for k, v in (meta.get("labels") or {}).items() if k.startswith("nvidia.com/"))
+    ready = [c.get("status") for c in status.get("conditions") or () if c.get("type") == "Ready"]
+    taints = sorted(
+        (t.get("key", ""), t.get("value", ""), t.get("effect", "")) for t in spec.get("taints") or ()
+    )
+    allocatable = (status.get("allocatable") or {}).get("nvidia.com/gpu")
+    return (tuple(gpu_labels), bool(spec.get("unschedulable")), tuple(taints), tuple(ready), allocatable)
+
+
+def register(
+    registry: kopf.OperatorRegistry, reconciler: Reconciler, namespaces: tuple[str, ...] = ()
+) -> None:
     config = reconciler.config
     resource = dict(group=GROUP, version=VERSION, plural=PLURAL, registry=registry)
 
@@ -152,6 +173,19 @@ def register(registry: kopf.OperatorRegistry, reconciler: Reconciler) -> None:
             for ref in body.metadata.get("ownerReferences") or ():
                 if ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(GROUP + "/"):
                     reconciler.run_by_name(str(body.metadata.namespace), ref["name"], ref["uid"])
+
+    # Nodes: a cordon, a new GPU node or a changed label is seen in seconds, not at the next resync.
+    # Only what selection reads counts (node_fingerprint); the first sight of each node is the baseline.
+    seen: dict[str, tuple] = {}
+
+    @kopf.on.event("", "v1", "nodes", registry=registry, id="nodes")
+    def on_node(body: kopf.Body, type: str | None, **_: Any) -> None:
+        name = str(body.metadata.name)
+        fingerprint = () if type == "DELETED" else node_fingerprint(body)
+        before = seen.get(name)
+        seen[name] = fingerprint
+        if (before is not None or type == "ADDED") and before != fingerprint:
+            reconciler.run_all(namespaces)
 
     # A pod's scheduling or container state changes nothing in its Deployment's status: watch the pods
     # (labelled by manifests.labels) so that "why not ready" reaches the status in seconds.

@@ -141,6 +141,10 @@ class Kube:
     def get_inference_service(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self.get(f"{GROUP}/{VERSION}", "InferenceService", namespace, name)
 
+    def list_inference_services(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        path = f"/apis/{GROUP}/{VERSION}" + (f"/namespaces/{namespace}" if namespace else "") + f"/{PLURAL}"
+        return self.request("GET", path)["items"]
+
     def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
         path = object_path(f"{GROUP}/{VERSION}", "InferenceService", namespace, name) + "/status"
         self.request("PATCH", path, body={"status": status}, content_type="application/merge-patch+json")

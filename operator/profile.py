@@ -10,6 +10,9 @@ The rules, in order:
   small to batch (70B bf16 on 2 x 80 GB would leave ~10 GiB).
 - with a preference list, the first entry that fits wins; without one, the fitting candidate with the
   fewest GPUs, then the newest compute capability, then the most memory.
+- capacity: where the groups carry free GPU counts, a candidate needs TP free GPUs on one node.
+- stability: the current profile (of a running workload, spec unchanged) is kept while it still fits,
+  even when a better GPU appears; each move reloads the weights, so a cordon or an uncordon moves nothing.
 """
 
 from __future__ import annotations
@@ -58,6 +61,18 @@ class ProfileRequest:
     preferences: tuple[GpuPreference, ...] = ()
     kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION
     max_model_len: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CurrentProfile:
+    """What the workload runs now (the Deployment's profile)."""
+
+    product: str
+    precision: str
+    tensor_parallel_size: int
+
+    def describe(self) -> str:
+        return f"{self.product} {self.precision} TP {self.tensor_parallel_size}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +182,11 @@ def _evaluate(request: ProfileRequest, group: GpuGroup, pref: GpuPreference | No
         at_most = fixed_tp or max(t for t in TP_DEGREES if t <= group.num_gpus)
         fits = f"{at_most} x {group.product} ({group.memory_gib:.0f} GiB)"
         return Decision(False, f"{model.size_label} {precision} ({sizes}) does not fit {fits}")
+    if group.max_free < tp:
+        in_use = f"{group.max_free} of {group.num_gpus} free on the freest node"
+        return Decision(
+            False, f"{model.size_label} {precision} TP {tp} needs {tp} free GPUs on one node; {in_use}"
+        )
     why = f"{precision} " + (f"(auto: compute capability {group.cc})" if wanted == "auto" else "(requested)")
     reason = (
         f"{model.size_label} {why}, TP {tp}: {sizes} fits {tp} x {group.product} ({group.memory_gib:.0f} GiB)"
@@ -201,6 +221,13 @@ def _nothing_fits(request: ProfileRequest, groups: list[GpuGroup], rejected: lis
             reason = f"no schedulable node has a preferred GPU ({', '.join(wanted_products)})"
             return Decision(False, reason, rejected=tuple(rejected))
         groups = preferred
+    fixed_tp = request.tensor_parallel_size or any(p.tensor_parallel_size for p in request.preferences)
+    is_capacity = any("free GPUs on one node" in r.reason for r in rejected)
+    if rejected and (
+        fixed_tp or is_capacity
+    ):  # the sizes below would not be why: say each candidate's reason
+        reasons = "; ".join(f"{r.candidate}: {r.reason}" for r in rejected)
+        return Decision(False, f"no GPU fits: {reasons}", rejected=tuple(rejected))
     largest = max(groups, key=lambda g: (g.num_gpus * g.memory_mib, g.memory_mib))
     precision: str = request.precision
     if precision == "auto":
@@ -227,8 +254,28 @@ def _nothing_fits(request: ProfileRequest, groups: list[GpuGroup], rejected: lis
     return Decision(False, reason, rejected=tuple(rejected))
 
 
-def select_profile(request: ProfileRequest, groups: list[GpuGroup]) -> Decision:
-    """Choose the GPU group, precision and TP for a model; explain the choice and every rejection."""
+def _keep(request: ProfileRequest, groups: list[GpuGroup], current: CurrentProfile) -> Decision | None:
+    """The current profile, if a group of its exact product still fits it (capacity included)."""
+    pref = GpuPreference(current.product, current.precision, current.tensor_parallel_size)  # type: ignore[arg-type]
+    for group in groups:
+        if group.product == current.product:
+            decision = _evaluate(request, group, pref)
+            if decision.is_selected:
+                return dataclasses.replace(
+                    decision, reason=f"{decision.reason}; kept: the current profile still fits"
+                )
+    return None
+
+
+def select_profile(
+    request: ProfileRequest, groups: list[GpuGroup], current: CurrentProfile | None = None
+) -> Decision:
+    """Choose the GPU group, precision and TP for a model; explain the choice and every rejection.
+
+    current: what runs now, for an unchanged spec; kept while it fits (see the module docstring).
+    """
+    if current is not None and (kept := _keep(request, groups, current)) is not None:
+        return kept
     rejected: list[Rejection] = []
     if not request.preferences:
         outcomes = [(g, _evaluate(request, g, None)) for g in groups]

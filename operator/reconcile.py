@@ -15,12 +15,11 @@ from typing import Any, Literal, cast
 
 import kopf
 
-from pagoda.operator import manifests
+from pagoda.operator import manifests, placement
 from pagoda.operator import status as status_mod
-from pagoda.operator.gpus import gpu_groups
 from pagoda.operator.kube import Kube, KubeError
 from pagoda.operator.pods import PodIssue, diagnose
-from pagoda.operator.profile import Decision, select_profile
+from pagoda.operator.profile import Decision
 from pagoda.operator.spec import OperatorConfig, ServiceSpec, parse_spec
 
 # Every kind an InferenceService may own, in apply order.
@@ -142,17 +141,26 @@ def reconcile(body: Mapping[str, Any], kube: Kube, config: OperatorConfig, now: 
         )
         return Result(result, tuple(_warn_once(old_status, invalid.reason, invalid.message)))
 
-    groups = gpu_groups(kube.list_nodes(), spec.node_selector, spec.tolerations)
-    decision = select_profile(spec.profile_request(), groups)
-    events = _profile_events(old_status.get("profile"), decision)
-
     existing = {kind: kube.get(api, kind, spec.namespace, spec.name) for api, kind in CHILD_KINDS}
     theirs = [f"{kind} {spec.name} exists and is not owned by this InferenceService" for kind, obj in
               existing.items() if obj is not None and not is_owned(obj, uid)]  # fmt: skip
     owned = {kind: obj for kind, obj in existing.items() if obj is not None and is_owned(obj, uid)}
-    # Nothing fits any more, but the spec did not change (a node went away): keep serving what runs.
     spec_changed = old_status.get("observedGeneration") != generation
-    is_kept = not decision.is_selected and "Deployment" in owned and not spec_changed
+    current = None if spec_changed else placement.current_profile(owned.get("Deployment"))
+    decision = placement.decide(spec, kube.list_nodes(), kube.list_pods(), current)
+    # The spec did not change and the workload runs, but its profile cannot be chosen now (its nodes
+    # cordoned or gone, or nothing fits): keep serving what runs rather than reload weights elsewhere.
+    running = status_mod.rollout(owned.get("Deployment"))
+    is_running = running is not None and running.desired > 0 and running.ready >= running.desired
+    is_kept = (
+        not spec_changed
+        and "Deployment" in owned
+        and (
+            not decision.is_selected
+            or (current is not None and is_running and not placement.is_same(decision, current))
+        )
+    )
+    events = [] if is_kept and decision.is_selected else _profile_events(old_status.get("profile"), decision)
 
     deployment = owned.get("Deployment")
     failure: ApplyFailure | None = None

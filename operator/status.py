@@ -77,6 +77,11 @@ def conditions(
         "Selected" if decision.is_selected else "NoFittingGpu",
         decision.reason,
     )
+    if failure is not None and not decision.is_selected:  # e.g. an unknown model: not a GPU question
+        selected = Condition(PROFILE_SELECTED, False, failure[0], failure[1])
+    if is_kept and decision.is_selected:  # a profile fits, but not the one that runs: no move
+        why = f"kept the running profile while its replicas are ready; now it would be: {decision.reason}"
+        selected = Condition(PROFILE_SELECTED, True, "KeptRunning", why)
     if failure is not None:
         reason, message = failure
         return [
@@ -122,7 +127,7 @@ def conditions(
         degraded = Condition(DEGRADED, True, "RolloutFailed", state.failure)
     elif issue is not None and issue.is_failure:
         degraded = Condition(DEGRADED, True, issue.reason, issue.message)
-    elif is_kept:
+    elif is_kept and not decision.is_selected:
         degraded = Condition(DEGRADED, True, "NoFittingGpu", f"kept the running workload; {decision.reason}")
     else:
         degraded = Condition(DEGRADED, False, "AsExpected", counts)

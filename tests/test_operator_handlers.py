@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import kopf
 
 from pagoda.operator.handlers import Reconciler, configure, register
@@ -18,7 +20,7 @@ def test_handlers_are_registered() -> None:
     assert timers["resync"].interval == 7
     watching = {h.id for h in registry._watching.get_all_handlers()}
     assert {f"child-{p}" for p in ("services", "deployments", "horizontalpodautoscalers")} <= watching
-    assert "server-pods" in watching
+    assert {"server-pods", "nodes"} <= watching
 
 
 def test_settings() -> None:
@@ -26,3 +28,31 @@ def test_settings() -> None:
     configure(settings)
     assert settings.persistence.finalizer == "serving.pagoda.dev/finalizer"
     assert settings.scanning.disabled is True
+
+
+def test_node_fingerprint_ignores_heartbeats_and_sees_what_selection_reads() -> None:
+    from pagoda.operator.handlers import node_fingerprint
+
+    node = {
+        "metadata": {"name": "n", "labels": {"nvidia.com/gpu.product": "NVIDIA-H200", "other": "a"}},
+        "spec": {},
+        "status": {
+            "allocatable": {"nvidia.com/gpu": "8", "cpu": "8"},
+            "conditions": [{"type": "Ready", "status": "True", "lastHeartbeatTime": "T1"}],
+        },
+    }
+    before = node_fingerprint(node)
+    node["status"]["conditions"][0]["lastHeartbeatTime"] = "T2"
+    node["metadata"]["labels"]["other"] = "b"
+    node["status"]["allocatable"]["cpu"] = "7"
+    assert node_fingerprint(node) == before
+    for change in (
+        lambda n: n["spec"].update(unschedulable=True),
+        lambda n: n["spec"].update(taints=[{"key": "k", "effect": "NoSchedule"}]),
+        lambda n: n["status"]["allocatable"].update({"nvidia.com/gpu": "4"}),
+        lambda n: n["metadata"]["labels"].update({"nvidia.com/gpu.product": "NVIDIA-H100"}),
+        lambda n: n["status"]["conditions"][0].update(status="False"),
+    ):
+        changed = copy.deepcopy(node)
+        change(changed)
+        assert node_fingerprint(changed) != before

@@ -193,23 +193,73 @@ def test_autoscaling_replaces_replicas_and_hpa_goes_when_turned_off() -> None:
     assert kube.objects[("Deployment", "ns", "llm")]["spec"]["replicas"] == 2
 
 
-def test_node_set_change_reselects_and_a_lost_gpu_keeps_the_workload() -> None:
+def _ready(kube: FakeKube) -> None:
+    dep = kube.objects[("Deployment", "ns", "llm")]
+    generation = dep["metadata"]["generation"]
+    dep["status"] = {
+        "observedGeneration": generation,
+        "replicas": 1,
+        "updatedReplicas": 1,
+        "readyReplicas": 1,
+    }
+    dep["status"]["availableReplicas"] = 1
+
+
+def test_a_better_gpu_does_not_move_a_running_workload_but_a_spec_change_does() -> None:
     kube, body = (
         FakeKube([T4]),
         inference_service(model={"name": "llama-3.2-3b", "source": {"imagePath": "/m"}}),
     )
     run(kube, body)
+    _ready(kube)
     assert run(kube, body).status["profile"]["gpu"]["product"] == "Tesla-T4"
-    kube.nodes = [T4, H100]  # a better GPU arrives: the periodic re-check moves the service
+    kube.nodes = [T4, H100]  # a better GPU arrives: each move reloads the weights, so stay
+    kube.writes.clear()
+    result = run(kube, body)
+    assert result.status["profile"]["gpu"]["product"] == "Tesla-T4"
+    assert "kept: the current profile still fits" in result.status["profile"]["reason"]
+    assert kube.writes == [] and result.events == ()
+    body["spec"]["engine"] = {"maxNumSeqs": 64}  # a spec change chooses afresh
+    body["metadata"]["generation"] = 2
     result = run(kube, body)
     assert result.status["profile"]["gpu"]["product"] == "NVIDIA-H100-80GB-HBM3"
     assert "ProfileSelected" in [e.reason for e in result.events]
+    _ready(kube)
     kube.nodes = []  # every GPU node gone, spec unchanged: keep what runs, say so
     result = run(kube, body)
     assert ("Deployment", "ns", "llm") in kube.objects
     assert conditions(result)[status_mod.DEGRADED] == ("True", "NoFittingGpu")
     assert result.status["profile"]["selected"] is False
     assert result.status["profile"]["gpu"]["product"] == "NVIDIA-H100-80GB-HBM3"  # what still runs
+
+
+def test_a_cordoned_node_keeps_its_running_workload() -> None:
+    h200 = gpu_node("h200", "NVIDIA-H200", "9.0", 143771, 8)
+    kube, body = FakeKube([h200, H100]), inference_service()
+    assert run(kube, body).status["profile"]["gpu"]["product"] == "NVIDIA-H200"
+    _ready(kube)
+    h200["spec"] = {"unschedulable": True}
+    kube.writes.clear()
+    result = run(kube, body)
+    assert kube.writes == []
+    assert result.status["profile"]["gpu"]["product"] == "NVIDIA-H200"
+    cond = {c["type"]: c for c in result.status["conditions"]}
+    assert (cond["ProfileSelected"]["status"], cond["ProfileSelected"]["reason"]) == ("True", "KeptRunning")
+    assert (cond["Degraded"]["status"], cond["Ready"]["status"]) == ("False", "True")
+    assert "NVIDIA-H100-80GB-HBM3" in cond["ProfileSelected"]["message"]  # where a new selection would go
+
+
+def test_capacity_held_by_other_pods_steers_the_choice() -> None:
+    h200 = gpu_node("h200", "NVIDIA-H200", "9.0", 143771, 8)
+    kube = FakeKube([h200, H100])
+    kube.pods = [
+        {"metadata": {"name": "other", "namespace": "x", "labels": {}}, "spec": {"nodeName": "h200",
+         "containers": [{"resources": {"limits": {"nvidia.com/gpu": "8"}}}]}, "status": {"phase": "Running"}},
+    ]  # fmt: skip
+    result = run(kube, inference_service())
+    assert result.status["profile"]["gpu"]["product"] == "NVIDIA-H100-80GB-HBM3"
+    (rejected,) = [r for r in result.status["profile"]["rejected"] if "H200" in r["candidate"]]
+    assert rejected["reason"] == "8B fp8 TP 1 needs 1 free GPUs on one node; 0 of 8 free on the freest node"
 
 
 def test_invalid_spec_is_a_status_not_a_crash() -> None:

@@ -249,3 +249,81 @@ def test_int8_is_not_offered(capsys: pytest.CaptureFixture[str]) -> None:
         for precision in ("auto", "bf16", "fp16", "fp8"):
             d = decide(model, ALL, precision=precision)
             assert d.precision != "int8" and d.kv_cache_dtype in (None, "bf16", "fp16")
+
+
+# Capacity and stability: (model, nodes as (kind, name, GPUs in use by others), current, want).
+# `current` is what runs now (spec unchanged); want is (node, precision, TP) or the words of the reason.
+CAPACITY = [
+    # Free capacity decides: the H200 node is full, so the 8B goes to the H100 node.
+    ("llama-3.1-8b", [("H200", "h200", 8), ("H100", "h100", 0)], None, ("h100", "fp8", 1)),
+    # Partly used: 7 of 8 in use still leaves one GPU for TP 1.
+    ("llama-3.1-8b", [("H200", "h200", 7), ("H100", "h100", 0)], None, ("h200", "fp8", 1)),
+    # The 70B fp8 needs TP 2 on H100: one free GPU on each of two nodes is not two on one node.
+    ("llama-3.1-70b", [("H100", "a", 7), ("H100", "b", 7)], None, "TP 2 needs 2 free GPUs on one node"),
+    # Hysteresis: a running H100 profile stays although the (better-ranked) H200 is free.
+    ("llama-3.1-8b", [("H200", "h200", 0), ("H100", "h100", 0)], ("NVIDIA-H100-80GB-HBM3", "fp8", 1),
+     ("h100", "fp8", 1)),
+    # ... but not when its GPUs are taken by others: then the free H200 is chosen.
+    ("llama-3.1-8b", [("H200", "h200", 0), ("H100", "h100", 8)], ("NVIDIA-H100-80GB-HBM3", "fp8", 1),
+     ("h200", "fp8", 1)),
+    # ... nor when its product is gone (cordoned nodes are not in the groups at all).
+    ("llama-3.1-8b", [("H100", "h100", 0)], ("NVIDIA-H200", "fp8", 1), ("h100", "fp8", 1)),
+    # Nothing free anywhere: each candidate says so.
+    ("llama-3.1-8b", [("L4", "l4", 1), ("T4", "t4", 1)], None, "NVIDIA-L4 (22 GiB, cc 8.9): 8B fp8 TP 1"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("model", "nodes", "current", "want"), CAPACITY)
+def test_capacity_and_stability_table(
+    model: str, nodes: list, current: tuple | None, want: tuple | str
+) -> None:
+    from pagoda.operator.profile import CurrentProfile
+
+    used = {name: n for _, name, n in nodes}
+    groups = gpu_groups([node(kind, name) for kind, name, _ in nodes], used=used)
+    d = select_profile(ProfileRequest(resolve(model)), groups, CurrentProfile(*current) if current else None)
+    if isinstance(want, str):
+        assert not d.is_selected and want in d.reason, d.reason
+        return
+    assert d.is_selected, d.reason
+    assert (
+        d.gpu is not None
+        and (d.gpu.node_names[0] if len(d.gpu.node_names) == 1 else d.gpu.node_names) == want[0]
+    )
+    assert (d.precision, d.tensor_parallel_size) == want[1:]
+
+
+def test_a_fixed_tp_that_no_node_has_says_so_at_the_top() -> None:
+    d = decide("llama-3.1-8b", [node("L4")], tensor_parallel_size=8)
+    assert not d.is_selected
+    assert (
+        d.reason == "no GPU fits: 1 x NVIDIA-L4 (22 GiB, cc 8.9): TP 8 needs 8 GPUs in one node; these have 1"
+    )
+
+
+def test_excluded_gpu_nodes_are_not_called_unlabelled() -> None:
+    from pagoda.operator.gpus import why_no_gpu_nodes
+
+    cordoned = node("H200", "cordoned", labels={"pool": "b"})
+    cordoned["spec"]["unschedulable"] = True
+    nodes = [cordoned, node("H100", labels={"pool": "a"})]
+    assert why_no_gpu_nodes(nodes, {"pool": "b"}) == (
+        "no schedulable GPU nodes: 2 GPU nodes, 1 excluded by the nodeSelector, "
+        "1 cordoned, not ready or tainted without a toleration"
+    )
+    assert (
+        why_no_gpu_nodes([CPU_NODE]) == "no schedulable GPU nodes (none has the nvidia.com/gpu.product label)"
+    )
+
+
+def test_requested_gpus_count_bound_unfinished_pods() -> None:
+    from pagoda.operator.gpus import requested_gpus
+
+    def pod(node: str | None, gpus: str, phase: str = "Running", init: str = "0") -> dict:
+        res = {"limits": {"nvidia.com/gpu": gpus}}
+        spec = {"nodeName": node, "containers": [{"resources": res}, {"resources": {}}],
+                "initContainers": [{"resources": {"requests": {"nvidia.com/gpu": init}}}]}  # fmt: skip
+        return {"spec": spec, "status": {"phase": phase}}
+
+    pods = [pod("a", "2"), pod("a", "1"), pod("b", "4", "Succeeded"), pod(None, "8"), pod("c", "1", init="3")]
+    assert requested_gpus(pods) == {"a": 3, "c": 3}
