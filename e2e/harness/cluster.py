@@ -58,6 +58,7 @@ def _load(name: str) -> ModuleType:
 pki = _load("pki")
 nodes = _load("nodes")
 realnode = _load("realnode")
+images = _load("images")
 
 
 class KubectlError(subprocess.CalledProcessError):
@@ -452,8 +453,9 @@ def _start(workdir: Path, bin_dir: Path, attached: bool, catalogue: Path, hpa_sy
     return cluster
 
 
-def start_real_node(cluster: Cluster, attached: bool = True, labels: dict[str, str] | None = None) -> Any:
-    """Adds this machine as a real node (realnode.py) to our `cluster`; returns a realnode.RealNode.
+def start_real_node(cluster: Cluster, attached: bool = True) -> Any:
+    """Adds this machine as a real node (realnode.py) to our `cluster`, with GPU Feature Discovery's
+    labels and the fake device plugin's nvidia.com/gpu for realnode.GPU; returns a realnode.RealNode.
     Raises realnode.Unavailable (with the reason) when this machine cannot run it."""
     if cluster.workdir is None:
         raise realnode.Unavailable("the real node joins only a cluster this harness started")
@@ -469,12 +471,28 @@ def start_real_node(cluster: Cluster, attached: bool = True, labels: dict[str, s
             wait=lambda what, check, procs: _wait(what, check, procs, workdir),
             free_ports=_free_ports,
             is_alive=lambda d: bool(leftover_pids(d)),
-            labels=labels,
+            labels=nodes.gfd_labels(realnode.GPU["product"], realnode.GPU, realnode.NUM_GPUS),
+            num_gpus=realnode.NUM_GPUS,
         )
     except BaseException:
         _kill(workdir / "node", grace=2.0)  # containerd, kubelet, kube-proxy, shims: all name node/
         realnode.release(workdir)
         raise
+
+
+def build_images(cluster: Cluster, node: Any, attached: bool = True) -> dict[str, str]:
+    """The server and operator images, built from docker/ when their inputs changed (images.py) and
+    imported into the real `node`; returns {"server": ref, "operator": ref}."""
+    assert cluster.workdir is not None
+    workdir = cluster.workdir
+    cache = realnode.cache_dir() / "images"
+
+    def stop_dockerd() -> None:
+        _kill(workdir / "docker", grace=5.0)
+        realnode.unmount_under(cache / "docker", workdir / "docker")
+
+    spawn = lambda name, cmd: _spawn(workdir, name, cmd, attached)  # noqa: E731
+    return images.ensure_images(node, workdir, cache, spawn, stop_dockerd)
 
 
 # ---------------------------------------------------------------------------------------------------
