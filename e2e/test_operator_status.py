@@ -98,8 +98,8 @@ def test_image_pull_errors_and_recovery_reach_the_status(cluster, namespace, ope
     cluster.kubectl(
         "patch", "pod", name, "-n", namespace, "--subresource=status", "-p", json.dumps({"status": status})
     )
-    conds = wait_reason(cluster, namespace, "pull", "Degraded", "ImagePullFailed", operator)
-    assert conds["Ready"]["status"] == "False" and conds["Ready"]["reason"] == "ImagePullFailed"
+    conds = wait_reason(cluster, namespace, "pull", "Ready", "ImagePullFailed", operator)
+    assert conds["Ready"]["status"] == "False" and conds["Degraded"]["reason"] == "ImagePullFailed"
     assert 'ImagePullBackOff: Back-off pulling image "example.invalid/pagoda:0"' in conds["Ready"]["message"]
     assert any(name in m for m in warnings(cluster, namespace, "ImagePullFailed"))
     cluster.kubectl("delete", "pod", name, "-n", namespace, "--wait=false")  # the new pod pulls fine
@@ -107,3 +107,24 @@ def test_image_pull_errors_and_recovery_reach_the_status(cluster, namespace, ope
     conds = conditions_of(cluster, namespace, "pull")
     assert (conds["Degraded"]["status"], conds["Degraded"]["reason"]) == ("False", "AsExpected")
     assert conds["Ready"]["message"] == "1/1 replicas ready"
+
+
+def test_server_pods_are_burstable_and_read_only_and_the_operator_avoids_gpu_nodes(
+    cluster, namespace, operator
+) -> None:
+    base.apply(cluster, namespace, base.small_service("hygiene"))
+    base.ready_service(cluster, namespace, "hygiene", operator)
+    (pod,) = base.running_pods(cluster, namespace, "hygiene")
+    assert pod["status"]["qosClass"] == "Burstable"  # computed by the API server from the requests
+    (container,) = pod["spec"]["containers"]
+    assert (container["resources"]["requests"]["cpu"], container["resources"]["requests"]["memory"]) == (
+        "3",
+        "8Gi",
+    )
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    assert {"/tmp", "/home/pagoda/.cache"} <= mounts
+    # The chart's operator Deployment (its pod simulated like any other) is kept off the GPU nodes.
+    pods = base.get(cluster, base.RELEASE_NS, "pods", "-l", "app.kubernetes.io/name=pagoda")
+    nodes = {p["spec"].get("nodeName") for p in pods["items"]}
+    assert nodes == {"cpu-0"}, nodes

@@ -23,6 +23,9 @@ KV_CACHE_METRIC = "pagoda_kv_cache_usage_ratio"
 DCGM_METRIC = "DCGM_FI_PROF_GR_ENGINE_ACTIVE"
 MODEL_DIR = "/models"
 KERNEL_CACHE_DIR = "/var/cache/pagoda/triton"
+HOME_CACHE_DIR = "/home/pagoda/.cache"  # HF_HOME, XDG caches: writable under a read-only root
+GIB = 1024**3
+_WEIGHT_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}
 SHUTDOWN_MARGIN_SECONDS = 15  # closing the servers after the drain
 ANNOTATION_PROFILE = "serving.pagoda.dev/profile"
 
@@ -114,14 +117,18 @@ def _model_volumes(spec: ServiceSpec, config: OperatorConfig) -> tuple[list, lis
         "image": config.downloader_image,
         "command": ["sh", "-c", script],
         "env": env,
-        "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR}],
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR}, {"name": "tmp", "mountPath": "/tmp"}],
         "securityContext": _container_security(),
     }
     return [{"name": "model", "emptyDir": {}}], [{"name": "model", "mountPath": MODEL_DIR}], [fetch]
 
 
 def _container_security() -> dict[str, Any]:
-    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
 
 
 def _affinity(spec: ServiceSpec, decision: Decision) -> dict[str, Any]:
@@ -138,10 +145,26 @@ def _affinity(spec: ServiceSpec, decision: Decision) -> dict[str, Any]:
     return affinity
 
 
-def _resources(spec: ServiceSpec, tp: int) -> dict[str, Any]:
+def default_requests(spec: ServiceSpec, decision: Decision) -> dict[str, str]:
+    """CPU and memory to reserve, sized from the model (Burstable QoS: no CPU/memory limits by default).
+
+    CPU: one core for the API process, one for the engine core, one per GPU rank. Memory: 4 GiB per
+    rank (CUDA context, NCCL, pinned buffers) plus half the weights, read through the page cache while
+    loading (a Llama-3.1-8B fp8 at TP 1 asks 8 GiB, a 70B bf16 at TP 4 asks 82 GiB).
+    """
+    tp = decision.tensor_parallel_size or 1
+    weights = spec.model.num_params * _WEIGHT_BYTES.get(str(decision.precision), 2)
+    memory_gib = 4 * tp + -(-weights // (2 * GIB))
+    return {"cpu": str(2 + tp), "memory": f"{memory_gib}Gi"}
+
+
+def _resources(spec: ServiceSpec, decision: Decision) -> dict[str, Any]:
+    """The user's resources over the defaults; nvidia.com/gpu is always the TP degree."""
+    tp = decision.tensor_parallel_size or 1
     resources = copy.deepcopy(dict(spec.resources))
-    for kind in ("limits", "requests"):
-        resources[kind] = {**resources.get(kind, {}), RESOURCE: str(tp)}
+    requests = resources.get("requests") or {}
+    resources["requests"] = default_requests(spec, decision) | requests | {RESOURCE: str(tp)}
+    resources["limits"] = {**(resources.get("limits") or {}), RESOURCE: str(tp)}
     return resources
 
 
@@ -169,6 +192,12 @@ def deployment(spec: ServiceSpec, decision: Decision, config: OperatorConfig) ->
     else:
         volumes.append({"name": "kernel-cache", "emptyDir": {}})
         mounts.append({"name": "kernel-cache", "mountPath": cache_dir})
+    # The root filesystem is read-only: what the server, torch and Hugging Face write goes here.
+    volumes += [
+        {"name": "tmp", "emptyDir": {"sizeLimit": "4Gi"}},
+        {"name": "cache", "emptyDir": {"sizeLimit": "8Gi"}},
+    ]
+    mounts += [{"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": HOME_CACHE_DIR}]
     if tp > 1:
         # NCCL moves data between ranks through /dev/shm; the container default of 64 MiB crashes it.
         # 2 GiB per rank is a limit, not a reservation: pages count against the pod's memory only
@@ -180,12 +209,17 @@ def deployment(spec: ServiceSpec, decision: Decision, config: OperatorConfig) ->
         "image": spec.image or config.server_image,
         "command": ["pagoda", "serve"],
         "args": server_args(spec, decision, config),
-        "env": [{"name": "TRITON_CACHE_DIR", "value": cache_dir}, *spec.env],
+        "env": [
+            {"name": "TRITON_CACHE_DIR", "value": cache_dir},
+            {"name": "XDG_CACHE_HOME", "value": HOME_CACHE_DIR},
+            {"name": "HF_HOME", "value": f"{HOME_CACHE_DIR}/huggingface"},
+            *spec.env,
+        ],
         "ports": [
             {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
             {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
         ],
-        "resources": _resources(spec, tp),
+        "resources": _resources(spec, decision),
         "volumeMounts": mounts,
         # Startup gates liveness until the model is loaded; loads of large checkpoints take minutes.
         "startupProbe": _probe("/v1/health/ready", 10, max(1, config.startup_timeout_seconds // 10)),

@@ -180,3 +180,16 @@ def test_adapter_rules_serve_the_hpa_metric_names() -> None:
     ]
     dcgm = yaml.safe_load(config_map["data"]["config.yaml"])["rules"][2]
     assert set(dcgm["resources"]["overrides"]) == {"namespace", "pod"}
+
+
+@needs_helm
+def test_operator_stays_off_gpu_nodes_unless_told() -> None:
+    (deployment,) = [d for d in render() if d["kind"] == "Deployment"]
+    terms = deployment["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+    assert terms == [
+        {"matchExpressions": [{"key": "nvidia.com/gpu.present", "operator": "NotIn", "values": ["true"]}]}
+    ]
+    (deployment,) = [d for d in render("--set", "operator.affinity=null") if d["kind"] == "Deployment"]
+    assert "affinity" not in deployment["spec"]["template"]["spec"]

@@ -235,3 +235,42 @@ def test_operator_imports_no_torch_and_no_service() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-P", "-c", code], check=True, cwd=ROOT)
+
+
+def test_cpu_and_memory_requests_are_sized_from_the_model_and_overridable() -> None:
+    dep = manifests.deployment(parse_spec(body()), decision(), CONFIG)
+    resources = pod(dep)["containers"][0]["resources"]
+    assert resources["requests"] == {"cpu": "3", "memory": "8Gi", "nvidia.com/gpu": "1"}  # 8B fp8, TP 1
+    assert resources["limits"] == {"nvidia.com/gpu": "1"}  # Burstable: no CPU/memory limit to OOM-kill a load
+    big = parse_spec(body(model={"name": "llama-3.1-70b", "source": {"imagePath": "/m"}}, precision="bf16"))
+    requests = pod(manifests.deployment(big, decision(4, "bf16"), CONFIG))["containers"][0]["resources"][
+        "requests"
+    ]
+    assert (requests["cpu"], requests["memory"]) == ("6", "82Gi")
+    mine = body(resources={"requests": {"memory": "20Gi", "nvidia.com/gpu": "7"}, "limits": {"cpu": "16"}})
+    resources = pod(manifests.deployment(parse_spec(mine), decision(), CONFIG))["containers"][0]["resources"]
+    assert resources["requests"] == {"cpu": "3", "memory": "20Gi", "nvidia.com/gpu": "1"}
+    assert resources["limits"] == {"cpu": "16", "nvidia.com/gpu": "1"}
+
+
+def test_read_only_root_with_writable_tmp_and_caches() -> None:
+    hf = body(model={"name": "llama-3.1-8b", "source": {"uri": "hf://org/m"}})
+    spec = pod(manifests.deployment(parse_spec(hf), decision(), CONFIG))
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["tmp"]["emptyDir"]["sizeLimit"] and volumes["cache"]["emptyDir"]["sizeLimit"]
+    for container in spec["containers"] + spec["initContainers"]:
+        security = container["securityContext"]
+        assert security["readOnlyRootFilesystem"] is True
+        assert security["allowPrivilegeEscalation"] is False and security["capabilities"] == {"drop": ["ALL"]}
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        assert mounts["/tmp"] == "tmp"
+    server = spec["containers"][0]
+    mounts = {m["mountPath"]: m["name"] for m in server["volumeMounts"]}
+    assert mounts[manifests.HOME_CACHE_DIR] == "cache"
+    env = {e["name"]: e.get("value") for e in server["env"]}
+    assert (
+        env["HF_HOME"].startswith(manifests.HOME_CACHE_DIR)
+        and env["XDG_CACHE_HOME"] == manifests.HOME_CACHE_DIR
+    )
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
