@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pagoda.service.grammar import Grammar
+
 # Bounds on what one request may ask for, whatever the transport (HTTP, gRPC, offline).
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 MAX_STOP_STRINGS = 64
@@ -32,6 +34,9 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives besides the sampled token; None: none
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Structured output and biases (pagoda.service.grammar checks both against the vocabulary).
+    grammar: Grammar | None = None  # the output must follow it (JSON Schema, regex, choice, Lark)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit; -100 bans it
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -3,6 +3,7 @@ sees it. Everything the core receives is already valid, so nothing a client send
 
 from __future__ import annotations
 
+from pagoda.service.grammar import check_logit_bias, validate_grammar
 from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
 from pagoda.service.tokenizer import Tokenizer
 
@@ -75,3 +76,6 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"stop_token_ids out of range [0, {self.vocab_size}): {bad[:5]}", param="stop_token_ids"
             )
+        check_logit_bias(params.logit_bias, self.vocab_size)
+        if params.grammar is not None:
+            validate_grammar(params.grammar)  # an invalid schema, regex or grammar is a 400 here

@@ -1,0 +1,138 @@
+"""Structured output: the grammar a request's output must follow, and `logit_bias` checks.
+
+A `Grammar` is what travels with `SamplingParams` to the engine core: its kind, its source text and
+the API parameter it came from (for a 400 that names it). Every front door builds one here, so HTTP
+(`response_format`, vLLM's `guided_*`), gRPC, the offline `LLM` and tool calling (`required` or a
+named `tool_choice`: `Grammar.json_schema(schema_of_the_call)`) share one path:
+
+    API process: build -> `validate` (an invalid one is a 400 naming the parameter)
+    engine core: `to_llguidance` -> compiled on a thread -> a token bitmask per step (structured_output.py)
+
+The library is llguidance (docs/structured_output.md says why). It is imported only inside functions:
+`SamplingParams` imports this module, and the operator image has no llguidance.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Literal
+
+GrammarKind = Literal["json_schema", "regex", "choice", "lark"]
+
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range: [-100, 100]; -100 bans the token
+# Compact JSON (no free whitespace): a small model cannot loop on newlines until max_tokens, and the
+# output is as OpenAI's strict mode writes it.
+_JSON_OPTIONS = {"whitespace_flexible": False}
+_GBNF_RULE = re.compile(r"^\s*[\w-]+\s*::=", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """`source`: the JSON text of a JSON Schema, a regex, the JSON list of choices, or a Lark grammar
+    (llguidance's dialect, which also embeds `%json { schema }`)."""
+
+    kind: GrammarKind
+    source: str
+    param: str = "response_format"  # the request parameter it came from
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | bool, param: str = "response_format") -> Grammar:
+        if not isinstance(schema, dict | bool):
+            raise _invalid(f"{param} must be a JSON Schema object", param=param)
+        return cls("json_schema", json.dumps(schema), param)
+
+    @classmethod
+    def json_object(cls, param: str = "response_format") -> Grammar:
+        """Any JSON object (OpenAI's `{"type": "json_object"}`)."""
+        return cls.json_schema({"type": "object"}, param)
+
+    @classmethod
+    def regex(cls, pattern: str, param: str = "guided_regex") -> Grammar:
+        return cls("regex", pattern, param)
+
+    @classmethod
+    def choice(cls, choices: list[str], param: str = "guided_choice") -> Grammar:
+        if not choices or not all(isinstance(c, str) for c in choices):
+            raise _invalid(f"{param} must be a non-empty list of strings", param=param)
+        return cls("choice", json.dumps(choices), param)
+
+    @classmethod
+    def lark(cls, grammar: str, param: str = "guided_grammar") -> Grammar:
+        """A Lark grammar, or a GBNF one (`rule ::= ...`, llama.cpp's and xgrammar's), converted."""
+        if _GBNF_RULE.search(grammar):
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+
+            try:
+                grammar = gbnf_to_lark(grammar)
+            except Exception as exc:  # the converter raises plain exceptions on bad input
+                raise _invalid(f"{param}: invalid GBNF grammar: {exc}", param=param) from exc
+        return cls("lark", grammar, param)
+
+    def to_llguidance(self) -> str:
+        """The grammar in llguidance's serialized form (what `LLMatcher` compiles)."""
+        from llguidance import LLMatcher
+
+        if self.kind == "json_schema":
+            return LLMatcher.grammar_from_json_schema(self.source, defaults=_JSON_OPTIONS)  # type: ignore[arg-type]
+        if self.kind == "regex":
+            return LLMatcher.grammar_from_regex(self.source)
+        if self.kind == "choice":
+            alternatives = " | ".join(json.dumps(c) for c in json.loads(self.source))
+            return LLMatcher.grammar_from_lark(f"start: {alternatives}")
+        return LLMatcher.grammar_from_lark(self.source)
+
+
+def validate_grammar(grammar: Grammar) -> None:
+    """`InvalidRequestError` naming `grammar.param` when it cannot compile (cached by source)."""
+    error = _grammar_error(grammar.kind, grammar.source)
+    if error:
+        raise _invalid(f"{grammar.param} is invalid: {error.strip()}", param=grammar.param)
+
+
+@lru_cache(maxsize=512)
+def _grammar_error(kind: GrammarKind, source: str) -> str:
+    from llguidance import LLMatcher
+
+    try:
+        serialized = Grammar(kind, source).to_llguidance()
+    except ValueError as exc:  # not valid JSON
+        return str(exc)
+    return LLMatcher.validate_grammar(serialized)
+
+
+def check_logit_bias(logit_bias: dict[int, float] | None, vocab_size: int) -> None:
+    """Keys must be token ids of this vocabulary, values in [-100, 100]."""
+    if not logit_bias:
+        return
+    bad = [t for t in logit_bias if not 0 <= t < vocab_size]
+    if bad:
+        raise _invalid(
+            f"logit_bias has token ids out of range [0, {vocab_size}): {bad[:5]}", param="logit_bias"
+        )
+    out_of_range = [v for v in logit_bias.values() if not -LOGIT_BIAS_LIMIT <= v <= LOGIT_BIAS_LIMIT]
+    if out_of_range:
+        raise _invalid(
+            f"logit_bias values must be in [-100, 100], got {out_of_range[:5]}", param="logit_bias"
+        )
+
+
+def _invalid(message: str, param: str) -> ValueError:
+    # Imported here: sampling_params imports this module for `Grammar`.
+    from pagoda.service.sampling_params import InvalidRequestError
+
+    return InvalidRequestError(message, param=param)
+
+
+def parse_logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    if not logit_bias:
+        return None
+    try:
+        return {int(k): float(v) for k, v in logit_bias.items()}
+    except (TypeError, ValueError) as exc:
+        raise _invalid(
+            "logit_bias keys must be token ids (integers) and values numbers", param="logit_bias"
+        ) from exc
