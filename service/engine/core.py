@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple, Protocol
 
 from pagoda.service.engine.block_manager import BlockManager
@@ -28,6 +30,9 @@ from pagoda.service.engine.messages import (
 )
 from pagoda.service.engine.request import Request, RequestStatus
 from pagoda.service.engine.scheduler import Scheduler, SchedulerOutput
+from pagoda.service.engine.structured_output import StructuredOutputManager
+from pagoda.service.model import load_tokenizer as load_tokenizer_from
+from pagoda.service.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +80,19 @@ class StepOutputs(NamedTuple):
 # Steps in a row in which every request, run alone, still failed: then the model side is broken, not a
 # request, and the core gives up (the API process fails health, and Kubernetes restarts the pod).
 MAX_FAILED_STEPS_IN_A_ROW = 3
+# With nothing to run but grammars compiling, how long a step waits for one (new messages wait as long).
+_GRAMMAR_WAIT_S = 0.02
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: ModelExecutor, eos_token_ids: set[int]) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: ModelExecutor,
+        eos_token_ids: set[int],
+        load_tokenizer: Callable[[], Tokenizer] | None = None,
+    ) -> None:
+        """`load_tokenizer`: for structured output, called at the first grammar (default: the model's)."""
         self.executor = executor
         self.max_model_len = executor.max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -93,6 +107,9 @@ class EngineCore:
         self.computed_tokens_total = 0  # tokens run through the model (prefix-cache hits are not)
         self.failed_requests_total = 0
         self._failed_steps_in_a_row = 0
+        self.structured_output = StructuredOutputManager(
+            load_tokenizer or partial(load_tokenizer_from, config.model_path), eos_token_ids
+        )
 
     @property
     def has_unfinished(self) -> bool:
@@ -109,7 +126,10 @@ class EngineCore:
         ]
         seqs[0].pending_forks = seqs[1:]
         self._requests[req.request_id] = seqs
-        self.scheduler.add(seqs[0])
+        if req.params.grammar is not None:  # scheduled once its grammar is compiled, off this thread
+            self.structured_output.add(req.request_id, seqs, req.params.grammar)
+        else:
+            self.scheduler.add(seqs[0])
         self.prompt_tokens_total += len(req.prompt_token_ids)
 
     def abort(self, request_id: str, index: int | None = None) -> None:
@@ -123,20 +143,26 @@ class EngineCore:
 
     def step(self) -> StepOutputs:
         """Run one batch. A request that makes the step raise fails alone (see `_execute_isolated`)."""
+        failures: list[RequestFailure] = []
+        if self.structured_output.is_active:
+            failures = self._admit_compiled()
         out = self.scheduler.schedule()
         if out.is_empty:
-            return StepOutputs([], [], [])
+            self.structured_output.wait(_GRAMMAR_WAIT_S)  # only grammars left to compile: wait for one
+            return StepOutputs([], [], failures)
+        if self.structured_output.is_active:
+            self.structured_output.fill_bitmasks(out)
         now = time.monotonic()
         for seq in out.requests:
             self._scheduled_time.setdefault(seq.request_id, now)
         self.computed_tokens_total += out.total_num_tokens
-        failures: list[RequestFailure] = []
         try:
             result = self.executor.execute(out)
             self._failed_steps_in_a_row = 0
         except Exception as exc:
             self.executor.check_alive()  # a dead rank is the engine's failure, not a request's
-            result, failures = self._execute_isolated(out, exc)
+            result, isolated_failures = self._execute_isolated(out, exc)
+            failures += isolated_failures
         owners = {seq.request_id: seq for seq in out.requests}
         prompt_logprobs = [
             PromptLogprobs(owners[seq_id].request_id.rpartition("#")[0], position, scores)
@@ -153,6 +179,8 @@ class EngineCore:
                 output.num_cached_tokens = seq.num_cached_tokens
                 output.scheduled_time = self._scheduled_time.pop(seq.request_id, None)
             self._check_stop(seq, output)
+            if output.finish_reason is None and self.structured_output.accept(seq):
+                output.finish_reason = "stop"  # past its grammar's end, or off it
             if output.finish_reason is not None:
                 self._finish(seq)
                 done.add(client_id)
@@ -214,14 +242,31 @@ class EngineCore:
         ) or seq.num_tokens >= self.max_model_len:
             output.finish_reason = "length"
 
+    def _admit_compiled(self) -> list[RequestFailure]:
+        """Schedule the requests whose grammar is now compiled; fail those whose grammar did not."""
+        ready, failed = self.structured_output.take_ready()
+        for leader in ready:
+            if leader.status is RequestStatus.WAITING:  # not aborted while compiling
+                self.scheduler.add(leader)
+        for client_id in failed:
+            for seq in self._requests.get(client_id, []):
+                seq.status = RequestStatus.FINISHED  # never reached the scheduler
+            self._forget_if_done(client_id)
+        self.failed_requests_total += len(failed)
+        return [RequestFailure(client_id, message) for client_id, message in failed.items()]
+
     def _finish(self, seq: Request) -> None:
-        self.scheduler.finish(seq)
+        if self.structured_output.is_compiling(seq.request_id.rpartition("#")[0]):
+            seq.status = RequestStatus.FINISHED  # not in the scheduler yet
+        else:
+            self.scheduler.finish(seq)
         self._scheduled_time.pop(seq.request_id, None)
 
     def _forget_if_done(self, request_id: str) -> None:
         seqs = self._requests.get(request_id)
         if seqs is not None and all(s.status is RequestStatus.FINISHED for s in seqs):
             del self._requests[request_id]
+            self.structured_output.remove(request_id, seqs)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

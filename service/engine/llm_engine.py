@@ -37,7 +37,9 @@ class LLMEngine:
         self.config = config
         self.tokenizer: Tokenizer = load_tokenizer(config.model_path)
         self.runner = build_executor(config, self.tokenizer.eos_token_ids)
-        self.core = EngineCore(config, self.runner, self.tokenizer.eos_token_ids)
+        self.core = EngineCore(
+            config, self.runner, self.tokenizer.eos_token_ids, load_tokenizer=lambda: self.tokenizer
+        )
         self.max_model_len = self.core.max_model_len
         self.model_name = config.model_name
         self.input_processor = InputProcessor(

@@ -1,15 +1,18 @@
-"""Turns a batch of logits into next tokens: penalties, greedy or temperature / top-k / top-p / min-p
-sampling, and log-probabilities. Everything is batched over rows; only seeded rows draw their noise
-one row at a time, from a generator keyed by (seed, completion index, output position), so a seeded
-request samples the same tokens whatever else is in the batch and even after a preemption.
+"""Turns a batch of logits into next tokens: penalties, logit_bias, structured output's grammar masks,
+greedy or temperature / top-k / top-p / min-p sampling, and log-probabilities. Everything is batched
+over rows; only seeded rows draw their noise one row at a time, from a generator keyed by (seed,
+completion index, output position), so a seeded request samples the same tokens whatever else is in
+the batch and even after a preemption.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pagoda.service.engine.messages import SampleResult
 from pagoda.service.engine.request import Request
+from pagoda.service.grammar import LOGIT_BIAS_LIMIT
 
 _MASK_63 = (1 << 63) - 1
 
@@ -26,6 +29,49 @@ def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) 
     return counts[:, :vocab_size]
 
 
+def _apply_logit_bias(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """OpenAI's `logit_bias`: added to the logits; -100 bans the token outright (-inf)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for i, r in enumerate(reqs):
+        for token_id, bias in (r.params.logit_bias or {}).items():
+            rows.append(i)
+            cols.append(token_id)
+            values.append(float("-inf") if bias <= -LOGIT_BIAS_LIMIT else bias)
+    if not rows:
+        return logits
+    device = logits.device
+    index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+    return logits.index_put(index, torch.tensor(values, device=device), accumulate=True)
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> torch.Tensor:
+    """Set to -inf the logits of tokens a row's grammar forbids. `bitmask`: int32 [len(rows), words],
+    bit t of a row allows token t; tokens past its 32 * words bits are forbidden.
+
+    On a GPU the bits travel (4 bytes per 32 tokens per row: 6 KiB for a 49k vocabulary) and unpack
+    there in one batched op; on the CPU numpy unpacks them (0.06 ms for 16 rows x 49k tokens, where
+    torch's shift-and-mask takes 14 ms)."""
+    device, vocab = logits.device, logits.shape[1]
+    if device.type == "cpu":
+        # Unpack the inverted words: set bits are then the forbidden tokens (little-endian words).
+        unpacked = np.unpackbits((~bitmask).view(np.uint8), axis=1, bitorder="little")
+        forbidden = torch.from_numpy(unpacked.view(np.bool_))
+    else:
+        bits = ~torch.from_numpy(bitmask).to(device, non_blocking=True)
+        shifts = torch.arange(32, device=device, dtype=torch.int32)
+        forbidden = ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # [rows, words * 32]
+    if forbidden.shape[1] < vocab:
+        forbidden = torch.nn.functional.pad(forbidden, (0, vocab - forbidden.shape[1]), value=True)
+    forbidden = forbidden[:, :vocab]
+    if len(rows) == logits.shape[0]:
+        return logits.masked_fill_(forbidden, float("-inf"))
+    index = torch.tensor(rows, device=device)
+    logits[index] = logits[index].masked_fill_(forbidden, float("-inf"))
+    return logits
+
+
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: set[int]) -> None:
         self.vocab_size = vocab_size
@@ -37,12 +83,19 @@ class Sampler:
         device = logits.device
         params = [r.params for r in reqs]
         logits = self._apply_penalties(logits, reqs)
+        logits = _apply_logit_bias(logits, reqs)
 
         # min_tokens: end-of-sequence and stop tokens are not allowed yet.
         for i, r in enumerate(reqs):
             if r.num_output_tokens < r.params.min_tokens:
                 banned = [*r.params.stop_token_ids, *([] if r.params.ignore_eos else self.eos_token_ids)]
                 logits[i, [t for t in banned if t < self.vocab_size]] = float("-inf")
+
+        # Structured output last: whatever the biases did, only the grammar's tokens stay possible.
+        masked = [i for i, r in enumerate(reqs) if r.grammar_bitmask is not None]
+        if masked:
+            bitmask = np.stack([reqs[i].grammar_bitmask for i in masked])
+            logits = apply_token_bitmask(logits, masked, bitmask)
 
         num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         logprobs = torch.log_softmax(logits, dim=-1) if num_logprobs is not None else None

@@ -1,0 +1,176 @@
+"""The engine core's side of structured output: grammars compiled off the step loop, one matcher per
+sequence, and each step a bitmask of the tokens each grammar allows (vLLM V1's StructuredOutputManager).
+
+- A request with a grammar waits here, out of the scheduler, while a thread compiles its grammar
+  (llguidance drops the GIL while it compiles); compiled grammars are cached by source, and each of
+  the request's n sequences gets its own copy of the matcher. Then its leader joins the scheduler.
+- Each step, for the scheduled sequences that sample a token: one int32 bitmask row each (bit t of
+  the row: token t allowed), filled by llguidance's thread pool, handed to the sampler on
+  `Request.grammar_bitmask`; the sampler applies it on the logits' device.
+- After the step, each matcher consumes its sequence's token; a finished grammar ends the sequence.
+
+A step with no grammar request does no work here: every entry point returns at `is_active`.
+The API process already validated every grammar (pagoda.service.grammar), so a compile error here is
+unexpected; it fails only that request. No torch in this module.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from threading import Lock
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pagoda.service.engine.request import Request
+from pagoda.service.engine.scheduler import SchedulerOutput
+from pagoda.service.grammar import Grammar
+
+if TYPE_CHECKING:
+    from llguidance import LLExecutor, LLMatcher, LLTokenizer
+
+    from pagoda.service.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_MAX_CACHED_GRAMMARS = 256
+_COMPILE_THREADS = 2
+
+
+class StructuredOutputManager:
+    def __init__(self, load_tokenizer: Callable[[], Tokenizer], eos_token_ids: set[int]) -> None:
+        self._load_tokenizer = load_tokenizer  # called once, on a compile thread, at the first grammar
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._ll_tokenizer: LLTokenizer | None = None
+        self._ll_executor: LLExecutor | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = Lock()
+        self._cache: OrderedDict[str, LLMatcher] = OrderedDict()  # llguidance grammar -> fresh matcher
+        self._compiling: dict[str, tuple[Future[LLMatcher], list[Request]]] = {}  # by client request id
+        self._matchers: dict[str, LLMatcher] = {}  # by sequence id
+
+    @property
+    def is_active(self) -> bool:
+        return bool(self._matchers or self._compiling)
+
+    def is_compiling(self, client_id: str) -> bool:
+        return client_id in self._compiling
+
+    # ---- requests in and out ------------------------------------------------------------------------
+
+    def add(self, client_id: str, seqs: list[Request], grammar: Grammar) -> None:
+        """Start compiling; the request's leader is handed back by `take_ready` once it is done."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="pagoda-grammar")
+        self._compiling[client_id] = (self._pool.submit(self._compile, grammar), seqs)
+
+    def take_ready(self) -> tuple[list[Request], dict[str, str]]:
+        """Leaders whose grammar is compiled (to schedule now), and requests whose grammar failed
+        (client id -> why)."""
+        ready: list[Request] = []
+        failed: dict[str, str] = {}
+        for client_id, (future, seqs) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[client_id]
+            try:
+                template = future.result()
+            except Exception as exc:
+                logger.exception("grammar of request %s failed to compile", client_id)
+                failed[client_id] = f"the grammar failed to compile: {exc}"
+                continue
+            if template.is_error():
+                failed[client_id] = f"the grammar failed to compile: {template.get_error()}"
+                continue
+            for seq in seqs:
+                self._matchers[seq.request_id] = template.deep_copy()
+            ready.append(seqs[0])
+        return ready, failed
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until some grammar is compiled (the step loop has nothing else to run)."""
+        if self._compiling:
+            wait([f for f, _ in self._compiling.values()], timeout_s, return_when=FIRST_COMPLETED)
+
+    def remove(self, client_id: str, seqs: list[Request]) -> None:
+        """Forget a request (finished or aborted), compiled or not."""
+        self._compiling.pop(client_id, None)  # a grammar still compiling is cached all the same
+        for seq in seqs:
+            self._matchers.pop(seq.request_id, None)
+
+    # ---- one step -----------------------------------------------------------------------------------
+
+    def fill_bitmasks(self, out: SchedulerOutput) -> None:
+        """Set `grammar_bitmask` on every scheduled sequence with a grammar that samples this step."""
+        rows = [
+            (seq, matcher)
+            for i, seq in enumerate(out.requests)
+            if (matcher := self._matchers.get(seq.request_id)) is not None and out.needs_sample(i)
+        ]
+        if not rows:
+            return
+        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
+
+        assert self._ll_tokenizer is not None and self._ll_executor is not None  # set by the compile
+        bitmask = allocate_token_bitmask(len(rows), self._ll_tokenizer.vocab_size)
+        fill_next_token_bitmask_par(self._ll_executor, [(m, k) for k, (_, m) in enumerate(rows)], bitmask)
+        self._allow_every_eos(bitmask)
+        for k, (seq, _) in enumerate(rows):
+            seq.grammar_bitmask = bitmask[k]
+
+    def accept(self, seq: Request) -> bool:
+        """Advance `seq`'s matcher by its new token; True when the grammar ends the sequence.
+
+        A complete grammar allows only end-of-sequence tokens, so the model's next token is EOS and the
+        sequence ends as any other does (EOS never shows in the text). True here means the sequence
+        went on past that (`ignore_eos`), or the token broke the grammar, which the mask prevents."""
+        matcher = self._matchers.get(seq.request_id) if self._matchers else None
+        if matcher is None:
+            return False
+        token = seq.token_ids[-1]
+        if token in self.eos_token_ids:
+            return True
+        if not matcher.consume_token(token):
+            logger.warning("%s: token %d broke its grammar: %s", seq.request_id, token, matcher.get_error())
+            return True
+        return False
+
+    # ---- internals ----------------------------------------------------------------------------------
+
+    def _compile(self, grammar: Grammar) -> LLMatcher:
+        """On a compile thread: the grammar's fresh matcher, from the cache when seen before."""
+        from llguidance import LLExecutor, LLMatcher, LLTokenizer
+
+        serialized = grammar.to_llguidance()
+        with self._lock:
+            if self._ll_tokenizer is None:
+                tokenizer = self._load_tokenizer()
+                eos = self.eos_token_ids[0] if self.eos_token_ids else None
+                self._ll_tokenizer = LLTokenizer(tokenizer.backend.to_str(), eos_token=eos)
+                self._ll_executor = LLExecutor()
+            cached = self._cache.get(serialized)
+            if cached is not None:
+                self._cache.move_to_end(serialized)
+                return cached
+            ll_tokenizer = self._ll_tokenizer
+        matcher = LLMatcher(ll_tokenizer, serialized, log_level=0)  # drops the GIL while compiling
+        if not matcher.is_error():
+            with self._lock:
+                self._cache[serialized] = matcher
+                while len(self._cache) > _MAX_CACHED_GRAMMARS:
+                    self._cache.popitem(last=False)
+        return matcher
+
+    def _allow_every_eos(self, bitmask: np.ndarray) -> None:
+        """llguidance knows one end-of-sequence token; where it is allowed, allow the model's others."""
+        if len(self.eos_token_ids) < 2:
+            return
+        words = bitmask.view(np.uint32)
+        first = self.eos_token_ids[0]
+        allowed = (words[:, first // 32] >> np.uint32(first % 32)) & np.uint32(1) == 1
+        for eos in self.eos_token_ids[1:]:
+            if eos // 32 < words.shape[1]:
+                words[allowed, eos // 32] |= np.uint32(1 << (eos % 32))
