@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, str] = {
     "profile": "pagoda.operator.cmd_profile",
     "serve": "pagoda.service.cli",
     "bench": "pagoda.service.bench",
+    "download": "pagoda.operator.cmd_download",
 }
 
 
