@@ -30,7 +30,10 @@ def test_committed_stubs_match_the_proto(tmp_path: Path) -> None:
         check=True,
     )
     fresh = descriptor_pb2.FileDescriptorSet.FromString(descriptor_set.read_bytes()).file[0]
-    for message in fresh.message_type:  # the Python stubs embed descriptors without json_name
+    messages = list(fresh.message_type)  # the Python stubs embed descriptors without json_name
+    while messages:
+        message = messages.pop()
+        messages += message.nested_type  # a map field's entry type is a nested message
         for field in message.field:
             field.ClearField("json_name")
     committed = descriptor_pb2.FileDescriptorProto.FromString(inference_pb2.DESCRIPTOR.serialized_pb)

@@ -12,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pagoda.service.api.engine_client import APIError, EngineClient, ServingState
+from pagoda.service.api.structured_output import grammar_from_proto
 from pagoda.service.grpc_gen import inference_pb2 as pb
 from pagoda.service.grpc_gen import inference_pb2_grpc as pb_grpc
 from pagoda.service.outputs import Logprob
@@ -55,6 +56,8 @@ def sampling_params(msg: pb.SamplingParameters) -> SamplingParams:
         stop_token_ids=list(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.top_logprobs if msg.HasField("top_logprobs") else None,
+        grammar=grammar_from_proto(msg),
+        logit_bias=dict(msg.logit_bias) or None,
     )
     params.validate()
     return params

@@ -1,7 +1,8 @@
 """The OpenAI API's request bodies, as pydantic models, and their translation to SamplingParams.
 
-Parameters OpenAI accepts that Pagoda does not act on (`logit_bias`, `response_format`, `tools`,
-`suffix`, `best_of`, ...) are ignored, never fatal: `extra="ignore"`. A few vLLM extensions
+Parameters OpenAI accepts that Pagoda does not act on (`tools`, `suffix`, `best_of`, ...) are
+ignored, never fatal: `extra="ignore"`. Structured output (`response_format`, vLLM's `guided_*`) and
+`logit_bias` come from `StructuredOutputFields` (structured_output.py). A few vLLM extensions
 (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`) are honoured.
 Responses are plain dicts built in openai_serving.py.
 """
@@ -13,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from pagoda.service.api.structured_output import StructuredOutputFields
 from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
 
 
@@ -36,7 +38,7 @@ def find_lone_surrogate(value: Any, path: str = "") -> str | None:
     return None
 
 
-class _Request(BaseModel):
+class _Request(StructuredOutputFields):
     model_config = ConfigDict(extra="ignore")
 
     @model_validator(mode="before")
@@ -95,6 +97,8 @@ class _Request(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            grammar=self.grammar(),
+            logit_bias=self.token_bias(),
         )
         params.validate()
         return params

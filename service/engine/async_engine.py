@@ -187,9 +187,9 @@ class AsyncEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._output_processor.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        if isinstance(prompt, str) and len(prompt) > RELEASE_GIL_CHARS:
-            # Off the event loop (the tokenizer releases the GIL for such texts): health probes and
-            # other requests are answered while a long prompt is tokenized.
+        if params.grammar is not None or (isinstance(prompt, str) and len(prompt) > RELEASE_GIL_CHARS):
+            # Off the event loop (the tokenizer releases the GIL for such texts, llguidance while it
+            # validates a grammar): health probes and other requests are answered meanwhile.
             token_ids = await asyncio.to_thread(self._input_processor.process, prompt, params)
         else:
             token_ids = self._input_processor.process(prompt, params)

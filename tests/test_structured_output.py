@@ -1,0 +1,304 @@
+"""Structured output and logit_bias on the embedded SmolLM2-135M, through a real `pagoda serve` with the
+official `openai` client (and gRPC, and the offline `LLM`).
+
+A 135M model cannot be trusted to write JSON, so valid output here is the grammar's doing: the schema
+validates, the regex matches and the choice is one of the choices, greedy or sampled, streamed or not.
+Prompts and max_tokens are small: the suite runs on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import jsonschema
+import openai
+import pytest
+
+from pagoda.service.grpc_gen import inference_pb2 as pb
+from pagoda.service.grpc_gen import inference_pb2_grpc as pb_grpc
+from pagoda.service.serve_process import ServeProcess
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+ASK_PERSON = [{"role": "user", "content": "Describe a person as JSON with a name and an age."}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    args = ["--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "16"]
+    with ServeProcess(args, log_path=tmp_path_factory.mktemp("serve") / "serve.log") as proc:
+        yield proc
+    assert proc.proc is not None and proc.proc.returncode == 0, proc.log()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(server: ServeProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def test_json_schema_output_validates_streamed_and_not(client: openai.OpenAI, model: str) -> None:
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+    }
+    full = client.chat.completions.create(
+        model=model, messages=ASK_PERSON, max_tokens=40, temperature=0, response_format=response_format
+    )
+    choice = full.choices[0]
+    assert choice.finish_reason == "stop", choice
+    jsonschema.validate(json.loads(choice.message.content or ""), PERSON)
+
+    stream = client.chat.completions.create(
+        model=model,
+        messages=ASK_PERSON,
+        max_tokens=40,
+        temperature=0,
+        response_format=response_format,
+        stream=True,
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == choice.message.content
+
+    # Sampled, n=3: every completion validates (each sequence has its own matcher).
+    sampled = client.chat.completions.create(
+        model=model,
+        messages=ASK_PERSON,
+        max_tokens=40,
+        temperature=1.0,
+        seed=7,
+        n=3,
+        response_format=response_format,
+    )
+    for c in sampled.choices:
+        jsonschema.validate(json.loads(c.message.content or ""), PERSON)
+
+
+def test_json_object_parses(client: openai.OpenAI, model: str) -> None:
+    messages = [{"role": "user", "content": "Reply with an empty JSON object."}]
+    out = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=60, temperature=0, response_format={"type": "json_object"}
+    )
+    assert out.choices[0].finish_reason == "stop", out.choices[0]
+    assert isinstance(json.loads(out.choices[0].message.content or ""), dict)
+
+
+def test_guided_choice_regex_json_and_grammar_on_completions(client: openai.OpenAI, model: str) -> None:
+    choices = ["red", "green", "blue"]
+    out = client.completions.create(
+        model=model,
+        prompt="My favourite colour is",
+        max_tokens=5,
+        n=4,
+        temperature=1.0,
+        seed=1,
+        extra_body={"guided_choice": choices},
+    )
+    assert all(c.text in choices for c in out.choices), [c.text for c in out.choices]
+
+    out = client.completions.create(
+        model=model,
+        prompt="Call me at",
+        max_tokens=12,
+        temperature=0,
+        extra_body={"guided_regex": r" [0-9]{3}-[0-9]{4}"},
+    )
+    assert re.fullmatch(r" [0-9]{3}-[0-9]{4}", out.choices[0].text), out.choices[0].text
+
+    out = client.completions.create(
+        model=model,
+        prompt="A person:",
+        max_tokens=40,
+        temperature=0,
+        extra_body={"guided_json": json.dumps(PERSON)},
+    )
+    jsonschema.validate(json.loads(out.choices[0].text), PERSON)
+
+    lark = 'start: "The answer is " ANSWER "."\nANSWER: "yes" | "no"'
+    gbnf = 'root ::= "The answer is " answer "."\nanswer ::= "yes" | "no"'
+    for grammar in (lark, gbnf):
+        out = client.completions.create(
+            model=model,
+            prompt="Is water wet?",
+            max_tokens=10,
+            temperature=0,
+            extra_body={"guided_grammar": grammar},
+        )
+        assert out.choices[0].text in ("The answer is yes.", "The answer is no."), out.choices[0].text
+
+
+def test_guided_choice_streamed_in_chat(client: openai.OpenAI, model: str) -> None:
+    stream = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Is the sky blue?"}],
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        extra_body={"guided_choice": ["yes", "no"]},
+    )
+    chunks = [c for c in stream if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) in ("yes", "no")
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_logit_bias_bans_the_greedy_token(client: openai.OpenAI, model: str, smollm2_gguf: Path) -> None:
+    from pagoda.service.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf(smollm2_gguf)
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=3, temperature=0)
+    greedy = tokenizer.encode(plain.choices[0].text, add_special_tokens=False)[0]
+    biased = client.completions.create(
+        model=model, prompt=prompt, max_tokens=3, temperature=0, logit_bias={str(greedy): -100}
+    )
+    first = tokenizer.encode(biased.choices[0].text, add_special_tokens=False)[0]
+    assert first != greedy and biased.choices[0].text != plain.choices[0].text
+    # A positive bias on the banned token's rival is honoured too: +100 makes any token the greedy one.
+    forced = tokenizer.encode(" Rome", add_special_tokens=False)[0]
+    pushed = client.completions.create(
+        model=model, prompt=prompt, max_tokens=1, temperature=0, logit_bias={str(forced): 100}
+    )
+    assert pushed.choices[0].text == " Rome"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "bogus"}},
+                }
+            },
+            "response_format",
+        ),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
+        ({"guided_grammar": "start: undefined_rule"}, "guided_grammar"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        ({"logit_bias": {"49152": 1}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"five": 1}}, "logit_bias"),
+    ],
+)
+def test_invalid_constraints_are_400_naming_the_parameter(
+    client: openai.OpenAI, model: str, body: dict[str, object], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt="Hi", max_tokens=2, extra_body=body)
+    error = info.value.body
+    assert isinstance(error, dict) and error.get("param") == param, error
+
+
+def test_the_server_still_serves_after_bad_grammars(client: openai.OpenAI, model: str) -> None:
+    """An invalid grammar never reaches the step loop: plain and constrained requests both go on."""
+    for _ in range(2):
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(
+                model=model, prompt="Hi", max_tokens=2, extra_body={"guided_regex": "("}
+            )
+    out = client.completions.create(
+        model=model, prompt="Hi", max_tokens=2, extra_body={"guided_choice": ["ok"]}
+    )
+    assert out.choices[0].text == "ok"
+
+
+def test_grpc_structured_output_fields(server: ServeProcess) -> None:
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+
+        def generate(**fields: object) -> str:
+            sampling = pb.SamplingParameters(temperature=0, max_new_tokens=40, **fields)  # type: ignore[arg-type]
+            request = pb.GenerateRequest(text="A person:", sampling=sampling)
+            return "".join(r.text for r in stub.Generate(request, timeout=120))
+
+        jsonschema.validate(json.loads(generate(json_schema=json.dumps(PERSON))), PERSON)
+        assert generate(choice=pb.Choices(choices=["alpha", "beta"])) in ("alpha", "beta")
+        assert re.fullmatch("[a-z]{2,4}", generate(regex="[a-z]{2,4}"))
+        assert isinstance(json.loads(generate(json_object=True)), dict)
+        with pytest.raises(grpc.RpcError) as info:
+            generate(regex="(")
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "regex" in (
+            info.value.details() or ""
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            generate(logit_bias={10**6: 1.0})
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_offline_llm_structured_output_and_logit_bias() -> None:
+    from pagoda.service.grammar import Grammar
+    from pagoda.service.llm import LLM
+    from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
+
+    with LLM(max_model_len=256, kv_cache_memory_bytes=32 << 20, max_num_seqs=8) as llm:
+        prompts = ["A person:", "Another person:"]
+        constrained = SamplingParams(temperature=0, max_tokens=40, grammar=Grammar.json_schema(PERSON))
+        plain = SamplingParams(temperature=0, max_tokens=8)
+        # One batch mixing a grammar request and a free one: the free one is as it is alone.
+        alone = llm.generate(prompts[1], plain)[0].outputs[0].token_ids
+        mixed = llm.generate(prompts, [constrained, plain])
+        jsonschema.validate(json.loads(mixed[0].outputs[0].text), PERSON)
+        assert mixed[1].outputs[0].token_ids == alone
+
+        banned = alone[0]
+        biased = llm.generate(
+            prompts[1], SamplingParams(temperature=0, max_tokens=1, logit_bias={banned: -100})
+        )
+        assert biased[0].outputs[0].token_ids[0] != banned
+
+        with pytest.raises(InvalidRequestError) as info:
+            llm.generate("x", SamplingParams(grammar=Grammar.regex("(", "guided_regex")))
+        assert info.value.param == "guided_regex"
+
+        # Aborted while its grammar compiles (or just after): nothing is left behind, and the engine
+        # goes on serving constrained requests.
+        engine = llm.engine
+        fresh = Grammar.json_schema({"type": "object", "properties": {"k": {"type": "string"}}})
+        engine.add_request("aborted", "x", SamplingParams(max_tokens=4, grammar=fresh))
+        engine.abort("aborted")
+        while engine.has_unfinished:
+            engine.step()
+        assert not engine.core.structured_output.is_active and not engine.core.has_unfinished
+        again = llm.generate(
+            "A colour:", SamplingParams(max_tokens=4, grammar=Grammar.choice(["red", "blue"]))
+        )
+        assert again[0].outputs[0].text in ("red", "blue")
+
+
+def test_apply_token_bitmask_keeps_exactly_the_allowed_tokens() -> None:
+    import numpy as np
+    import torch
+
+    from pagoda.service.engine.sampler import apply_token_bitmask
+
+    vocab, words = 100, 3  # 96 bits: tokens 96..99 lie past the mask and are forbidden
+    rng = np.random.default_rng(0)
+    bitmask = rng.integers(-(2**31), 2**31, size=(2, words), dtype=np.int32)
+    logits = torch.randn(3, vocab)
+    masked = apply_token_bitmask(logits.clone(), [0, 2], bitmask)
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little").astype(bool)
+    for row, mask_row in ((0, 0), (2, 1)):
+        allowed = torch.from_numpy(np.concatenate([bits[mask_row], np.zeros(vocab - 96, dtype=bool)]))
+        assert torch.equal(masked[row][allowed], logits[row][allowed])
+        assert torch.isneginf(masked[row][~allowed]).all()
+    assert torch.equal(masked[1], logits[1])  # a row without a grammar is untouched
