@@ -76,6 +76,10 @@ def healthy(url: str) -> bool:
 
 @pytest.fixture(scope="module")
 def operator(cluster, tmp_path_factory) -> Iterator[Operator]:
+    # Helm installs crds/ only on first install and never upgrades it: apply the CRD as the chart's
+    # README says to on upgrade, so that a cluster kept from an earlier run gets this version.
+    crd = CHART / "crds" / "serving.pagoda.dev_inferenceservices.yaml"
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
     helm(cluster, "install", RELEASE, str(CHART), "-n", RELEASE_NS, "--create-namespace")
     kubeconfig = cluster.serviceaccount_kubeconfig(RELEASE_NS, RELEASE)
     log = tmp_path_factory.mktemp("operator") / "operator.log"

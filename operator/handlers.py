@@ -27,6 +27,7 @@ CHILD_RESOURCES = (
     ("apps", "v1", "deployments"),
     ("autoscaling", "v2", "horizontalpodautoscalers"),
     ("policy", "v1", "poddisruptionbudgets"),
+    ("batch", "v1", "jobs"),  # the model cache's download Job: Cached reaches the status at once
 )
 
 

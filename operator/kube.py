@@ -15,15 +15,16 @@ from pagoda.operator.spec import GROUP, PLURAL, VERSION
 FIELD_MANAGER = "pagoda-operator"
 
 # (apiVersion, kind) -> plural, for every kind the operator writes or reads.
-# Read only: Node, Pod (capacity, why pods wait), PersistentVolumeClaim and Secret (do they exist; a
-# Secret's metadata only, charts/pagoda grants `get` on secrets and nothing else).
-READ_ONLY = ("Node", "Pod", "PersistentVolumeClaim", "Secret", "InferenceService")
+# Read only: Node, Pod (capacity, why pods wait), Secret (does it exist: metadata only, and
+# charts/pagoda grants `get` on secrets and nothing else). PVCs and Jobs: the model cache writes them.
+READ_ONLY = ("Node", "Pod", "Secret", "InferenceService")
 PLURALS = {
     ("v1", "Service"): "services",
     ("v1", "Node"): "nodes",
     ("v1", "Pod"): "pods",
     ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
     ("v1", "Secret"): "secrets",
+    ("batch/v1", "Job"): "jobs",
     ("apps/v1", "Deployment"): "deployments",
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",

@@ -10,6 +10,7 @@ import copy
 import posixpath
 from typing import Any
 
+from pagoda.operator.cache import cache_name
 from pagoda.operator.gpus import GPU_TOLERATION, PRODUCT, RESOURCE
 from pagoda.operator.profile import Decision
 from pagoda.operator.spec import OperatorConfig, ServiceSpec
@@ -96,6 +97,9 @@ def _model_volumes(spec: ServiceSpec, config: OperatorConfig) -> tuple[list, lis
     if source.kind == "hostPath":
         volume = {"name": "model", "hostPath": {"path": source.location}}
         return [volume], [{"name": "model", "mountPath": model_path(spec), "readOnly": True}], []
+    if spec.cache is not None:  # filled by the cache Job (cache.py) before the Deployment exists
+        volume = {"name": "model", "persistentVolumeClaim": {"claimName": cache_name(spec), "readOnly": True}}
+        return [volume], [{"name": "model", "mountPath": MODEL_DIR, "readOnly": True}], []
     repo, _, revision = source.location.removeprefix("hf://").partition("@")
     env = [
         {"name": "HF_REPO", "value": repo},

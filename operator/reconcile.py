@@ -15,7 +15,7 @@ from typing import Any, Literal, cast
 
 import kopf
 
-from pagoda.operator import manifests, placement
+from pagoda.operator import cache, manifests, placement
 from pagoda.operator import status as status_mod
 from pagoda.operator.kube import Kube, KubeError
 from pagoda.operator.pods import PodIssue, diagnose
@@ -164,18 +164,27 @@ def reconcile(body: Mapping[str, Any], kube: Kube, config: OperatorConfig, now: 
 
     deployment = owned.get("Deployment")
     failure: ApplyFailure | None = None
+    cached: cache.CacheStatus | None = None
     if theirs:
         events += [Event("Warning", "Conflict", f"refusing to overwrite: {msg}") for msg in theirs]
     elif not is_kept:
         desired = manifests.children(spec, decision, config) if decision.is_selected else []
+        if spec.cache is not None and decision.is_selected:
+            cached, failure, cache_events = _ensure_cache(kube, spec, config, body, old_status)
+            events += cache_events
+            if cached is None or cached.state != "Cached":  # no server pods before the weights are there
+                desired = [obj for obj in desired if obj["kind"] not in WORKLOAD_KINDS]
         for obj in desired:
             kopf.adopt(obj, owner=kopf.Body(cast(kopf.RawBody, dict(body))))
-        applied, failure, apply_events = _apply(kube, desired, owned)
+        applied, failure, apply_events = (
+            _apply(kube, desired, owned) if failure is None else ({}, failure, [])
+        )
         events += apply_events
         deployment = applied.get("Deployment", deployment)
         owned |= applied
         if failure is None:
-            wanted = {obj["kind"] for obj in desired}
+            # While a new revision is cached, the running Deployment serves on.
+            wanted = {obj["kind"] for obj in desired} | (WORKLOAD_KINDS if cached_pending(cached) else set())
             for api, kind in CHILD_KINDS:
                 if (
                     kind in owned
@@ -191,9 +200,15 @@ def reconcile(body: Mapping[str, Any], kube: Kube, config: OperatorConfig, now: 
         events += _warn_once(old_status, failure.reason, failure.message)
 
     selector = ",".join(f"{k}={v}" for k, v in manifests.selector_labels(spec).items())
-    issue = None
-    if deployment is not None and failure is None and not theirs:
-        issue = missing_reference(kube, spec) or diagnose(kube.list_pods(spec.namespace, selector))
+    issue = None  # why replicas are not (yet) ready: a missing reference, the cache, then the pods
+    if failure is None and not theirs and (deployment is not None or cached is not None):
+        issue = missing_reference(kube, spec)
+        if issue is None and cached_pending(cached):
+            assert cached is not None
+            is_failed = cached.state == "Failed"
+            issue = PodIssue("CacheFailed" if is_failed else "Caching", cached.message, is_failed)
+        if issue is None and deployment is not None:
+            issue = diagnose(kube.list_pods(spec.namespace, selector))
         if issue is not None and issue.is_failure:
             events += _warn_once(old_status, issue.reason, issue.message, status_mod.DEGRADED)
     result = status_mod.status(
@@ -208,12 +223,47 @@ def reconcile(body: Mapping[str, Any], kube: Kube, config: OperatorConfig, now: 
         is_kept=is_kept,
         failure=(failure.reason, failure.message) if failure else None,
         issue=issue,
+        cache=cached.to_dict() if cached else None,
     )
     if is_kept:  # what runs is still the old profile: show it, with why it could not be chosen now
         old_profile = old_status.get("profile") or {}
         result["profile"] = {**result["profile"], **{k: v for k, v in old_profile.items() if k in _RUNNING}}
     retry = APPLY_RETRY_SECONDS if failure is not None and failure.reason == "ApplyFailed" else None
     return Result(result, tuple(events), retry)
+
+
+def cached_pending(cached: cache.CacheStatus | None) -> bool:
+    return cached is not None and cached.state != "Cached"
+
+
+def _ensure_cache(
+    kube: Kube,
+    spec: ServiceSpec,
+    config: OperatorConfig,
+    body: Mapping[str, Any],
+    old_status: Mapping[str, Any],
+) -> tuple[cache.CacheStatus | None, ApplyFailure | None, list[Event]]:
+    """The model cache's PVC and Job (created once: a Job's template is immutable), and its state."""
+    owner = kopf.Body(cast(kopf.RawBody, dict(body)))
+    claim, job = cache.pvc(spec), cache.job(spec, config, manifests.model_path(spec))
+    for obj in (claim, job):
+        kopf.adopt(obj, owner=owner)
+    events: list[Event] = []
+    existing = kube.get("batch/v1", "Job", spec.namespace, job["metadata"]["name"])
+    for obj in (claim, job) if existing is None else (claim,):
+        try:
+            applied = kube.apply(obj)
+        except KubeError as err:
+            return None, _failure(obj, err, is_dry_run=False), events
+        if obj is job:
+            existing = applied
+            name = job["metadata"]["name"]
+            events.append(Event("Normal", "Caching", f"created PVC and download Job {name}"))
+    now = cache.state(spec, existing)
+    before = (old_status.get("cache") or {}).get("state")
+    if now.state != before and now.state == "Cached":  # a failure is warned of with the other issues
+        events.append(Event("Normal", "Cached", now.message))
+    return now, None, events
 
 
 def _apply(

@@ -53,6 +53,15 @@ class ModelSource:
 
 
 @dataclasses.dataclass(frozen=True)
+class ModelCache:
+    """model.cache: a PVC the operator fills once per model and revision (operator/cache.py)."""
+
+    size: str
+    storage_class_name: str | None = None
+    access_mode: str = "ReadWriteMany"  # replicas on several nodes read it
+
+
+@dataclasses.dataclass(frozen=True)
 class Autoscaling:
     min_replicas: int
     max_replicas: int
@@ -95,6 +104,7 @@ class ServiceSpec:
     runtime_class_name: str | None = None
     priority_class_name: str | None = None
     service_account_name: str | None = None
+    cache: ModelCache | None = None
 
     def profile_request(self) -> ProfileRequest:
         return ProfileRequest(
@@ -118,6 +128,14 @@ def _source(raw: Mapping[str, Any]) -> ModelSource:
         token = (secret["name"], secret.get("key", "token")) if secret else None
         return ModelSource("uri", raw["uri"], token_secret=token)
     raise ValueError("model.source: give exactly one of pvc, hostPath, imagePath or uri")
+
+
+def _cache(raw: Mapping[str, Any] | None, source: ModelSource) -> ModelCache | None:
+    if raw is None:
+        return None
+    if source.kind != "uri":  # the CRD's rule, for objects that never met the API server
+        raise ValueError("model.cache is only used with model.source.uri (an hf:// model to download)")
+    return ModelCache(str(raw["size"]), raw.get("storageClassName"), raw.get("accessMode", "ReadWriteMany"))
 
 
 def _autoscaling(raw: Mapping[str, Any] | None) -> Autoscaling | None:
@@ -181,12 +199,14 @@ def parse_spec(body: Mapping[str, Any]) -> ServiceSpec:
         )
         for p in spec.get("gpuPreferences") or ()
     )
+    source = _source(model.get("source") or {})
     return ServiceSpec(
         name=meta["name"],
         namespace=meta.get("namespace", "default"),
         model_name=model["name"],
         model=resolve(model["name"], model.get("parameters")),
-        source=_source(model.get("source") or {}),
+        source=source,
+        cache=_cache(model.get("cache"), source),
         precision=_precision(spec.get("precision", "auto"), "precision") or "auto",
         tensor_parallel_size=None if tp in (None, "auto") else int(tp),
         preferences=preferences,

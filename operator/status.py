@@ -98,6 +98,13 @@ def conditions(
             Condition(PROGRESSING, False, "Conflict", message),
             Condition(DEGRADED, True, "Conflict", message),
         ]
+    if state is None and issue is not None and decision.is_selected:  # e.g. the model cache is filling
+        return [
+            selected,
+            Condition(READY, False, issue.reason, issue.message),
+            Condition(PROGRESSING, not issue.is_failure, issue.reason, issue.message),
+            Condition(DEGRADED, issue.is_failure, issue.reason, issue.message),
+        ]
     if state is None:
         why = "no workload: " + decision.reason if not decision.is_selected else "creating the Deployment"
         reason = "NoProfile" if not decision.is_selected else "Creating"
@@ -176,6 +183,7 @@ def status(
     is_kept: bool = False,
     failure: tuple[str, str] | None = None,
     issue: PodIssue | None = None,
+    cache: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     conds = conditions(decision, state, conflicts, is_kept, failure, issue)
     return {
@@ -185,5 +193,6 @@ def status(
         "replicas": state.replicas if state else 0,
         "readyReplicas": state.ready if state else 0,
         "selector": selector,
+        "cache": cache,  # None removes it (merge patch)
         **urls,
     }

@@ -130,7 +130,7 @@ def test_rbac_covers_every_kind_the_operator_writes() -> None:
                 granted.setdefault((group, resource), set()).update(rule["verbs"])
     for (api_version, kind), plural in kube.PLURALS.items():
         group = api_version.rpartition("/")[0]
-        need = {"get"} if kind in ("PersistentVolumeClaim", "Secret") else {"get", "list", "watch"}
+        need = {"get"} if kind == "Secret" else {"get", "list", "watch"}
         if kind not in kube.READ_ONLY:
             need |= {"patch", "delete"}  # server-side apply creates with patch
         assert need <= granted.get((group, plural), set()), (kind, granted.get((group, plural)))

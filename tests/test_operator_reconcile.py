@@ -368,3 +368,74 @@ def test_a_missing_pvc_or_secret_is_named_in_the_status() -> None:
     assert (
         'Secret "hf-token" (model.source.tokenSecret) not found' in result.status["conditions"][3]["message"]
     )
+
+
+def test_model_cache_fills_a_pvc_once_then_the_pods_mount_it_read_only() -> None:
+    source = {"uri": "hf://org/llama-3.1-8b@v2", "tokenSecret": {"name": "hf"}}
+    cache = {"size": "40Gi", "storageClassName": "fast"}
+    env = [{"name": "HF_ENDPOINT", "value": "http://mirror.local"}]
+    kube = FakeKube([H100])
+    kube.present.add(("Secret", "hf"))
+    body = inference_service(model={"name": "llama-3.1-8b", "source": source, "cache": cache}, env=env)
+    result = run(kube, body)
+    kinds = sorted(k for k, _, _ in kube.objects)
+    assert kinds == ["Job", "PersistentVolumeClaim", "PodDisruptionBudget", "Service"]  # no pods yet
+    ((_, _, name),) = [key for key in kube.objects if key[0] == "Job"]
+    assert name.startswith("llm-model-")
+    claim = kube.objects[("PersistentVolumeClaim", "ns", name)]
+    assert claim["spec"]["storageClassName"] == "fast"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "40Gi"
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    job = kube.objects[("Job", "ns", name)]
+    assert job["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"][:2] == ["pagoda", "download"]
+    assert container["command"][2:] == [
+        "--repo",
+        "org/llama-3.1-8b",
+        "--revision",
+        "v2",
+        "--target",
+        "/models/llama-3.1-8b",
+    ]
+    env_names = {e["name"]: e for e in container["env"]}
+    assert env_names["HF_ENDPOINT"]["value"] == "http://mirror.local"
+    assert env_names["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert result.status["cache"]["state"] == "Caching"
+    assert conditions(result)[status_mod.READY] == ("False", "Caching")
+    assert conditions(result)[status_mod.DEGRADED] == ("False", "Caching")
+
+    job["status"] = {"conditions": [{"type": "Complete", "status": "True"}]}
+    kube.writes.clear()
+    result = run(kube, body)
+    assert "apply Job" not in kube.writes  # the Job is created once, never re-applied
+    assert result.status["cache"]["state"] == "Cached"
+    assert "Cached" in [e.reason for e in result.events]
+    pod_spec = kube.objects[("Deployment", "ns", "llm")]["spec"]["template"]["spec"]
+    volume = next(v for v in pod_spec["volumes"] if v["name"] == "model")
+    assert volume["persistentVolumeClaim"] == {"claimName": name, "readOnly": True}
+    assert "initContainers" not in pod_spec  # nothing is fetched at pod start
+    args = pod_spec["containers"][0]["args"]
+    assert args[args.index("--model") + 1] == "/models/llama-3.1-8b"
+
+
+def test_a_failed_download_is_degraded_and_a_missing_token_secret_is_named_first() -> None:
+    source = {"uri": "hf://org/llama-3.1-8b", "tokenSecret": {"name": "hf"}}
+    kube = FakeKube([H100])
+    body = inference_service(model={"name": "llama-3.1-8b", "source": source, "cache": {"size": "40Gi"}})
+    assert conditions(run(kube, body))[status_mod.DEGRADED] == ("True", "SecretNotFound")
+    kube.present.add(("Secret", "hf"))
+    ((_, _, name),) = [key for key in kube.objects if key[0] == "Job"]
+    message = "Job has reached the specified backoff limit"
+    kube.objects[("Job", "ns", name)]["status"] = {
+        "conditions": [
+            {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": message}
+        ]
+    }
+    result = run(kube, body)
+    assert result.status["cache"]["state"] == "Failed"
+    assert conditions(result)[status_mod.DEGRADED] == ("True", "CacheFailed")
+    assert message in result.status["cache"]["message"]
+    assert [e.reason for e in result.events if e.type == "Warning"] == ["CacheFailed"]
+    assert ("Deployment", "ns", "llm") not in kube.objects

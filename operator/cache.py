@@ -1,0 +1,143 @@
+"""The managed model cache: a PVC and a download Job per model and revision, shared by the replicas.
+
+Like NIMCache / KServe's LocalModelCache: `model.cache` on an `hf://` source makes the operator create
+a PersistentVolumeClaim and a Job running `pagoda download` (in the server image: nothing installed at
+start-up) that fills it; the server pods mount the claim read-only once the Job has completed. Names
+carry a digest of repo@revision, so a new revision gets a new claim and Job. Pure builders and the
+state read from the Job; reconcile.py applies them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pagoda.operator.spec import OperatorConfig, ServiceSpec
+
+CacheState = Literal["Caching", "Cached", "Failed"]
+MOUNT = "/models"
+BACKOFF_LIMIT = 3  # network hiccups retry; a wrong token or repo fails after 4 pods
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheStatus:
+    state: CacheState
+    message: str
+    claim_name: str
+    job_name: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """The shape of `status.cache` in the CRD."""
+        return {
+            "state": self.state,
+            "message": self.message,
+            "claimName": self.claim_name,
+            "job": self.job_name,
+        }
+
+
+def repo_revision(spec: ServiceSpec) -> tuple[str, str]:
+    repo, _, revision = spec.source.location.removeprefix("hf://").partition("@")
+    return repo, revision or "main"
+
+
+def cache_name(spec: ServiceSpec) -> str:
+    """`<service>-model-<8 hex of repo@revision>`: one claim and one Job per model and revision."""
+    repo, revision = repo_revision(spec)
+    digest = hashlib.sha256(f"{repo}@{revision}".encode()).hexdigest()[:8]
+    return f"{spec.name[:47]}-model-{digest}"
+
+
+def _labels(spec: ServiceSpec) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "pagoda-model-cache",
+        "app.kubernetes.io/instance": spec.name,
+        "app.kubernetes.io/part-of": "pagoda",
+        "app.kubernetes.io/managed-by": "pagoda-operator",
+    }
+
+
+def pvc(spec: ServiceSpec) -> dict[str, Any]:
+    cache = spec.cache
+    assert cache is not None
+    body: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": cache_name(spec), "namespace": spec.namespace, "labels": _labels(spec)},
+        "spec": {"accessModes": [cache.access_mode], "resources": {"requests": {"storage": cache.size}}},
+    }
+    if cache.storage_class_name is not None:
+        body["spec"]["storageClassName"] = cache.storage_class_name
+    return body
+
+
+def job(spec: ServiceSpec, config: OperatorConfig, target: str) -> dict[str, Any]:
+    """The download Job: `pagoda download` into the claim; HF_ENDPOINT and proxies come from spec.env."""
+    repo, revision = repo_revision(spec)
+    env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}, *spec.env]
+    if spec.source.token_secret is not None:
+        name, key = spec.source.token_secret
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
+    container = {
+        "name": "download",
+        "image": spec.image or config.server_image,
+        "command": ["pagoda", "download", "--repo", repo, "--revision", revision, "--target", target],
+        "env": env,
+        "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},
+        "volumeMounts": [{"name": "model", "mountPath": MOUNT}, {"name": "tmp", "mountPath": "/tmp"}],
+        "terminationMessagePolicy": "FallbackToLogsOnError",  # the downloader's one-line error
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    if spec.image_pull_policy:
+        container["imagePullPolicy"] = spec.image_pull_policy
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "containers": [container],
+        "volumes": [
+            {"name": "model", "persistentVolumeClaim": {"claimName": cache_name(spec)}},
+            {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+        ],
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 1000,
+            "runAsGroup": 1000,
+            "fsGroup": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": cache_name(spec), "namespace": spec.namespace, "labels": _labels(spec)},
+        "spec": {
+            "backoffLimit": BACKOFF_LIMIT,
+            "template": {"metadata": {"labels": _labels(spec)}, "spec": pod_spec},
+        },
+    }
+
+
+def state(spec: ServiceSpec, job_obj: Mapping[str, Any] | None) -> CacheStatus:
+    """Caching until the Job completes, Cached after, Failed with the Job's message."""
+    repo, revision = repo_revision(spec)
+    name = cache_name(spec)
+    for cond in ((job_obj or {}).get("status") or {}).get("conditions") or ():
+        if cond.get("status") != "True":
+            continue
+        if cond.get("type") == "Complete":
+            return CacheStatus("Cached", f"{repo}@{revision} is in PersistentVolumeClaim {name}", name, name)
+        if cond.get("type") == "Failed":
+            why = cond.get("message") or cond.get("reason") or "failed"
+            return CacheStatus(
+                "Failed", f"download Job {name} of {repo}@{revision} failed: {why}", name, name
+            )
+    return CacheStatus(
+        "Caching", f"downloading {repo}@{revision} into PersistentVolumeClaim {name}", name, name
+    )
