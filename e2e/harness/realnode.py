@@ -19,6 +19,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +38,13 @@ CGROUPS = Path("/sys/fs/cgroup")
 OWNER = Path("/run/pagoda-real-node.owner")
 PAUSE_REF = "registry.k8s.io/pause:3.10"
 CNI_BIN = Path("/usr/lib/cni")
+# The kubelet's device manager listens here whatever its --root-dir (pluginapi.KubeletSocket).
+DEVICE_PLUGINS = Path("/var/lib/kubelet/device-plugins")
+# The GPU the real node claims (GFD labels, allocatable nvidia.com/gpu from the fake device plugin): an
+# Ampere part that no simulated node has, so the operator's profile (bf16, TP 1) can pick only this node
+# for it; the server in the pod finds no GPU and runs on the CPU.
+GPU = {"product": "NVIDIA-A10", "family": "ampere", "compute": "8.6", "memory": "23028"}
+NUM_GPUS = 1
 # The real node only runs pods that ask for it: the kwok tests' pods (any image name) stay off it.
 TAINT = {"key": "pagoda.dev/real-node", "value": "true", "effect": "NoSchedule"}
 TOLERATION = {"key": TAINT["key"], "operator": "Exists", "effect": "NoSchedule"}
@@ -140,7 +148,7 @@ def _kill_cgroups() -> None:
             d.rmdir()
 
 
-def _unmount_under(*prefixes: Path) -> None:
+def unmount_under(*prefixes: Path) -> None:
     """Lazily unmounts every mount point below the prefixes, deepest first."""
     wanted = tuple(str(p.resolve()) + "/" for p in prefixes)
     points = []
@@ -170,6 +178,12 @@ def _remove_kube_chains() -> None:
 def _cleanup_host(bin_dir: Path | None) -> None:
     _kill_cgroups()
     _run("ip", "link", "del", BRIDGE)
+    if DEVICE_PLUGINS.is_dir():
+        for f in DEVICE_PLUGINS.iterdir():
+            f.unlink()
+        for d in (DEVICE_PLUGINS, DEVICE_PLUGINS.parent):  # made by the kubelet: gone when empty
+            with contextlib.suppress(OSError):
+                d.rmdir()
     if bin_dir is not None and (bin_dir / "kube-proxy").exists():
         _run(str(bin_dir / "kube-proxy"), "--cleanup")
     _remove_kube_chains()
@@ -322,9 +336,11 @@ def start(
     free_ports: Callable[[int], list[int]],
     is_alive: Callable[[Path], bool],
     labels: dict[str, str] | None = None,
+    num_gpus: int = 0,
 ) -> RealNode:
-    """Starts containerd, kubelet and kube-proxy for `cluster` (its workdir holds their state) and
-    waits until the node is Ready. Raises Unavailable when another real node holds this machine."""
+    """Starts containerd, kubelet and kube-proxy for `cluster` (its workdir holds their state), and with
+    `num_gpus` the fake GPU device plugin (a test double), and waits until the node is Ready with that
+    many allocatable nvidia.com/gpu. Raises Unavailable when another real node holds this machine."""
     workdir = cluster.workdir
     node_dir = workdir / "node"
     node_dir.mkdir(parents=True, exist_ok=True)
@@ -356,10 +372,25 @@ def start(
             f"--config={_kube_proxy_config(node_dir, cluster.kubeconfig, proxy_healthz, proxy_metrics)}",
         ])  # fmt: skip
         wait(f"node {NODE_NAME} Ready", lambda: _is_ready(cluster, NODE_NAME), procs)
+        if num_gpus:
+            procs["fake-gpu-plugin"] = spawn("fake-gpu-plugin", [
+                sys.executable, str(HERE / "fake_gpu_plugin.py"), f"--count={num_gpus}",
+                f"--plugin-dir={DEVICE_PLUGINS}", f"--stubs={node_dir}/deviceplugin-stubs",
+            ])  # fmt: skip
+            wait(
+                f"{num_gpus} nvidia.com/gpu on {NODE_NAME}",
+                lambda: _gpus(cluster, NODE_NAME) == num_gpus,
+                procs,
+            )
     except BaseException:
         stop_pods(workdir)
         raise
     return node
+
+
+def _gpus(cluster: Any, name: str) -> int:
+    out = cluster.kubectl("get", "node", name, "-o", "jsonpath={.status.allocatable.nvidia\\.com/gpu}").stdout
+    return int(out or 0)
 
 
 def _is_ready(cluster: Any, name: str) -> bool:
@@ -384,7 +415,7 @@ def release(workdir: Path) -> None:
     workdir = Path(workdir).resolve()
     if not _holds_machine(workdir):
         return
-    _unmount_under(workdir / "node", cache_dir() / "node" / "containerd")
+    unmount_under(workdir / "node", cache_dir() / "node" / "containerd")
     bin_file = workdir / "node" / "bin-dir"
     _cleanup_host(Path(bin_file.read_text()) if bin_file.exists() else None)
     OWNER.unlink(missing_ok=True)

