@@ -152,14 +152,16 @@ def _affinity(spec: ServiceSpec, decision: Decision) -> dict[str, Any]:
 def default_requests(spec: ServiceSpec, decision: Decision) -> dict[str, str]:
     """CPU and memory to reserve, sized from the model (Burstable QoS: no CPU/memory limits by default).
 
-    CPU: one core for the API process, one for the engine core, one per GPU rank. Memory: 4 GiB per
-    rank (CUDA context, NCCL, pinned buffers) plus half the weights, read through the page cache while
-    loading (a Llama-3.1-8B fp8 at TP 1 asks 8 GiB, a 70B bf16 at TP 4 asks 82 GiB).
+    CPU: one core per GPU rank (the API process and the engine core mostly wait on the GPU, and may
+    burst above the request). Memory: 2 GiB per rank (CUDA context, NCCL, pinned buffers) plus half
+    the weights, read through the page cache while loading: Llama-3.1-8B fp8 at TP 1 asks 1 core and
+    6 GiB, a 70B bf16 at TP 4 asks 4 cores and 74 GiB, the embedded 135M model 1 core and 3 GiB (so it
+    still fits a 2-core test node). spec.resources.requests overrides either.
     """
     tp = decision.tensor_parallel_size or 1
     weights = spec.model.num_params * _WEIGHT_BYTES.get(str(decision.precision), 2)
-    memory_gib = 4 * tp + -(-weights // (2 * GIB))
-    return {"cpu": str(2 + tp), "memory": f"{memory_gib}Gi"}
+    memory_gib = 2 * tp + -(-weights // (2 * GIB))
+    return {"cpu": str(tp), "memory": f"{memory_gib}Gi"}
 
 
 def _resources(spec: ServiceSpec, decision: Decision) -> dict[str, Any]:

@@ -240,16 +240,21 @@ def test_operator_imports_no_torch_and_no_service() -> None:
 def test_cpu_and_memory_requests_are_sized_from_the_model_and_overridable() -> None:
     dep = manifests.deployment(parse_spec(body()), decision(), CONFIG)
     resources = pod(dep)["containers"][0]["resources"]
-    assert resources["requests"] == {"cpu": "3", "memory": "8Gi", "nvidia.com/gpu": "1"}  # 8B fp8, TP 1
+    assert resources["requests"] == {"cpu": "1", "memory": "6Gi", "nvidia.com/gpu": "1"}  # 8B fp8, TP 1
     assert resources["limits"] == {"nvidia.com/gpu": "1"}  # Burstable: no CPU/memory limit to OOM-kill a load
+    small = parse_spec(body(model={"name": "smollm2-135m", "source": {"imagePath": "/m"}}))
+    requests = pod(manifests.deployment(small, decision(1, "bf16"), CONFIG))["containers"][0]["resources"][
+        "requests"
+    ]
+    assert (requests["cpu"], requests["memory"]) == ("1", "3Gi")
     big = parse_spec(body(model={"name": "llama-3.1-70b", "source": {"imagePath": "/m"}}, precision="bf16"))
     requests = pod(manifests.deployment(big, decision(4, "bf16"), CONFIG))["containers"][0]["resources"][
         "requests"
     ]
-    assert (requests["cpu"], requests["memory"]) == ("6", "82Gi")
+    assert (requests["cpu"], requests["memory"]) == ("4", "74Gi")
     mine = body(resources={"requests": {"memory": "20Gi", "nvidia.com/gpu": "7"}, "limits": {"cpu": "16"}})
     resources = pod(manifests.deployment(parse_spec(mine), decision(), CONFIG))["containers"][0]["resources"]
-    assert resources["requests"] == {"cpu": "3", "memory": "20Gi", "nvidia.com/gpu": "1"}
+    assert resources["requests"] == {"cpu": "1", "memory": "20Gi", "nvidia.com/gpu": "1"}
     assert resources["limits"] == {"cpu": "16", "nvidia.com/gpu": "1"}
 
 
