@@ -6,6 +6,7 @@ scheduler onto kwok nodes, garbage collection by the real kube-controller-manage
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -74,18 +75,18 @@ def healthy(url: str) -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
-def operator(cluster, tmp_path_factory) -> Iterator[Operator]:
+@contextlib.contextmanager
+def running_operator(cluster, log: Path, resync_seconds: float = RESYNC_SECONDS) -> Iterator[Operator]:
+    """The chart installed and `pagoda operator` running with its ServiceAccount; both gone afterwards."""
     # Helm installs crds/ only on first install and never upgrades it: apply the CRD as the chart's
     # README says to on upgrade, so that a cluster kept from an earlier run gets this version.
     crd = CHART / "crds" / "serving.pagoda.dev_inferenceservices.yaml"
     cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
     helm(cluster, "install", RELEASE, str(CHART), "-n", RELEASE_NS, "--create-namespace")
     kubeconfig = cluster.serviceaccount_kubeconfig(RELEASE_NS, RELEASE)
-    log = tmp_path_factory.mktemp("operator") / "operator.log"
     port = free_port()
     env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONSAFEPATH": "1"}
-    cmd = [sys.executable, "-m", "pagoda.cli", "operator", f"--resync-seconds={RESYNC_SECONDS}"]
+    cmd = [sys.executable, "-m", "pagoda.cli", "operator", f"--resync-seconds={resync_seconds}"]
     cmd += [f"--liveness=http://127.0.0.1:{port}/healthz", "--drain-seconds=30"]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -101,6 +102,12 @@ def operator(cluster, tmp_path_factory) -> Iterator[Operator]:
         except subprocess.TimeoutExpired:
             proc.kill()
         helm(cluster, "uninstall", RELEASE, "-n", RELEASE_NS)
+
+
+@pytest.fixture(scope="module")
+def operator(cluster, tmp_path_factory) -> Iterator[Operator]:
+    with running_operator(cluster, tmp_path_factory.mktemp("operator") / "operator.log") as op:
+        yield op
 
 
 def apply(cluster, namespace: str, obj: dict | Path) -> None:
