@@ -20,6 +20,7 @@ HELP = "Serve a model over the OpenAI-compatible HTTP API, gRPC and Prometheus /
 
 # int8 is not offered (no kernels for it): argparse refuses it, and the operator never picks it.
 PRECISIONS = ("auto", "bf16", "fp16", "fp32", "fp8")
+TOOL_CALL_PARSERS = ("auto", "hermes", "mistral", "llama3_json", "none")  # = api.tool_calls.PARSERS
 # --precision -> (EngineConfig.dtype, EngineConfig.quantization). fp8 keeps bf16 (auto) for everything
 # but the projections.
 PRECISION_DTYPES: dict[str, tuple[str, str | None]] = {
@@ -155,6 +156,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         16 << 20,
         int,
     )
+    flag(
+        "--tool-call-parser",
+        "How `tool_choice: auto` finds calls in the model's text: hermes (<tool_call>), mistral "
+        "([TOOL_CALLS]), llama3_json, none, or auto (from the chat template).",
+        "auto",
+        choices=TOOL_CALL_PARSERS,
+    )
     flag("--device", "auto (cuda when there is a GPU, else cpu), cuda, cuda:N or cpu.", "auto")
     flag("--seed", "Seed of the engine's random generator (requests with a `seed` have their own).", 0, int)
     flag("--log-level", "Logging level.", "info", choices=("debug", "info", "warning", "error"))
@@ -195,6 +203,7 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         api_keys=api_keys,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         max_request_bytes=args.max_request_bytes,
+        tool_call_parser=args.tool_call_parser,
     )
     engine = EngineConfig(
         model=args.model,

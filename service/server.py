@@ -42,6 +42,7 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()  # none: no authentication
     allowed_origins: tuple[str, ...] = ()  # CORS; none: no CORS headers
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    tool_call_parser: str = "auto"  # tool_calls.PARSERS
 
 
 class _Uvicorn(uvicorn.Server):
@@ -74,7 +75,12 @@ async def serve(
 ) -> int:
     """Run until SIGTERM/SIGINT (or `stop_event`); return the exit code."""
     stop = stop_event or asyncio.Event()
-    client = EngineClient(engine_config, engine_factory, server_config.max_waiting_requests)
+    client = EngineClient(
+        engine_config,
+        engine_factory,
+        server_config.max_waiting_requests,
+        tool_call_parser=server_config.tool_call_parser,
+    )
     sock = _bind(server_config.host, server_config.port)
     http = _Uvicorn(
         uvicorn.Config(

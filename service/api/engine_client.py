@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
+from pagoda.service.api.tool_calls import ParserName, parser_for, template_messages
 from pagoda.service.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.messages import EngineStats
@@ -67,8 +68,10 @@ class EngineClient:
         engine_factory: Callable[[EngineConfig], AsyncEngine],
         max_waiting_requests: int = 0,
         enable_gpu_metrics: bool = True,
+        tool_call_parser: str = "auto",
     ) -> None:
         self.config = config
+        self.tool_call_parser = tool_call_parser
         self._engine_factory = engine_factory
         self.max_waiting_requests = max_waiting_requests  # 0: no limit
         self._engine: AsyncEngine | None = None
@@ -162,7 +165,10 @@ class EngineClient:
         return sorted(self.engine.tokenizer.eos_token_ids)
 
     async def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The prompt's token ids for a conversation, through the model's chat template. Checks what
         every transport must refuse alike: no messages, an unknown role."""
@@ -174,8 +180,12 @@ class EngineClient:
         # Chat templates know system/user/assistant; OpenAI's newer "developer" role is a system prompt.
         messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         tokenizer = self.engine.tokenizer
+        messages = template_messages(messages, tokenizer.chat_template or "")
+        extra = {"tools": tools} if tools else {}
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, **extra
+            )
         except Exception as exc:
             self.metrics.count_error("invalid_request")
             raise APIError(
@@ -188,6 +198,34 @@ class EngineClient:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.engine.tokenizer.decode(token_ids)
+
+    @property
+    def tool_parser(self) -> ParserName | None:
+        """The served model's tool-call format (its chat template's, unless `tool_call_parser` says)."""
+        return parser_for(self.engine.tokenizer.chat_template or "", self.tool_call_parser)
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` (off the event loop when it is long); a 400 past what the context holds."""
+        tokenizer = self.engine.tokenizer
+        if len(text) > self.max_model_len * tokenizer.max_token_chars:
+            self.metrics.count_error("invalid_request")
+            raise APIError(
+                "invalid_request", "the text is longer than the model's context can hold", "prompt"
+            )
+        if len(text) > RELEASE_GIL_CHARS:
+            return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of token ids, special tokens included; a 400 for ids outside the vocabulary."""
+        vocab_size = self.engine.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        if bad:
+            self.metrics.count_error("invalid_request")
+            raise APIError(
+                "invalid_request", f"token ids out of range [0, {vocab_size}): {bad[:5]}", "tokens"
+            )
+        return self.engine.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def token_strings(self, token_ids: list[int]) -> list[str]:
         """Each token as the vocabulary spells it (OpenAI's `logprobs.tokens`)."""
@@ -311,7 +349,7 @@ class EngineClient:
             self._engine.abort(request_id)
 
 
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def check_chat_messages(messages: list[dict[str, Any]]) -> None:

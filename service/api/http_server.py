@@ -16,7 +16,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagoda import __version__
 from pagoda.service.api.engine_client import APIError, EngineClient, ServingState
 from pagoda.service.api.http_guards import APIKeyGuard, BodyLimit
-from pagoda.service.api.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pagoda.service.api.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from pagoda.service.api.openai_serving import OpenAIServing
 from pagoda.service.metrics import CONTENT_TYPE
 
@@ -113,6 +118,22 @@ def build_app(
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return serving.models()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        return serving.model(model_id)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> dict[str, Any]:
+        return await serving.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> dict[str, Any]:
+        return serving.detokenize(request)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(request: ChatCompletionRequest, raw: Request) -> Response | dict[str, Any]:

@@ -1,8 +1,10 @@
 """The OpenAI API's request bodies, as pydantic models, and their translation to SamplingParams.
 
-Parameters OpenAI accepts that Pagoda does not act on (`tools`, `suffix`, `best_of`, ...) are
-ignored, never fatal: `extra="ignore"`. Structured output (`response_format`, vLLM's `guided_*`) and
-`logit_bias` come from `StructuredOutputFields` (structured_output.py). A few vLLM extensions
+Parameters OpenAI accepts that Pagoda cannot honour (`suffix`, `best_of` other than `n`, audio, image
+parts, `prediction`, the old `functions`) are refused with a 400 naming them; fields OpenAI does not
+define are ignored (`extra="ignore"`). Tools are tool_calls.py's. Structured output
+(`response_format`, vLLM's `guided_*`) and `logit_bias` come from `StructuredOutputFields`
+(structured_output.py). A few vLLM extensions
 (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`) are honoured.
 Responses are plain dicts built in openai_serving.py.
 """
@@ -15,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from pagoda.service.api.structured_output import StructuredOutputFields
+from pagoda.service.api.tool_calls import ToolCall, ToolChoice, ToolDefinition, ToolPlan, plan_tools
 from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
 
 
@@ -38,19 +41,24 @@ def find_lone_surrogate(value: Any, path: str = "") -> str | None:
     return None
 
 
+def refuse_lone_surrogates(data: Any) -> Any:
+    """A pydantic "before" check: a 400 naming where the first lone surrogate is."""
+    if where := find_lone_surrogate(data):
+        raise PydanticCustomError(
+            "invalid_unicode",
+            "invalid Unicode in {where}: a lone surrogate; send text as valid UTF-8",
+            {"where": where},
+        )
+    return data
+
+
 class _Request(StructuredOutputFields):
     model_config = ConfigDict(extra="ignore")
 
     @model_validator(mode="before")
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
-        if where := find_lone_surrogate(data):
-            raise PydanticCustomError(
-                "invalid_unicode",
-                "invalid Unicode in {where}: a lone surrogate; send text as valid UTF-8",
-                {"where": where},
-            )
-        return data
+        return refuse_lone_surrogates(data)
 
     model: str | None = None
     n: int = 1
@@ -110,24 +118,33 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class TextContentPart(BaseModel):
+class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    type: Literal["text"]
-    text: str
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextContentPart] | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None  # role "tool": the call this result answers
+    tool_calls: list[ToolCall] | None = None  # role "assistant": the calls it made
 
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content or ""
+    def text(self, index: int) -> str:
+        if not isinstance(self.content, list):
+            return self.content or ""
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise InvalidRequestError(
+                    f"content parts of type {part.type!r} are not supported: this server's models read "
+                    "text only",
+                    f"messages.{index}.content.{j}.type",
+                )
+        return "".join(part.text or "" for part in self.content)
 
 
 class ChatCompletionRequest(_Request):
@@ -137,8 +154,35 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # Accepted by OpenAI, not honoured here: refused by name rather than ignored.
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    web_search_options: Any = None
+    functions: Any = None
+    function_call: Any = None
+
+    def tool_plan(self) -> ToolPlan:
+        return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def _refuse_unsupported(self) -> None:
+        unsupported = {
+            "audio": self.audio is not None or (self.modalities is not None and self.modalities != ["text"]),
+            "prediction": self.prediction is not None,
+            "web_search_options": self.web_search_options is not None,
+            "functions": self.functions is not None,
+            "function_call": self.function_call is not None,
+        }
+        for name, asked in unsupported.items():
+            if asked:
+                hint = "; use tools and tool_choice" if name.startswith("function") else ""
+                raise InvalidRequestError(f"{name} is not supported by this server{hint}", name)
 
     def sampling_params(self) -> SamplingParams:
+        self._refuse_unsupported()
         if not self.messages:
             raise InvalidRequestError("messages must contain at least one message", "messages")
         if self.top_logprobs is not None and not self.logprobs:
@@ -149,14 +193,29 @@ class ChatCompletionRequest(_Request):
             )
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        params = self._sampling_params(max_tokens, logprobs)
+        plan = self.tool_plan()
+        if plan.grammar is not None:
+            if params.grammar is not None:
+                raise InvalidRequestError(
+                    f"{params.grammar.param} cannot be combined with tool_choice {plan.mode}", "tool_choice"
+                )
+            params.grammar = plan.grammar
+        return params
 
     def chat_messages(self) -> list[dict[str, Any]]:
-        # Chat templates know system/user/assistant; OpenAI's newer "developer" role is a system prompt.
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+        """The turns as chat templates take them (the engine client maps roles and tool calls)."""
+        messages = []
+        for i, m in enumerate(self.messages):
+            message: dict[str, Any] = {"role": m.role, "content": m.text(i)}
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            if m.tool_calls:
+                message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.name is not None:
+                message["name"] = m.name
+            messages.append(message)
+        return messages
 
 
 class CompletionRequest(_Request):
@@ -164,8 +223,17 @@ class CompletionRequest(_Request):
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
+    # Accepted by OpenAI, not honoured here: refused by name rather than ignored.
+    suffix: str | None = None
+    best_of: int | None = None
 
     def sampling_params(self) -> SamplingParams:
+        if self.suffix:
+            raise InvalidRequestError("suffix (fill-in-the-middle) is not supported by this server", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequestError(
+                f"best_of other than n is not supported (best_of {self.best_of}, n {self.n})", "best_of"
+            )
         params = self._sampling_params(self.max_tokens, self.logprobs)
         if self.echo and self.logprobs is not None:
             params.prompt_logprobs = self.logprobs  # the echoed prompt comes with its scores
@@ -183,6 +251,35 @@ class CompletionRequest(_Request):
         if not prompts or any(len(p) == 0 for p in prompts):
             raise InvalidRequestError("prompt must not be empty", "prompt")
         return prompts
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's `/tokenize`: a `prompt`, or chat `messages` rendered through the template first."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # for a prompt; a rendered chat has its special tokens already
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        return refuse_lone_surrogates(data)
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        assert self.messages is not None
+        return ChatCompletionRequest.model_construct(messages=self.messages).chat_messages()
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
 
 
 _Request.model_rebuild()

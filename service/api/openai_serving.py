@@ -11,7 +11,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pagoda.service.api.engine_client import APIError, EngineClient, ServingState, now_s
-from pagoda.service.api.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pagoda.service.api.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from pagoda.service.api.tool_calls import ParserName, ToolCallStream, ToolPlan, parse_calls
 from pagoda.service.outputs import Logprob, RequestOutput
 from pagoda.service.sampling_params import InvalidRequestError
 
@@ -88,6 +94,11 @@ def _prompt_logprobs(out: RequestOutput, client: EngineClient) -> dict[str, Any]
     }
 
 
+def _tool_finish(finish_reason: str | None, made_calls: bool) -> str | None:
+    """OpenAI's finish_reason for a completion that ended in tool calls (a cut-off one stays "length")."""
+    return "tool_calls" if made_calls and finish_reason == "stop" else finish_reason
+
+
 def _join_logprobs(head: dict[str, Any] | None, tail: dict[str, Any] | None) -> dict[str, Any] | None:
     if head is None or tail is None:
         return head or tail
@@ -113,6 +124,41 @@ class OpenAIServing:
                 }
             ],
         }
+
+    def model(self, model_id: str) -> dict[str, Any]:
+        """`GET /v1/models/{id}`: the served model, or a 404 naming it."""
+        listed = self.models()["data"][0]
+        if model_id != listed["id"]:
+            self.client.check_model(model_id)
+        return listed  # type: ignore[no-any-return]
+
+    async def tokenize(self, request: TokenizeRequest) -> dict[str, Any]:
+        self.client.check_model(request.model)
+        if (request.prompt is None) == (request.messages is None):
+            self.client.metrics.count_error("invalid_request")
+            raise APIError("invalid_request", "give exactly one of prompt and messages", "prompt")
+        if request.messages is not None:
+            try:
+                messages = request.chat_messages()
+            except InvalidRequestError as exc:
+                self.client.metrics.count_error("invalid_request")
+                raise APIError("invalid_request", str(exc), param=exc.param) from exc
+            tokens = await self.client.render_chat(messages, request.add_generation_prompt)
+        else:
+            assert request.prompt is not None
+            tokens = await self.client.tokenize(request.prompt, request.add_special_tokens)
+        result: dict[str, Any] = {
+            "count": len(tokens),
+            "max_model_len": self.client.max_model_len,
+            "tokens": tokens,
+        }
+        if request.return_token_strs:
+            result["token_strs"] = self.client.token_strings(tokens)
+        return result
+
+    def detokenize(self, request: DetokenizeRequest) -> dict[str, Any]:
+        self.client.check_model(request.model)
+        return {"prompt": self.client.detokenize(request.tokens)}
 
     async def _start(self, prompts: list[str | list[int]], request: Any) -> tuple[list[Any], list[Any]]:
         """Admit, validate and start one engine request per prompt; return (streams, first outputs).
@@ -141,27 +187,41 @@ class OpenAIServing:
     # ---- chat -----------------------------------------------------------------------------------------
     async def chat(self, request: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
         self.client.check_model(request.model)
-        prompt = await self.client.render_chat(request.chat_messages(), request.add_generation_prompt)
+        try:
+            messages, plan = request.chat_messages(), request.tool_plan()
+        except InvalidRequestError as exc:
+            self.client.metrics.count_error("invalid_request")
+            raise APIError("invalid_request", str(exc), param=exc.param) from exc
+        prompt = await self.client.render_chat(messages, request.add_generation_prompt, plan.template_tools)
         streams, firsts = await self._start([prompt], request)
         response_id, created, model = f"chatcmpl-{uuid.uuid4().hex}", now_s(), self.client.model_name
+        parser = self.client.tool_parser
         if request.stream:
-            return self._chat_stream(streams[0], firsts[0], request, response_id, created, model)
+            return self._chat_stream(
+                streams[0], firsts[0], request, plan, parser, response_id, created, model
+            )
         final = await _drain(streams[0], firsts[0])
+        choices = []
+        for c in final.outputs:
+            content, calls = parse_calls(c.text, plan, parser)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": _chat_logprobs(c.logprobs),
+                    "finish_reason": _tool_finish(c.finish_reason, bool(calls)),
+                    "stop_reason": c.stop_reason,
+                }
+            )
         return {
             "id": response_id,
             "object": "chat.completion",
             "created": created,
             "model": model,
-            "choices": [
-                {
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": _chat_logprobs(c.logprobs),
-                    "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                }
-                for c in final.outputs
-            ],
+            "choices": choices,
             "usage": _usage([final]),
             "system_fingerprint": None,
         }
@@ -171,6 +231,8 @@ class OpenAIServing:
         stream: AsyncIterator[RequestOutput],
         first: RequestOutput,
         request: ChatCompletionRequest,
+        plan: ToolPlan,
+        parser: ParserName | None,
         response_id: str,
         created: int,
         model: str,
@@ -191,17 +253,30 @@ class OpenAIServing:
 
         last = first
         done: set[int] = set()
+        # With tools, text passes through one ToolCallStream per completion (it holds back call text).
+        tool_streams = (
+            {c.index: ToolCallStream(plan, parser) for c in first.outputs} if plan.mode != "none" else {}
+        )
         try:
             for c in first.outputs:
                 yield chunk(c.index, {"role": "assistant", "content": ""})
             async for out in _chain(first, stream):
                 last = out
                 for c in out.outputs:
-                    if c.text_delta or c.logprobs_delta:
+                    tools = tool_streams.get(c.index)
+                    if tools is not None:
+                        for delta in tools.feed(c.text_delta):
+                            yield chunk(c.index, delta)
+                    elif c.text_delta or c.logprobs_delta:
                         yield chunk(c.index, {"content": c.text_delta}, _chat_logprobs(c.logprobs_delta))
                     if c.finish_reason is not None and c.index not in done:
                         done.add(c.index)
-                        yield chunk(c.index, {}, None, c.finish_reason)
+                        made_calls = False
+                        if tools is not None:
+                            deltas, made_calls = tools.finish()
+                            for delta in deltas:
+                                yield chunk(c.index, delta)
+                        yield chunk(c.index, {}, None, _tool_finish(c.finish_reason, made_calls))
             if include_usage:
                 yield sse(
                     {

@@ -93,6 +93,11 @@ class AsyncEngine:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary (from the core; 0 before it started)."""
+        return self._input_processor.vocab_size if self._input_processor is not None else 0
+
     def stats(self) -> EngineStats:
         """As of the core's last step."""
         return self._stats

@@ -1,0 +1,308 @@
+"""Tool calling and the endpoints vLLM users call, on the embedded SmolLM2-135M through a real
+`pagoda serve`, with the official `openai` client and LangChain.
+
+Forced calls (`required`, a named function) are the grammar's doing, so their arguments validate
+against the tool's schema even from a 135M model. `auto` depends on the model's training; here its
+parsers are checked on the formats of the model families directly.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from pagoda.service.api.tool_calls import ToolCallStream, ToolPlan, parse_calls
+from pagoda.service.serve_process import ServeProcess
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"timezone": {"type": "string", "maxLength": 16}},
+            "required": ["timezone"],
+            "additionalProperties": False,
+        },
+    },
+}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}  # type: ignore[index]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    args = ["--max-model-len", "1024", "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "16"]
+    with ServeProcess(args, log_path=tmp_path_factory.mktemp("serve") / "serve.log") as proc:
+        yield proc
+    assert proc.proc is not None and proc.proc.returncode == 0, proc.log()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(server: ServeProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def assert_valid_call(call: Any, name: str | None = None) -> dict[str, Any]:
+    assert call.type == "function" and call.id.startswith("call_")
+    if name is not None:
+        assert call.function.name == name
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, SCHEMAS[call.function.name])
+    return arguments  # type: ignore[no-any-return]
+
+
+# ---- tool calls --------------------------------------------------------------------------------------------
+
+
+def test_named_tool_call_validates_streamed_and_not(client: openai.OpenAI, model: str) -> None:
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    full = client.chat.completions.create(
+        model=model, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=60, temperature=0
+    )
+    message = full.choices[0].message
+    assert full.choices[0].finish_reason == "tool_calls" and message.content is None
+    (call,) = message.tool_calls or []
+    arguments = assert_valid_call(call, "get_weather")
+
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=ASK,
+            tools=[WEATHER, TIME],
+            tool_choice=choice,
+            max_tokens=60,
+            temperature=0,
+            stream=True,
+        )
+    )
+    deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].id and deltas[0].function.name == "get_weather"
+    streamed = "".join(d.function.arguments or "" for d in deltas)
+    assert json.loads(streamed) == arguments  # greedy: the same call, streamed piece by piece
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+        "tool_calls"
+    ]
+
+
+def test_required_tool_calls_validate_against_their_tool(client: openai.OpenAI, model: str) -> None:
+    for temperature, stream in ((0.0, False), (1.0, False), (1.0, True)):
+        kwargs: dict[str, Any] = dict(
+            model=model,
+            messages=ASK,
+            tools=[WEATHER, TIME],
+            tool_choice="required",
+            max_tokens=120,
+            temperature=temperature,
+            seed=7,
+        )
+        if not stream:
+            response = client.chat.completions.create(**kwargs)
+            assert response.choices[0].finish_reason == "tool_calls", response
+            calls = response.choices[0].message.tool_calls or []
+        else:
+            chunks = list(client.chat.completions.create(stream=True, **kwargs))
+            calls = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+            assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        assert calls
+        for call in calls:
+            assert_valid_call(call)
+
+
+def test_a_following_turn_with_the_tools_result(client: openai.OpenAI, model: str) -> None:
+    first = client.chat.completions.create(
+        model=model, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=80, temperature=0
+    )
+    call = (first.choices[0].message.tool_calls or [])[0]
+    messages: list[Any] = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18})},
+    ]
+    answer = client.chat.completions.create(
+        model=model, messages=messages, tools=[WEATHER], max_tokens=12, temperature=0
+    )
+    assert answer.choices[0].message.content and answer.choices[0].finish_reason in ("stop", "length")
+    assert answer.usage is not None and answer.usage.prompt_tokens > first.usage.prompt_tokens  # type: ignore[union-attr]
+
+
+def test_auto_and_none_answer_in_text(client: openai.OpenAI, model: str) -> None:
+    for choice in ("auto", "none"):
+        response = client.chat.completions.create(
+            model=model, messages=ASK, tools=[WEATHER], tool_choice=choice, max_tokens=8, temperature=0
+        )
+        message = response.choices[0].message
+        assert message.content and not message.tool_calls
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tool_choice": "required"}, "tool_choice"),  # no tools
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+        ),
+        ({"tools": [WEATHER, WEATHER]}, "tools"),
+        (
+            {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+        ),
+        ({"functions": [WEATHER["function"]]}, "functions"),
+        ({"audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"]}, "audio"),
+        ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages.0.content.0.type",
+        ),
+    ],
+)
+def test_what_cannot_be_honoured_is_a_400_naming_it(
+    server: ServeProcess, model: str, fields: dict[str, Any], param: str
+) -> None:
+    body = {"model": model, "messages": ASK, "max_tokens": 4, **fields}
+    response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize(("fields", "param"), [({"suffix": "end"}, "suffix"), ({"best_of": 3}, "best_of")])
+def test_completion_parameters_not_honoured_are_a_400(
+    client: openai.OpenAI, model: str, fields: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model, prompt="Hi", max_tokens=2, **fields)
+    assert refused.value.body["param"] == param  # type: ignore[index]
+    ok = client.completions.create(model=model, prompt="Hi", max_tokens=2, best_of=1)
+    assert ok.choices[0].text is not None
+
+
+# ---- endpoints ---------------------------------------------------------------------------------------------
+
+
+def test_tokenize_detokenize_round_trip(server: ServeProcess, model: str) -> None:
+    url = server.base_url
+    text = "The capital of France is Paris."
+    tokens = httpx.post(
+        f"{url}/tokenize", json={"model": model, "prompt": text, "return_token_strs": True}
+    ).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 3 and tokens["max_model_len"] == 1024
+    assert "".join(tokens["token_strs"]).endswith("Paris.")
+    back = httpx.post(f"{url}/detokenize", json={"model": model, "tokens": tokens["tokens"]}).json()
+    assert back["prompt"].endswith(text)
+    chat = httpx.post(f"{url}/tokenize", json={"messages": ASK}).json()
+    assert chat["count"] > tokens["count"]  # the template's turns around the question
+    rendered = httpx.post(f"{url}/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"]
+    assert "What is the weather in Paris?" in rendered and "<|im_start|>assistant" in rendered
+    bad = httpx.post(f"{url}/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    neither = httpx.post(f"{url}/tokenize", json={"model": model})
+    assert neither.status_code == 400
+
+
+def test_models_retrieve_and_version(server: ServeProcess, client: openai.OpenAI, model: str) -> None:
+    retrieved = client.models.retrieve(model)
+    assert retrieved.id == model and retrieved.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("not-this-one")
+    version = httpx.get(f"{server.base_url}/version").json()["version"]
+    assert version and version[0].isdigit()
+
+
+# ---- LangChain ---------------------------------------------------------------------------------------------
+
+
+def test_langchain_bind_tools_and_structured_output(server: ServeProcess, model: str) -> None:
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(max_length=12)
+        age: int = Field(ge=0, le=120)
+
+    llm = ChatOpenAI(
+        model=model,
+        base_url=f"{server.base_url}/v1",
+        api_key="unused",
+        temperature=0,
+        max_tokens=60,
+        max_retries=0,
+    )
+    forced = llm.bind_tools([WEATHER], tool_choice="get_weather").invoke("What is the weather in Paris?")
+    (call,) = forced.tool_calls
+    assert call["name"] == "get_weather"
+    jsonschema.validate(call["args"], SCHEMAS["get_weather"])
+    person = llm.with_structured_output(Person, method="json_schema").invoke("Describe a person.")
+    assert isinstance(person, Person)
+
+
+# ---- the parsers, on each family's format ------------------------------------------------------------------
+
+AUTO = ToolPlan("auto", template_tools=[WEATHER])
+CALL = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "content"),
+    [
+        ("hermes", f"Let me check.<tool_call>\n{json.dumps(CALL)}\n</tool_call>", "Let me check."),
+        ("mistral", f"[TOOL_CALLS]{json.dumps([CALL])}", None),
+        (
+            "llama3_json",
+            json.dumps({"name": "get_weather", "parameters": CALL["arguments"]}),
+            None,
+        ),
+        (
+            "llama3_json",
+            "<|python_tag|>" + json.dumps({"name": "get_weather", "parameters": CALL["arguments"]}),
+            None,
+        ),
+    ],
+)
+def test_auto_parsers_find_calls_streamed_and_not(parser: Any, text: str, content: str | None) -> None:
+    found_content, calls = parse_calls(text, AUTO, parser)
+    assert found_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", CALL["arguments"])
+    ]
+    stream = ToolCallStream(AUTO, parser)
+    deltas = [d for i in range(0, len(text), 3) for d in stream.feed(text[i : i + 3])]
+    tail, made_calls = stream.finish()
+    streamed_content = "".join(d.get("content", "") for d in deltas + tail)
+    assert made_calls and streamed_content == (content or "")
+    assert all("<tool" not in d.get("content", "") and "[TOOL" not in d.get("content", "") for d in deltas)
+
+
+def test_plain_text_streams_as_content_under_auto() -> None:
+    stream = ToolCallStream(AUTO, "hermes")
+    text = "It is sunny <b>today</b>, a < b."
+    deltas = [d for ch in text for d in stream.feed(ch)]
+    tail, made_calls = stream.finish()
+    assert not made_calls and "".join(d["content"] for d in deltas + tail) == text
