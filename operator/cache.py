@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 from pagoda.operator.spec import OperatorConfig, ServiceSpec
@@ -48,6 +48,26 @@ def cache_name(spec: ServiceSpec) -> str:
     repo, revision = repo_revision(spec)
     digest = hashlib.sha256(f"{repo}@{revision}".encode()).hexdigest()[:8]
     return f"{spec.name[:47]}-model-{digest}"
+
+
+def selector(spec: ServiceSpec) -> str:
+    """Every cache object of this service, of any revision."""
+    return f"app.kubernetes.io/name=pagoda-model-cache,app.kubernetes.io/instance={spec.name}"
+
+
+def stale(spec: ServiceSpec, objects: Iterable[Mapping[str, Any]]) -> list[str]:
+    """Names of cache objects of other revisions (to delete once this revision is cached)."""
+    return sorted({o["metadata"]["name"] for o in objects} - {cache_name(spec)})
+
+
+def last_words(pods: Iterable[Mapping[str, Any]]) -> str | None:
+    """The download pod's own error (its termination message: the downloader's one line)."""
+    for pod in sorted(pods, key=lambda p: p.get("metadata", {}).get("creationTimestamp", ""), reverse=True):
+        for status in (pod.get("status") or {}).get("containerStatuses") or ():
+            message = ((status.get("state") or {}).get("terminated") or {}).get("message")
+            if message:
+                return " ".join(message.split())[-400:]
+    return None
 
 
 def _labels(spec: ServiceSpec) -> dict[str, str]:
@@ -124,8 +144,9 @@ def job(spec: ServiceSpec, config: OperatorConfig, target: str) -> dict[str, Any
     }
 
 
-def state(spec: ServiceSpec, job_obj: Mapping[str, Any] | None) -> CacheStatus:
-    """Caching until the Job completes, Cached after, Failed with the Job's message."""
+def state(spec: ServiceSpec, job_obj: Mapping[str, Any] | None, detail: str | None = None) -> CacheStatus:
+    """Caching until the Job completes, Cached after, Failed with the Job's message (and detail: the
+    download pod's last words)."""
     repo, revision = repo_revision(spec)
     name = cache_name(spec)
     for cond in ((job_obj or {}).get("status") or {}).get("conditions") or ():
@@ -135,6 +156,7 @@ def state(spec: ServiceSpec, job_obj: Mapping[str, Any] | None) -> CacheStatus:
             return CacheStatus("Cached", f"{repo}@{revision} is in PersistentVolumeClaim {name}", name, name)
         if cond.get("type") == "Failed":
             why = cond.get("message") or cond.get("reason") or "failed"
+            why += f"; the download said: {detail}" if detail else ""
             return CacheStatus(
                 "Failed", f"download Job {name} of {repo}@{revision} failed: {why}", name, name
             )

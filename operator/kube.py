@@ -131,6 +131,12 @@ class Kube:
     def list_nodes(self) -> list[dict[str, Any]]:
         return self.request("GET", "/api/v1/nodes")["items"]
 
+    def list_objects(
+        self, api_version: str, kind: str, namespace: str, selector: str
+    ) -> list[dict[str, Any]]:
+        path = object_path(api_version, kind, namespace)
+        return self.request("GET", path, query=[("labelSelector", selector)])["items"]
+
     def list_pods(self, namespace: str | None = None, selector: str = "") -> list[dict[str, Any]]:
         """Pods not yet finished, in one namespace or (None) all of them."""
         path = f"/api/v1/namespaces/{namespace}/pods" if namespace else "/api/v1/pods"

@@ -260,6 +260,16 @@ def _ensure_cache(
             name = job["metadata"]["name"]
             events.append(Event("Normal", "Caching", f"created PVC and download Job {name}"))
     now = cache.state(spec, existing)
+    if now.state == "Failed":
+        pods = kube.list_objects("v1", "Pod", spec.namespace, f"batch.kubernetes.io/job-name={now.job_name}")
+        now = cache.state(spec, existing, cache.last_words(pods))
+    if now.state == "Cached":  # the weights of other revisions are no longer needed (pvc-protection
+        for api, kind in (("batch/v1", "Job"), ("v1", "PersistentVolumeClaim")):  # waits for old pods)
+            for name in cache.stale(spec, kube.list_objects(api, kind, spec.namespace, cache.selector(spec))):
+                kube.delete(api, kind, spec.namespace, name)
+                events.append(
+                    Event("Normal", "Deleted", f"deleted {kind} {name}: a cache of another revision")
+                )
     before = (old_status.get("cache") or {}).get("state")
     if now.state != before and now.state == "Cached":  # a failure is warned of with the other issues
         events.append(Event("Normal", "Cached", now.message))

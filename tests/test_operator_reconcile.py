@@ -73,6 +73,18 @@ class FakeKube:
     def exists(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
         return (kind, name) in self.present
 
+    def list_objects(self, api_version: str, kind: str, namespace: str, selector: str) -> list[dict]:
+        wanted = dict(s.split("=", 1) for s in selector.split(","))
+        return [
+            copy.deepcopy(o)
+            for (k, ns, _), o in self.objects.items()
+            if k == kind and ns == namespace and wanted.items() <= (o["metadata"].get("labels") or {}).items()
+        ] + [
+            copy.deepcopy(p)
+            for p in self.pods
+            if kind == "Pod" and wanted.items() <= p["metadata"].get("labels", {}).items()
+        ]
+
     def list_pods(self, namespace: str | None = None, selector: str = "") -> list[dict]:
         return copy.deepcopy(self.pods)
 
@@ -439,3 +451,49 @@ def test_a_failed_download_is_degraded_and_a_missing_token_secret_is_named_first
     assert message in result.status["cache"]["message"]
     assert [e.reason for e in result.events if e.type == "Warning"] == ["CacheFailed"]
     assert ("Deployment", "ns", "llm") not in kube.objects
+
+
+def _complete(kube: FakeKube, name: str) -> None:
+    kube.objects[("Job", "ns", name)]["status"] = {"conditions": [{"type": "Complete", "status": "True"}]}
+
+
+def test_a_new_revision_is_cached_beside_the_old_one_which_goes_once_it_is_cached() -> None:
+    kube = FakeKube([H100])
+    model = {"name": "llama-3.1-8b", "source": {"uri": "hf://org/m@v1"}, "cache": {"size": "40Gi"}}
+    body = inference_service(model=model)
+    run(kube, body)
+    ((_, _, old),) = [key for key in kube.objects if key[0] == "Job"]
+    _complete(kube, old)
+    run(kube, body)
+    assert ("Deployment", "ns", "llm") in kube.objects
+    body["spec"]["model"]["source"]["uri"] = "hf://org/m@v2"
+    body["metadata"]["generation"] = 2
+    result = run(kube, body)
+    (new,) = [name for kind, _, name in kube.objects if kind == "Job" and name != old]
+    assert result.status["cache"]["state"] == "Caching"
+    claim = kube.objects[("Deployment", "ns", "llm")]["spec"]["template"]["spec"]["volumes"][0]
+    assert claim["persistentVolumeClaim"]["claimName"] == old  # the old revision serves on meanwhile
+    _complete(kube, new)
+    result = run(kube, body)
+    assert result.status["cache"]["state"] == "Cached"
+    claim = kube.objects[("Deployment", "ns", "llm")]["spec"]["template"]["spec"]["volumes"][0]
+    assert claim["persistentVolumeClaim"]["claimName"] == new
+    left = sorted((kind, name) for kind, _, name in kube.objects if kind in ("Job", "PersistentVolumeClaim"))
+    assert left == [("Job", new), ("PersistentVolumeClaim", new)]
+
+
+def test_a_failed_download_quotes_the_downloader() -> None:
+    kube = FakeKube([H100])
+    model = {"name": "llama-3.1-8b", "source": {"uri": "hf://org/m"}, "cache": {"size": "40Gi"}}
+    body = inference_service(model=model)
+    run(kube, body)
+    ((_, _, name),) = [key for key in kube.objects if key[0] == "Job"]
+    kube.objects[("Job", "ns", name)]["status"] = {"conditions": [{"type": "Failed", "status": "True"}]}
+    said = "download of org/m@main from https://huggingface.co failed: HTTP Error 401: Unauthorized"
+    terminated = {"state": {"terminated": {"exitCode": 1, "message": said}}}
+    labels = {"batch.kubernetes.io/job-name": name}
+    kube.pods = [
+        {"metadata": {"name": "dl", "labels": labels}, "status": {"containerStatuses": [terminated]}}
+    ]
+    result = run(kube, body)
+    assert said in result.status["cache"]["message"]
