@@ -306,3 +306,53 @@ def test_plain_text_streams_as_content_under_auto() -> None:
     deltas = [d for ch in text for d in stream.feed(ch)]
     tail, made_calls = stream.finish()
     assert not made_calls and "".join(d["content"] for d in deltas + tail) == text
+
+
+# ---- gRPC --------------------------------------------------------------------------------------------------
+
+
+def test_grpc_chat_with_tools(server: ServeProcess) -> None:
+    import grpc
+
+    from pagoda.service.grpc_gen import inference_pb2 as pb
+    from pagoda.service.grpc_gen import inference_pb2_grpc as pb_grpc
+
+    tools = [
+        pb.Tool(
+            name=t["function"]["name"],  # type: ignore[index]
+            parameters_json=json.dumps(t["function"]["parameters"]),  # type: ignore[index]
+        )
+        for t in (WEATHER, TIME)
+    ]
+    sampling = pb.SamplingParameters(max_new_tokens=80, temperature=0)
+    question = pb.ChatMessage(role="user", content=ASK[0]["content"])
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        for choice in ("get_time", "required"):
+            chat = pb.ChatMessages(messages=[question], tools=tools, tool_choice=choice)
+            replies = list(stub.Generate(pb.GenerateRequest(chat=chat, sampling=sampling), timeout=120))
+            final = next(r for r in replies if r.finish_reason != pb.FINISH_REASON_UNSPECIFIED)
+            assert final.finish_reason == pb.FINISH_REASON_TOOL_CALLS
+            assert all(not r.text for r in replies)  # the call's text is not streamed as text
+            assert final.tool_calls
+            for call in final.tool_calls:
+                assert call.id.startswith("call_")
+                jsonschema.validate(json.loads(call.arguments_json), SCHEMAS[call.name])
+            if choice == "get_time":
+                assert [c.name for c in final.tool_calls] == ["get_time"]
+        # The tool's result in a following turn, and a choice naming no tool.
+        follow = pb.ChatMessages(
+            messages=[
+                question,
+                pb.ChatMessage(role="assistant", tool_calls=[final.tool_calls[0]]),
+                pb.ChatMessage(role="tool", tool_call_id=final.tool_calls[0].id, content='{"ok": true}'),
+            ],
+            tools=tools,
+        )
+        sampling = pb.SamplingParameters(max_new_tokens=6, temperature=0)
+        replies = list(stub.Generate(pb.GenerateRequest(chat=follow, sampling=sampling), timeout=120))
+        assert replies[-1].usage.completion_tokens > 0
+        wrong = pb.ChatMessages(messages=[question], tools=tools, tool_choice="nope")
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(pb.GenerateRequest(chat=wrong, sampling=sampling), timeout=60))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT

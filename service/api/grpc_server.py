@@ -4,15 +4,29 @@ the same engine client as HTTP."""
 from __future__ import annotations
 
 import hmac
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from pydantic import ValidationError
 
 from pagoda.service.api.engine_client import APIError, EngineClient, ServingState
 from pagoda.service.api.structured_output import grammar_from_proto
+from pagoda.service.api.tool_calls import (
+    FunctionDefinition,
+    NamedFunction,
+    NamedToolChoice,
+    ToolCallStream,
+    ToolChoice,
+    ToolDefinition,
+    ToolPlan,
+    call_dict,
+    parse_calls,
+    plan_tools,
+)
 from pagoda.service.grpc_gen import inference_pb2 as pb
 from pagoda.service.grpc_gen import inference_pb2_grpc as pb_grpc
 from pagoda.service.outputs import Logprob
@@ -63,6 +77,40 @@ def sampling_params(msg: pb.SamplingParameters) -> SamplingParams:
     return params
 
 
+def _chat_message(m: pb.ChatMessage) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_call_id:
+        message["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        message["tool_calls"] = [
+            call_dict(c.name, c.arguments_json or "{}", c.id or None) for c in m.tool_calls
+        ]
+    return message
+
+
+def _tool_plan(chat: pb.ChatMessages) -> ToolPlan:
+    """The plan of a gRPC chat's tools, through the same checks as HTTP's."""
+    tools = []
+    for i, tool in enumerate(chat.tools):
+        try:
+            parameters = json.loads(tool.parameters_json) if tool.parameters_json else None
+            definition = ToolDefinition(
+                function=FunctionDefinition(
+                    name=tool.name, description=tool.description or None, parameters=parameters
+                )
+            )
+        except (ValueError, ValidationError) as exc:
+            raise InvalidRequestError(f"tools[{i}] is not a valid tool: {exc}", f"tools.{i}") from exc
+        tools.append(definition)
+    name = chat.tool_choice
+    choice: ToolChoice | None = None
+    if name in ("none", "auto", "required"):
+        choice = name  # type: ignore[assignment]
+    elif name:
+        choice = NamedToolChoice(function=NamedFunction(name=name))
+    return plan_tools(tools or None, choice)
+
+
 def _token_logprob(token_id: int, token: str, logprob: float) -> pb.TokenLogprob:
     return pb.TokenLogprob(token_id=token_id, token=token, logprob=logprob)
 
@@ -81,15 +129,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def __init__(self, client: EngineClient) -> None:
         self.client = client
 
-    async def _prompt(self, request: pb.GenerateRequest) -> str | list[int]:
+    async def _prompt(self, request: pb.GenerateRequest, plan: ToolPlan) -> str | list[int]:
         kind = request.WhichOneof("prompt")
         if kind == "text":
             return request.text
         if kind == "token_ids":
             return list(request.token_ids.ids)
         if kind == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            return await self.client.render_chat(messages)
+            messages = [_chat_message(m) for m in request.chat.messages]
+            return await self.client.render_chat(messages, tools=plan.template_tools)
         raise InvalidRequestError("one of text, token_ids or chat must be set", "prompt")
 
     async def Generate(
@@ -99,8 +147,18 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             self.client.check_model(request.model)
             self.client.admit()
             try:
-                prompt = await self._prompt(request)
+                plan = (
+                    _tool_plan(request.chat) if request.WhichOneof("prompt") == "chat" else ToolPlan("none")
+                )
+                prompt = await self._prompt(request, plan)
                 params = sampling_params(request.sampling)
+                if plan.grammar is not None:
+                    if params.grammar is not None:
+                        raise InvalidRequestError(
+                            f"{params.grammar.param} cannot be combined with tool_choice {plan.mode}",
+                            "tool_choice",
+                        )
+                    params.grammar = plan.grammar
             except InvalidRequestError as exc:
                 self.client.metrics.count_error("invalid_request")
                 raise APIError("invalid_request", str(exc), param=exc.param) from exc
@@ -108,6 +166,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             try:
                 last: Any = None
                 done: set[int] = set()
+                # With tools, a call's text is held back from `text` and comes parsed at the end.
+                parser = self.client.tool_parser if plan.mode != "none" else None
+                tool_streams: dict[int, ToolCallStream] = {}
                 async for out in stream:
                     last = out
                     for c in out.outputs:
@@ -116,14 +177,33 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                             continue
                         if finish:
                             done.add(c.index)
+                        text, calls = c.text_delta, []
+                        if plan.mode != "none":
+                            tools = tool_streams.setdefault(c.index, ToolCallStream(plan, parser))
+                            text = "".join(d.get("content", "") for d in tools.feed(c.text_delta))
+                            if finish:
+                                tail, _ = tools.finish()
+                                text += "".join(d.get("content", "") for d in tail)
+                                calls = parse_calls(c.text, plan, parser)[1]
+                        reason = FINISH_REASONS[finish] if finish else pb.FINISH_REASON_UNSPECIFIED
+                        if calls and finish == "stop":
+                            reason = pb.FINISH_REASON_TOOL_CALLS
                         yield pb.GenerateResponse(
                             request_id=out.request_id,
                             index=c.index,
-                            text=c.text_delta,
+                            text=text,
                             token_ids=c.token_ids_delta,
                             logprobs=_logprobs(c.logprobs_delta),
-                            finish_reason=FINISH_REASONS[finish] if finish else pb.FINISH_REASON_UNSPECIFIED,
+                            finish_reason=reason,
                             stop_string=c.stop_reason if isinstance(c.stop_reason, str) else "",
+                            tool_calls=[
+                                pb.ToolCall(
+                                    id=call["id"],
+                                    name=call["function"]["name"],
+                                    arguments_json=call["function"]["arguments"],
+                                )
+                                for call in calls
+                            ],
                         )
                 if last is not None:
                     timing = last.metrics
