@@ -26,7 +26,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{name}", type=type, default=_env(name, default), help=help)
 
     flag("server-image", "Server image for InferenceServices that name none", _DEFAULTS.server_image)
-    flag("downloader-image", "Image of the init container fetching hf:// models", _DEFAULTS.downloader_image)
+    flag(
+        "downloader-image",
+        "Image running `pagoda download` for uncached hf:// models (empty: the server image)",
+        _DEFAULTS.downloader_image,
+    )
     flag("kernel-cache-pvc", "ReadWriteMany claim for Triton kernels (subPath per GPU arch)", "")
     flag("resync-seconds", "Periodic re-check of each object (nodes, drift)", _DEFAULTS.resync_seconds, float)
     flag(

@@ -100,31 +100,26 @@ def _model_volumes(spec: ServiceSpec, config: OperatorConfig) -> tuple[list, lis
     if spec.cache is not None:  # filled by the cache Job (cache.py) before the Deployment exists
         volume = {"name": "model", "persistentVolumeClaim": {"claimName": cache_name(spec), "readOnly": True}}
         return [volume], [{"name": "model", "mountPath": MODEL_DIR, "readOnly": True}], []
+    # No cache: `pagoda download` (in the server image, nothing installed at start) fills an emptyDir
+    # bounded by the checkpoint's size (parameters x 2 bytes as stored, + 10%) at every pod start.
     repo, _, revision = source.location.removeprefix("hf://").partition("@")
-    env = [
-        {"name": "HF_REPO", "value": repo},
-        {"name": "HF_REVISION", "value": revision or "main"},
-        {"name": "HF_TARGET", "value": model_path(spec)},
-        {"name": "HOME", "value": "/tmp"},
-    ]
+    env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}, *spec.env]  # HF_ENDPOINT, proxies
     if source.token_secret is not None:
         name, key = source.token_secret
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
-    script = (
-        "pip install --quiet --no-cache-dir --target /tmp/hf 'huggingface_hub>=0.23' && "
-        "PYTHONPATH=/tmp/hf python -c 'import os; from huggingface_hub import snapshot_download; "
-        'snapshot_download(repo_id=os.environ["HF_REPO"], revision=os.environ["HF_REVISION"], '
-        'local_dir=os.environ["HF_TARGET"])\''
-    )
     fetch = {
         "name": "fetch-model",
-        "image": config.downloader_image,
-        "command": ["sh", "-c", script],
+        "image": config.downloader_image or spec.image or config.server_image,
+        "command": ["pagoda", "download", "--repo", repo, "--revision", revision or "main"],
+        "args": ["--target", model_path(spec)],
         "env": env,
         "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR}, {"name": "tmp", "mountPath": "/tmp"}],
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": _container_security(),
     }
-    return [{"name": "model", "emptyDir": {}}], [{"name": "model", "mountPath": MODEL_DIR}], [fetch]
+    size_gib = -(-spec.model.num_params * 2 * 11 // (10 * GIB))
+    volume = {"name": "model", "emptyDir": {"sizeLimit": f"{size_gib}Gi"}}
+    return [volume], [{"name": "model", "mountPath": MODEL_DIR, "readOnly": True}], [fetch]
 
 
 def _container_security() -> dict[str, Any]:

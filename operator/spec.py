@@ -232,7 +232,7 @@ class OperatorConfig:
     """The operator process's settings: built once by `pagoda operator` from flags/env."""
 
     server_image: str = "ghcr.io/pagoda-serving/pagoda-server:0.1.0"
-    downloader_image: str = "python:3.11-slim"
+    downloader_image: str = ""  # the init container of uncached hf:// models; empty: the server image
     kernel_cache_pvc: str | None = None  # a shared RWX claim; an emptyDir per pod otherwise
     resync_seconds: float = 60.0
     startup_timeout_seconds: int = 1800  # the startup probe's budget for a model load

@@ -110,13 +110,20 @@ def test_model_sources() -> None:
     assert "/models/m.gguf" in pod(dep)["containers"][0]["args"]
 
     source = {"uri": "hf://org/name@v1", "tokenSecret": {"name": "hf"}}
-    hf = parse_spec(body(model={"name": "x", "parameters": "7B", "source": source}))
+    mirror = [{"name": "HF_ENDPOINT", "value": "http://mirror"}]
+    hf = parse_spec(body(model={"name": "x", "parameters": "7B", "source": source}, env=mirror))
     dep = manifests.deployment(hf, decision(), CONFIG)
     init = pod(dep)["initContainers"][0]
+    # The server image's own downloader: no pip at start-up, a mirror and a token honoured.
+    assert init["image"] == CONFIG.server_image
+    assert init["command"] + init["args"] == [
+        "pagoda", "download", "--repo", "org/name", "--revision", "v1", "--target", "/models/name"
+    ]  # fmt: skip
     env = {e["name"]: e for e in init["env"]}
-    assert env["HF_REPO"]["value"] == "org/name"
-    assert env["HF_REVISION"]["value"] == "v1"
     assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
+    assert env["HF_ENDPOINT"]["value"] == "http://mirror"
+    model = next(v for v in pod(dep)["volumes"] if v["name"] == "model")
+    assert model["emptyDir"] == {"sizeLimit": "15Gi"}  # 7B x 2 bytes + 10%, not unbounded
     assert "/models/name" in pod(dep)["containers"][0]["args"]
 
 
