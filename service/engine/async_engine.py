@@ -21,7 +21,6 @@ import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import msgspec
 import zmq
@@ -42,6 +41,7 @@ from pagoda.service.engine.messages import (
     output_decoder,
 )
 from pagoda.service.engine.output_processor import OutputProcessor
+from pagoda.service.engine.output_stream import OutputStream
 from pagoda.service.model import load_tokenizer
 from pagoda.service.outputs import RequestOutput
 from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
@@ -71,7 +71,7 @@ class AsyncEngine:
         self._input_processor: InputProcessor | None = None
         self._output_processor: OutputProcessor | None = None
         self._stats = EngineStats()
-        self._streams: dict[str, asyncio.Queue[Any]] = {}
+        self._streams: dict[str, OutputStream] = {}
         self._error: str | None = None
         self._ids = itertools.count()
         self._proc: subprocess.Popen[bytes] | None = None
@@ -202,7 +202,7 @@ class AsyncEngine:
         self._output_processor.add_request(
             request_id, prompt if isinstance(prompt, str) else None, token_ids, params, now
         )
-        stream: asyncio.Queue[Any] = asyncio.Queue()
+        stream = OutputStream()
         self._streams[request_id] = stream
         self._send(AddRequest(request_id, token_ids, params, now))
         finished = False
