@@ -45,6 +45,9 @@ REFUSED = [
         {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {}}}},
         "nodeSelectorTerms: Required value",
     ),
+    ({"engine": {"extraArgs": ["--api-key=secret"]}}, "cannot carry --api-key"),
+    ({"engine": {"extraArgs": ["--api", "secret"]}}, "cannot carry --api-key"),
+    ({"apiKeySecret": {"key": "k"}}, "spec.apiKeySecret.name: Required value"),
 ]
 
 

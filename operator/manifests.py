@@ -178,6 +178,14 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
     }
 
 
+def _api_key_env(spec: ServiceSpec) -> list[dict[str, Any]]:
+    """The API key, from its Secret into the environment: never an argument, which the pod spec shows."""
+    if spec.api_key_secret is None:
+        return []
+    name, key = spec.api_key_secret
+    return [{"name": "PAGODA_API_KEY", "valueFrom": {"secretKeyRef": {"name": name, "key": key}}}]
+
+
 def deployment(spec: ServiceSpec, decision: Decision, config: OperatorConfig) -> dict[str, Any]:
     gpu, tp = decision.gpu, decision.tensor_parallel_size
     if gpu is None or tp is None:
@@ -214,6 +222,7 @@ def deployment(spec: ServiceSpec, decision: Decision, config: OperatorConfig) ->
             {"name": "TRITON_CACHE_DIR", "value": cache_dir},
             {"name": "XDG_CACHE_HOME", "value": HOME_CACHE_DIR},
             {"name": "HF_HOME", "value": f"{HOME_CACHE_DIR}/huggingface"},
+            *_api_key_env(spec),
             *spec.env,
         ],
         "ports": [

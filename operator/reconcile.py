@@ -87,6 +87,7 @@ def missing_reference(kube: Kube, spec: ServiceSpec) -> PodIssue | None:
         return PodIssue("PersistentVolumeClaimNotFound", message, True)
     secrets = [(spec.source.token_secret[0], "model.source.tokenSecret")] if spec.source.token_secret else []
     secrets += [(name, "imagePullSecrets") for name in spec.image_pull_secrets]
+    secrets += [(spec.api_key_secret[0], "apiKeySecret")] if spec.api_key_secret else []
     for name, field in secrets:
         if not kube.exists("v1", "Secret", ns, name):
             return PodIssue("SecretNotFound", f'Secret "{name}" ({field}) not found in namespace {ns}', True)

@@ -105,6 +105,7 @@ class ServiceSpec:
     priority_class_name: str | None = None
     service_account_name: str | None = None
     cache: ModelCache | None = None
+    api_key_secret: tuple[str, str] | None = None  # (secret name, key): PAGODA_API_KEY
 
     def profile_request(self) -> ProfileRequest:
         return ProfileRequest(
@@ -159,8 +160,17 @@ def operator_flag(arg: str) -> str | None:
     return next((flag for flag in OPERATOR_FLAGS if flag.startswith(name)), None)
 
 
+def _secret_key(raw: Mapping[str, Any] | None, default_key: str) -> tuple[str, str] | None:
+    return (raw["name"], raw.get("key") or default_key) if raw else None
+
+
 def _extra_args(raw: list[str] | None) -> tuple[str, ...]:
     for arg in raw or ():
+        name = arg.split("=", 1)[0]
+        if len(name) >= 5 and "--api-key".startswith(name):
+            raise ValueError(
+                "engine.extraArgs cannot carry --api-key (visible in the pod spec): use apiKeySecret"
+            )
         if (flag := operator_flag(arg)) is not None:
             raise ValueError(
                 f"engine.extraArgs: {arg!r} would override {flag}, which the operator sets "
@@ -224,6 +234,7 @@ def parse_spec(body: Mapping[str, Any]) -> ServiceSpec:
         runtime_class_name=spec.get("runtimeClassName"),
         priority_class_name=spec.get("priorityClassName"),
         service_account_name=spec.get("serviceAccountName"),
+        api_key_secret=_secret_key(spec.get("apiKeySecret"), "api-key"),
     )
 
 
