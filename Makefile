@@ -46,8 +46,9 @@ e2e: setup k8s-bin
 	$(VENV)/bin/pytest e2e
 
 # A local cluster with the simulated GPU nodes, left running; the last line printed is its kubeconfig.
+# REAL_NODE=1 also joins this machine as a real node running containers (root; e2e/README.md).
 cluster: setup k8s-bin
-	@$(VENV)/bin/python e2e/harness/cluster.py up
+	@$(VENV)/bin/python e2e/harness/cluster.py up $(if $(REAL_NODE),--real-node)
 
 cluster-down: setup
 	@$(VENV)/bin/python e2e/harness/cluster.py down

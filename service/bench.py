@@ -3,6 +3,7 @@
 - `pagoda bench offline`: N prompts of fixed length through the engine's offline API, against Hugging
   Face `transformers` `generate()` on the same checkpoint; also single-stream decode latency.
 - `pagoda bench serve`: a running OpenAI-compatible server under load (see `bench_serve`).
+- `pagoda bench grammar`: structured output's cost per engine step (see `bench_grammar`).
 - `pagoda bench kernels`: the Triton kernels against their peers (see `pagoda.kernels.bench`).
 
 Results print as a Markdown table; `--output FILE` appends it with the command and the device.
@@ -51,6 +52,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pagoda.service import bench_serve
 
     bench_serve.add_arguments(serve)
+    grammar = sub.add_parser(
+        "grammar",
+        help="structured output's cost per decode step (batches with and without grammar requests)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    from pagoda.service import bench_grammar
+
+    bench_grammar.add_arguments(grammar)
     kernels = sub.add_parser("kernels", help="Triton kernels vs references and SDPA (needs a CUDA GPU)")
     kernels.add_argument("args", nargs=argparse.REMAINDER, help="passed to pagoda.kernels.bench")
 
@@ -204,6 +213,10 @@ def run(args: argparse.Namespace) -> int:
         from pagoda.service import bench_serve
 
         return bench_serve.run(args)
+    if args.bench == "grammar":
+        from pagoda.service import bench_grammar
+
+        return bench_grammar.run(args)
     if args.bench == "kernels":
         from pagoda.kernels.bench import main as kernels_main
 

@@ -6,7 +6,7 @@ component gets its own session (process group) and a pid file in the work direct
 them names the work directory on its command line: `stop()` kills the groups and then anything left
 whose command line mentions the work directory, so nothing survives a teardown.
 
-    python e2e/harness/cluster.py up [--workdir DIR]     # starts, leaves it running, prints kubeconfig
+    python e2e/harness/cluster.py up [--workdir DIR] [--real-node]   # starts it, prints kubeconfig
     python e2e/harness/cluster.py down [--workdir DIR]
 """
 
@@ -502,6 +502,7 @@ def build_images(cluster: Cluster, node: Any, attached: bool = True) -> dict[str
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("action", choices=["up", "down"])
+    ap.add_argument("--real-node", action="store_true", help="also join this machine as a real node (root)")
     ap.add_argument(
         "--workdir", type=Path, default=Path(os.environ.get("PAGODA_CLUSTER_DIR", DEFAULT_WORKDIR))
     )
@@ -515,6 +516,12 @@ def main(argv: list[str] | None = None) -> int:
     bin_dir = ensure_binaries()
     t0 = time.monotonic()
     cluster = start(args.workdir, bin_dir, attached=False)
+    if args.real_node:
+        try:
+            start_real_node(cluster, attached=False)
+        except BaseException:
+            stop(args.workdir)
+            raise
     print(cluster.kubectl("get", "nodes", "-L", "nvidia.com/gpu.product,nvidia.com/gpu.count").stdout, end="")
     print(f"cluster up in {time.monotonic() - t0:.1f}s; logs in {args.workdir}/logs")
     print("stop it with `make cluster-down`")

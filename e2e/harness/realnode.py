@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 HERE = Path(__file__).resolve().parent
 BUILD_SCRIPT = HERE.parent / "tools" / "build-node.sh"
@@ -44,7 +44,7 @@ DEVICE_PLUGINS = Path("/var/lib/kubelet/device-plugins")
 # Ampere part that no simulated node has, so the operator's profile (bf16, TP 1) can pick only this node
 # for it; the server in the pod finds no GPU and runs on the CPU.
 GPU = {"product": "NVIDIA-A10", "family": "ampere", "compute": "8.6", "memory": "23028"}
-NUM_GPUS = 1
+NUM_GPUS = 2  # two: a rolling update of a one-GPU replica can surge
 # The real node only runs pods that ask for it: the kwok tests' pods (any image name) stay off it.
 TAINT = {"key": "pagoda.dev/real-node", "value": "true", "effect": "NoSchedule"}
 TOLERATION = {"key": TAINT["key"], "operator": "Exists", "effect": "NoSchedule"}
@@ -96,17 +96,25 @@ class RealNode:
     def socket(self) -> Path:
         return self.workdir / "node" / "containerd.sock"
 
-    def ctr(self, *args: str, input_path: Path | None = None) -> subprocess.CompletedProcess:
+    def ctr(
+        self, *args: str, stdin: IO[bytes] | int | None = subprocess.DEVNULL
+    ) -> subprocess.CompletedProcess:
         cmd = ["ctr", "--address", str(self.socket), "--namespace", "k8s.io", *args]
-        with open(input_path or os.devnull, "rb") as stdin:
-            return subprocess.run(cmd, stdin=stdin, capture_output=True, text=True, check=True, timeout=1800)
+        proc = subprocess.run(cmd, stdin=stdin, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr.strip()[-2000:]}")
+        return proc
 
     def images(self) -> set[str]:
         return set(self.ctr("images", "list", "--quiet").stdout.split())
 
-    def import_image(self, archive: Path) -> None:
-        """Imports an image archive (docker save or OCI) into the node's containerd."""
-        self.ctr("images", "import", "--no-unpack=false", "-", input_path=archive)
+    def import_image(self, archive: Path | IO[bytes]) -> None:
+        """Imports an image archive (docker save or OCI; a file or a stream) into the node's containerd."""
+        if isinstance(archive, Path):
+            with archive.open("rb") as f:
+                self.ctr("images", "import", "-", stdin=f)
+        else:
+            self.ctr("images", "import", "-", stdin=archive)
 
 
 # ---------------------------------------------------------------------------------------------------
