@@ -79,7 +79,9 @@ def test_probes_and_termination_follow_the_server() -> None:
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 1200
     assert container["readinessProbe"]["httpGet"]["path"] == "/v1/health/ready"
     assert container["livenessProbe"]["httpGet"]["path"] == "/v1/health/live"
-    assert pod(dep)["terminationGracePeriodSeconds"] > 60
+    # The preStop pause lets the endpoint removal reach kube-proxy before the drain refuses requests.
+    pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pre_stop >= 3 and pod(dep)["terminationGracePeriodSeconds"] > 60 + pre_stop
     args = container["args"]
     assert args[args.index("--drain-timeout") + 1] == "60"
 
