@@ -49,6 +49,11 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("pagoda.service.engine.core", ("torch", "fastapi", "grpc")),
     ("pagoda.service.engine.core_process", ("torch", "fastapi", "grpc", "pagoda.service.api")),
     ("pagoda.service.engine.messages", ("torch", "fastapi", "grpc")),
+    # Structured output: the core's grammar manager is torch-free like the core; the Grammar type that
+    # SamplingParams carries loads llguidance only when a grammar is compiled or validated.
+    ("pagoda.service.engine.structured_output", ("torch", "fastapi", "grpc")),
+    ("pagoda.service.grammar", ("torch", "llguidance")),
+    ("pagoda.service.sampling_params", ("torch", "llguidance")),
     # The API process: transports over the one engine client; it reaches neither the engine's insides
     # nor torch (the core process holds the model).
     ("pagoda.service.api.*", ("torch", "pagoda.kernels", *ENGINE_INTERNALS)),
