@@ -289,7 +289,7 @@ def test_apply_token_bitmask_keeps_exactly_the_allowed_tokens() -> None:
     import numpy as np
     import torch
 
-    from pagoda.service.engine.sampler import apply_token_bitmask
+    from pagoda.service.engine.sampler import apply_token_bitmask, unpack_forbidden
 
     vocab, words = 100, 3  # 96 bits: tokens 96..99 lie past the mask and are forbidden
     rng = np.random.default_rng(0)
@@ -302,3 +302,5 @@ def test_apply_token_bitmask_keeps_exactly_the_allowed_tokens() -> None:
         assert torch.equal(masked[row][allowed], logits[row][allowed])
         assert torch.isneginf(masked[row][~allowed]).all()
     assert torch.equal(masked[1], logits[1])  # a row without a grammar is untouched
+    # The GPU's unpacking (torch shifts) agrees with the CPU's (numpy), run here on CPU tensors.
+    assert torch.equal(unpack_forbidden(torch.from_numpy(bitmask)), torch.from_numpy(~bits))

@@ -46,6 +46,13 @@ def _apply_logit_bias(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor
     return logits.index_put(index, torch.tensor(values, device=device), accumulate=True)
 
 
+def unpack_forbidden(bitmask: torch.Tensor) -> torch.Tensor:
+    """int32 [rows, words] bitmask (bit t: token t allowed) -> bool [rows, words * 32], True where
+    forbidden, on the bitmask's device."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    return ((~bitmask).unsqueeze(-1) >> shifts).bitwise_and_(1).bool().flatten(1)
+
+
 def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> torch.Tensor:
     """Set to -inf the logits of tokens a row's grammar forbids. `bitmask`: int32 [len(rows), words],
     bit t of a row allows token t; tokens past its 32 * words bits are forbidden.
@@ -59,9 +66,7 @@ def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarr
         unpacked = np.unpackbits((~bitmask).view(np.uint8), axis=1, bitorder="little")
         forbidden = torch.from_numpy(unpacked.view(np.bool_))
     else:
-        bits = ~torch.from_numpy(bitmask).to(device, non_blocking=True)
-        shifts = torch.arange(32, device=device, dtype=torch.int32)
-        forbidden = ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # [rows, words * 32]
+        forbidden = unpack_forbidden(torch.from_numpy(bitmask).to(device, non_blocking=True))
     if forbidden.shape[1] < vocab:
         forbidden = torch.nn.functional.pad(forbidden, (0, vocab - forbidden.shape[1]), value=True)
     forbidden = forbidden[:, :vocab]
