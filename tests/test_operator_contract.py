@@ -154,7 +154,8 @@ def test_serve_accepts_every_profile_the_operator_chooses(
 def _crd_flags() -> list[str]:
     crd = yaml.safe_load(CRD.read_text())
     spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
-    (rule,) = spec["engine"]["properties"]["extraArgs"]["items"]["x-kubernetes-validations"]
+    rule, api_key_rule = spec["engine"]["properties"]["extraArgs"]["items"]["x-kubernetes-validations"]
+    assert "'--api-key'" in api_key_rule["rule"]  # the key never in args: apiKeySecret
     return re.findall(r"'(--[a-z-]+)'", rule["rule"])
 
 

@@ -288,3 +288,20 @@ def test_read_only_root_with_writable_tmp_and_caches() -> None:
     )
     assert spec["securityContext"]["runAsNonRoot"] is True
     assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
+def test_the_api_key_comes_from_its_secret_as_env_never_as_an_arg() -> None:
+    spec = parse_spec(body(apiKeySecret={"name": "llm-keys"}))
+    container = pod(manifests.deployment(spec, decision(), CONFIG))["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["PAGODA_API_KEY"]["valueFrom"] == {"secretKeyRef": {"name": "llm-keys", "key": "api-key"}}
+    assert not any("api-key" in arg for arg in container["args"])
+    without = pod(manifests.deployment(parse_spec(body()), decision(), CONFIG))["containers"][0]
+    assert "PAGODA_API_KEY" not in {e["name"] for e in without["env"]}
+    for extra in (["--api-key", "k"], ["--api-k=k"]):
+        try:
+            parse_spec(body(engine={"extraArgs": extra}))
+        except ValueError as exc:
+            assert "apiKeySecret" in str(exc)
+        else:
+            raise AssertionError(f"{extra} was accepted")
