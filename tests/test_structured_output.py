@@ -110,6 +110,14 @@ def test_guided_choice_regex_json_and_grammar_on_completions(client: openai.Open
         extra_body={"guided_choice": choices},
     )
     assert all(c.text in choices for c in out.choices), [c.text for c in out.choices]
+    out = client.completions.create(  # vLLM >= 0.10.2 spells it structured_outputs
+        model=model,
+        prompt="My favourite colour is",
+        max_tokens=5,
+        temperature=0,
+        extra_body={"structured_outputs": {"choice": choices}},
+    )
+    assert out.choices[0].text in choices
 
     out = client.completions.create(
         model=model,
@@ -198,6 +206,9 @@ def test_logit_bias_bans_the_greedy_token(client: openai.OpenAI, model: str, smo
         ({"logit_bias": {"-1": 1}}, "logit_bias"),
         ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"logit_bias": {"five": 1}}, "logit_bias"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"structured_outputs": {"json": "[1]"}}, "structured_outputs"),
+        ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
     ],
 )
 def test_invalid_constraints_are_400_naming_the_parameter(
