@@ -271,7 +271,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + self.structured_output.num_compiling,
             num_running=len(self.scheduler.running),
             kv_cache_usage=bm.usage,
             num_kv_blocks=bm.num_blocks,

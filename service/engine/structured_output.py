@@ -65,6 +65,11 @@ class StructuredOutputManager:
     def is_active(self) -> bool:
         return bool(self._matchers or self._compiling)
 
+    @property
+    def num_compiling(self) -> int:
+        """Requests waiting for their grammar (they count as waiting in the engine's stats)."""
+        return len(self._compiling)
+
     def is_compiling(self, client_id: str) -> bool:
         return client_id in self._compiling
 
