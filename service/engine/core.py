@@ -11,6 +11,7 @@ with a fake executor, and runs the same in-process (offline `LLM`) or in its own
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -151,7 +152,7 @@ class EngineCore:
             self.structured_output.wait(_GRAMMAR_WAIT_S)  # only grammars left to compile: wait for one
             return StepOutputs([], [], failures)
         if self.structured_output.is_active:
-            self.structured_output.fill_bitmasks(out)
+            out.before_sample = functools.partial(self.structured_output.fill_bitmasks, out)
         now = time.monotonic()
         for seq in out.requests:
             self._scheduled_time.setdefault(seq.request_id, now)
@@ -209,7 +210,10 @@ class EngineCore:
             if client_id in failed:
                 continue
             try:
-                alone = self.executor.execute(SchedulerOutput([seq], [num_tokens], out.copy_ops))
+                single = SchedulerOutput([seq], [num_tokens], out.copy_ops)
+                if out.before_sample is not None:
+                    single.before_sample = functools.partial(self.structured_output.fill_bitmasks, single)
+                alone = self.executor.execute(single)
             except Exception as exc:
                 self.executor.check_alive()
                 logger.exception("request %s failed inside the step", client_id)

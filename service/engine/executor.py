@@ -219,6 +219,8 @@ class Executor:
             for worker in self._workers:
                 worker.conn.send_bytes(message)
             logits = self.runner.forward(step)
+            if out.before_sample is not None:
+                out.before_sample()  # on the host while the GPUs run the forward pass
             if self.runner.device.type == "cuda":
                 self._wait_for_device()
         except Exception as exc:

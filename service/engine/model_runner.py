@@ -340,4 +340,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one step on this rank alone."""
         step = self.prepare(out)
-        return self.finish(out, step, self.forward(step))
+        logits = self.forward(step)
+        if out.before_sample is not None:
+            out.before_sample()  # on the host while the GPU runs the forward pass
+        return self.finish(out, step, logits)
