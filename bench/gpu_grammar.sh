@@ -8,15 +8,18 @@ tok=${1:?tokenizer folder}; out=${2:?output folder}
 source "$(dirname "$0")/device_env.sh"
 python3 - <<'PY' 2>&1 | tee "$out/grammar_mask.log"
 import numpy as np, torch
-from pagoda.service.engine.sampler import apply_token_bitmask
+from pagoda.service.engine.sampler import Sampler, apply_token_bitmask
 rng = np.random.default_rng(0)
 for rows, vocab in ((16, 49152), (256, 128256)):
     bitmask = rng.integers(-(2**31), 2**31, size=(rows, (vocab + 31) // 32), dtype=np.int32)
     logits = torch.randn(2 * rows, vocab, device="cuda")
     picked = list(range(0, 2 * rows, 2))
+    cpu = apply_token_bitmask(logits.cpu(), picked, bitmask)
     cuda = apply_token_bitmask(logits.clone(), picked, bitmask).cpu()
-    assert torch.equal(cuda, apply_token_bitmask(logits.cpu(), picked, bitmask)), (rows, vocab)
-    print(f"PASS grammar mask, {rows} of {2 * rows} rows x {vocab} tokens: CUDA == CPU")
+    staged = Sampler(vocab, set()).stage_bitmask(bitmask, logits.device)  # page-locked, as in a step
+    cuda_staged = apply_token_bitmask(logits.clone(), picked, bitmask, staged).cpu()
+    assert torch.equal(cuda, cpu) and torch.equal(cuda_staged, cpu), (rows, vocab)
+    print(f"PASS grammar mask, {rows} of {2 * rows} rows x {vocab} tokens: CUDA (pageable, pinned) == CPU")
 PY
 [ -d /tmp/llama-8b-random ] || python3 -m pagoda.service.gpu_check --tokenizer "$tok" --build-8b /tmp/llama-8b-random 2>&1 | tail -3
 for batch in 16 64; do

@@ -53,7 +53,9 @@ def unpack_forbidden(bitmask: torch.Tensor) -> torch.Tensor:
     return ((~bitmask).unsqueeze(-1) >> shifts).bitwise_and_(1).bool().flatten(1)
 
 
-def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> torch.Tensor:
+def apply_token_bitmask(
+    logits: torch.Tensor, rows: list[int], bitmask: np.ndarray, staged: torch.Tensor | None = None
+) -> torch.Tensor:
     """Set to -inf the logits of tokens a row's grammar forbids. `bitmask`: int32 [len(rows), words],
     bit t of a row allows token t; tokens past its 32 * words bits are forbidden.
 
@@ -66,7 +68,8 @@ def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarr
         unpacked = np.unpackbits((~bitmask).view(np.uint8), axis=1, bitorder="little")
         forbidden = torch.from_numpy(unpacked.view(np.bool_))
     else:
-        forbidden = unpack_forbidden(torch.from_numpy(bitmask).to(device, non_blocking=True))
+        host = staged if staged is not None else torch.from_numpy(bitmask)  # `staged`: pinned, same values
+        forbidden = unpack_forbidden(host.to(device, non_blocking=True))
     if forbidden.shape[1] < vocab:
         forbidden = torch.nn.functional.pad(forbidden, (0, vocab - forbidden.shape[1]), value=True)
     forbidden = forbidden[:, :vocab]
@@ -81,6 +84,19 @@ class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: set[int]) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
+        self._pinned: torch.Tensor | None = None  # host staging for grammar bitmasks bound for a GPU
+
+    def stage_bitmask(self, bitmask: np.ndarray, device: torch.device) -> torch.Tensor | None:
+        """A page-locked copy of `bitmask` (reused across steps): a copy from pageable memory would
+        wait for the forward pass to finish first. The step syncs before the next one reuses it."""
+        if device.type != "cuda":
+            return None
+        rows, words = bitmask.shape
+        if self._pinned is None or self._pinned.shape[0] < rows or self._pinned.shape[1] != words:
+            self._pinned = torch.empty((max(rows, 64), words), dtype=torch.int32, pin_memory=True)
+        staged = self._pinned[:rows]
+        staged.numpy()[:] = bitmask
+        return staged
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampleResult]:
         """`logits`: [num_rows, vocab] float32, one row per request in `reqs`."""
@@ -100,7 +116,7 @@ class Sampler:
         masked = [i for i, r in enumerate(reqs) if r.grammar_bitmask is not None]
         if masked:
             bitmask = np.stack([reqs[i].grammar_bitmask for i in masked])
-            logits = apply_token_bitmask(logits, masked, bitmask)
+            logits = apply_token_bitmask(logits, masked, bitmask, self.stage_bitmask(bitmask, device))
 
         num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         logprobs = torch.log_softmax(logits, dim=-1) if num_logprobs is not None else None
