@@ -9,6 +9,8 @@
 - `gpu_catalogue`: e2e/gpu_nodes.yaml as loaded data; `cluster_harness`: the launcher module.
 - `real_node` (session): this machine joined to `cluster` as a real node running containers
   (harness/realnode.py); skips with the reason when the machine cannot run containers.
+- `real_images` (session): {"server": ref, "operator": ref}, docker/*.Dockerfile built (when their
+  inputs changed) and imported into the real node (harness/images.py); the build goes to the log.
 
 By default the cluster is built and started here (e2e/harness/cluster.py; binaries from
 e2e/tools/build.sh). PAGODA_E2E_KUBECONFIG=<path> uses an existing cluster instead (kind, see
@@ -138,3 +140,15 @@ def real_node(cluster) -> object:
         return harness.start_real_node(cluster, attached=True)
     except harness.realnode.Unavailable as e:
         pytest.skip(f"no real node on this machine: {e}")
+
+
+@pytest.fixture(scope="session")
+def real_images(cluster, real_node, request) -> dict[str, str]:
+    """The server and operator images in the real node's containerd, built when their inputs changed.
+    The build's output goes to the terminal (the test log), not to pytest's capture."""
+    capture = request.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled():
+        try:
+            return harness.build_images(cluster, real_node)
+        except harness.images.NoRoom as e:
+            pytest.skip(str(e))

@@ -1,15 +1,17 @@
 """InferenceServices on the real node: the operator's pods from the real server image, run by a real
 kubelet (containerd, runc) on the CPU; real probes, a real Service through kube-proxy.
 
-The node claims one GPU (GFD labels of realnode.GPU, nvidia.com/gpu from the fake device plugin), so the
-operator's profile picks it and its GPU request is allocated; the server finds no GPU and uses the CPU.
-The operator runs as a host process with the chart's ServiceAccount (as in test_operator.py).
+The node claims two GPUs (GFD labels of realnode.GPU, nvidia.com/gpu from the fake device plugin), so
+the operator's profile picks it and its GPU request is allocated; the server finds no GPU and uses the
+CPU. The operator runs as a host process with the chart's ServiceAccount (as in test_operator.py), and
+in the last test as the chart deploys it: a pod of the operator image.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -38,35 +40,38 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float, context: Calla
         time.sleep(1)
 
 
-@pytest.fixture(scope="module")
-def images(cluster, real_node, cluster_harness, request) -> dict[str, str]:
-    """The server and operator images, built when their inputs changed, in the node's containerd. The
-    build's output goes to the terminal (the test log)."""
-    capture = request.config.pluginmanager.getplugin("capturemanager")
-    with capture.global_and_fixture_disabled():
-        try:
-            return cluster_harness.build_images(cluster, real_node)
-        except cluster_harness.images.NoRoom as e:
-            pytest.skip(str(e))
+def helm(cluster, *args: str) -> subprocess.CompletedProcess:
+    cmd = [str(cluster.bin_dir / "helm"), "--kubeconfig", str(cluster.kubeconfig), *args]
+    return subprocess.run(cmd, check=True, capture_output=True, text=True, env=cluster.env, timeout=300)
+
+
+class HostOperator:
+    """`pagoda operator` as a host process with the chart's ServiceAccount; `log` is its output."""
+
+    def __init__(self, proc: subprocess.Popen, log: Path) -> None:
+        self.proc, self.log = proc, log
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
-def operator(cluster, tmp_path_factory) -> Iterator[Path]:
-    helm = [str(cluster.bin_dir / "helm"), "--kubeconfig", str(cluster.kubeconfig)]
-    subprocess.run([*helm, "install", RELEASE, str(ROOT / "charts" / "pagoda"), "-n", RELEASE_NS,
-                    "--create-namespace"], check=True, capture_output=True, env=cluster.env)  # fmt: skip
+def operator(cluster, tmp_path_factory) -> Iterator[HostOperator]:
+    helm(cluster, "install", RELEASE, str(ROOT / "charts" / "pagoda"), "-n", RELEASE_NS, "--create-namespace")
     kubeconfig = cluster.serviceaccount_kubeconfig(RELEASE_NS, RELEASE)
     log = tmp_path_factory.mktemp("operator") / "operator.log"
     env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONSAFEPATH": "1"}
     cmd = [sys.executable, "-m", "pagoda.cli", "operator", "--resync-seconds=3", "--drain-seconds=10"]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    host = HostOperator(proc, log)
     try:
-        yield log
+        yield host
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        subprocess.run([*helm, "uninstall", RELEASE, "-n", RELEASE_NS], capture_output=True, env=cluster.env)
+        host.stop()
+        helm(cluster, "uninstall", RELEASE, "-n", RELEASE_NS)
 
 
 def inference_service(name: str, image: str, extra_args: list[str] | None = None) -> dict:
@@ -96,18 +101,24 @@ def conditions(isvc: dict) -> dict[str, dict]:
     return {c["type"]: c for c in (isvc.get("status") or {}).get("conditions") or ()}
 
 
-def describe(cluster, namespace: str, log: Path) -> Callable[[str], str]:
+def describe(cluster, namespace: str, operator: HostOperator | Callable[[], str]) -> Callable[[str], str]:
     def context(name: str) -> str:
         pods = cluster.kubectl("describe", "pods", "-n", namespace, check=False).stdout[-4000:]
         isvc = cluster.kubectl("get", "inferenceservice", name, "-n", namespace, "-o", "yaml", check=False)
-        return f"{isvc.stdout}\n{pods}\noperator log:\n{log.read_text()[-3000:]}"
+        log = operator.log.read_text() if isinstance(operator, HostOperator) else operator()
+        return f"{isvc.stdout}\n{pods}\noperator log:\n{log[-3000:]}"
 
     return context
 
 
-def test_embedded_model_serves_from_a_real_pod(cluster, real_node, images, operator, namespace) -> None:
+def test_embedded_model_serves_from_a_real_pod(cluster, real_node, real_images, operator, namespace) -> None:
     cluster.kubectl(
-        "apply", "-n", namespace, "-f", "-", input=json.dumps(inference_service("smol", images["server"]))
+        "apply",
+        "-n",
+        namespace,
+        "-f",
+        "-",
+        input=json.dumps(inference_service("smol", real_images["server"])),
     )
     context = describe(cluster, namespace, operator)
     isvc = wait_for(
@@ -128,7 +139,7 @@ def test_embedded_model_serves_from_a_real_pod(cluster, real_node, images, opera
     assert pods[0]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
     # The device plugin's Allocate reached the container (through the kubelet's device manager).
     env = cluster.kubectl("exec", "-n", namespace, pods[0]["metadata"]["name"], "--", "env").stdout
-    assert "PAGODA_FAKE_GPU_IDS=fake-gpu-0" in env
+    assert re.search(r"^PAGODA_FAKE_GPU_IDS=fake-gpu-[01]$", env, re.MULTILINE)
 
     # Through the Service's ClusterIP: kube-proxy's rules on this host route it to the pod.
     svc = get(cluster, namespace, "service", "smol")
@@ -149,10 +160,10 @@ def test_embedded_model_serves_from_a_real_pod(cluster, real_node, images, opera
     assert answer == "The capital of France is Paris."
 
 
-def test_refused_args_end_in_crash_loop(cluster, real_node, images, operator, namespace) -> None:
+def test_refused_args_end_in_crash_loop(cluster, real_node, real_images, operator, namespace) -> None:
     """The case kwok hid: the server refuses its args (no GPU for --device cuda) and exits; the kubelet
     restarts it into CrashLoopBackOff, and the InferenceService's status says so."""
-    isvc = inference_service("refused", images["server"], extra_args=["--device", "cuda"])
+    isvc = inference_service("refused", real_images["server"], extra_args=["--device", "cuda"])
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(isvc))
     context = describe(cluster, namespace, operator)
 
@@ -182,8 +193,8 @@ def test_refused_args_end_in_crash_loop(cluster, real_node, images, operator, na
     assert got["Ready"]["status"] == "False"
 
 
-def ready_service(cluster, namespace: str, name: str, log: Path, timeout: float = 300) -> dict:
-    context = describe(cluster, namespace, log)
+def ready_service(cluster, namespace: str, name: str, operator: Any, timeout: float = 300) -> dict:
+    context = describe(cluster, namespace, operator)
     return wait_for(
         f"InferenceService {name} Ready=True",
         lambda: (
@@ -216,11 +227,16 @@ def service_url(cluster, namespace: str, name: str) -> str:
     return f"http://{svc['spec']['clusterIP']}:{port}"
 
 
-def test_rolling_update_fails_no_request(cluster, real_node, images, operator, namespace) -> None:
+def test_rolling_update_fails_no_request(cluster, real_node, real_images, operator, namespace) -> None:
     """A spec change rolls the pods (surge: the node has two GPUs) while requests keep coming through
     the Service: the new pod is Ready before the old one is told to drain, and not one request fails."""
     cluster.kubectl(
-        "apply", "-n", namespace, "-f", "-", input=json.dumps(inference_service("roll", images["server"]))
+        "apply",
+        "-n",
+        namespace,
+        "-f",
+        "-",
+        input=json.dumps(inference_service("roll", real_images["server"])),
     )
     ready_service(cluster, namespace, "roll", operator)
     url = service_url(cluster, namespace, "roll")
@@ -239,7 +255,7 @@ def test_rolling_update_fails_no_request(cluster, real_node, images, operator, n
     for w in workers:
         w.start()
     try:
-        changed = inference_service("roll", images["server"])
+        changed = inference_service("roll", real_images["server"])
         changed["spec"]["env"] = [{"name": "PAGODA_E2E_ROLL", "value": "2"}]
         cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(changed))
         context = describe(cluster, namespace, operator)
@@ -263,12 +279,17 @@ def test_rolling_update_fails_no_request(cluster, real_node, images, operator, n
 
 
 def test_killed_engine_fails_liveness_and_is_restarted(
-    cluster, real_node, images, operator, namespace
+    cluster, real_node, real_images, operator, namespace
 ) -> None:
     """Kill the engine-core process inside the pod: the API process stays up but /v1/health/live fails,
     and the kubelet restarts the container; it comes back Ready and answers."""
     cluster.kubectl(
-        "apply", "-n", namespace, "-f", "-", input=json.dumps(inference_service("live", images["server"]))
+        "apply",
+        "-n",
+        namespace,
+        "-f",
+        "-",
+        input=json.dumps(inference_service("live", real_images["server"])),
     )
     ready_service(cluster, namespace, "live", operator)
     pod = server_pods(cluster, namespace, "live")[0]["metadata"]["name"]
@@ -289,3 +310,60 @@ def test_killed_engine_fails_liveness_and_is_restarted(
     )
     assert "Liveness probe failed" in events.stdout
     assert ask(service_url(cluster, namespace, "live")).strip().startswith("Paris")
+
+
+def test_operator_pod_from_the_chart_serves_an_inference_service(
+    cluster, real_node, real_images, operator, namespace, tmp_path
+) -> None:
+    """The operator as the chart deploys it: a pod of the operator image on the real node, with the chart's
+    ServiceAccount and RBAC, reaching the API through the `kubernetes` Service; its default server image
+    is the real one. It serves an InferenceService that names no image."""
+    operator.stop()  # the host process of the other tests: one operator at a time
+    repo, tag = real_images["operator"].split(":")
+    server_repo, server_tag = real_images["server"].split(":")
+    values = {
+        "operator": {
+            "image": {"repository": repo, "tag": tag, "pullPolicy": "Never"},
+            "nodeSelector": {"kubernetes.io/hostname": real_node.name},
+            "tolerations": [TOLERATION],
+            "affinity": None,  # the default keeps it off GPU nodes, and this node claims GPUs
+            "resyncSeconds": 5,
+        },
+        "inferenceDefaults": {"server": {"image": {"repository": server_repo, "tag": server_tag}}},
+    }
+    (tmp_path / "values.json").write_text(json.dumps(values))
+    chart = str(ROOT / "charts" / "pagoda")
+    helm(
+        cluster,
+        "upgrade",
+        RELEASE,
+        chart,
+        "-n",
+        RELEASE_NS,
+        "--reuse-values",
+        "-f",
+        str(tmp_path / "values.json"),
+    )
+
+    def operator_log() -> str:
+        return cluster.kubectl(
+            "logs", "-n", RELEASE_NS, f"deployment/{RELEASE}", "--tail=60", check=False
+        ).stdout
+
+    def operator_running() -> bool:
+        pods = get(cluster, RELEASE_NS, "pods", "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]
+        return any(
+            p["spec"].get("nodeName") == real_node.name
+            and all(s["ready"] for s in p["status"].get("containerStatuses") or [{"ready": False}])
+            for p in pods
+        )
+
+    context = describe(cluster, RELEASE_NS, operator_log)
+    wait_for("the operator pod Ready on the real node", operator_running, 120, lambda: context(""))
+    isvc = inference_service("by-pod", real_images["server"])
+    del isvc["spec"]["image"]  # the chart's default server image
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(isvc))
+    ready_service(cluster, namespace, "by-pod", operator_log)
+    pod = server_pods(cluster, namespace, "by-pod")[0]
+    assert pod["spec"]["containers"][0]["image"] == real_images["server"]
+    assert "Paris" in ask(service_url(cluster, namespace, "by-pod"))

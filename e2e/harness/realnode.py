@@ -37,6 +37,7 @@ CGROUP_ROOT = "pagoda-real-node"
 CGROUPS = Path("/sys/fs/cgroup")
 OWNER = Path("/run/pagoda-real-node.owner")
 PAUSE_REF = "registry.k8s.io/pause:3.10"
+API_RELAY_PORT = 6443  # on NODE_IP: the `kubernetes` Service's endpoint (relay.py)
 CNI_BIN = Path("/usr/lib/cni")
 # The kubelet's device manager listens here whatever its --root-dir (pluginapi.KubeletSocket).
 DEVICE_PLUGINS = Path("/var/lib/kubelet/device-plugins")
@@ -380,6 +381,7 @@ def start(
             f"--config={_kube_proxy_config(node_dir, cluster.kubeconfig, proxy_healthz, proxy_metrics)}",
         ])  # fmt: skip
         wait(f"node {NODE_NAME} Ready", lambda: _is_ready(cluster, NODE_NAME), procs)
+        procs["relay"] = _relay_api(cluster, spawn)
         if num_gpus:
             procs["fake-gpu-plugin"] = spawn("fake-gpu-plugin", [
                 sys.executable, str(HERE / "fake_gpu_plugin.py"), f"--count={num_gpus}",
@@ -394,6 +396,33 @@ def start(
         stop_pods(workdir)
         raise
     return node
+
+
+def _relay_api(cluster: Any, spawn: Callable[[str, list[str]], subprocess.Popen]) -> subprocess.Popen:
+    """Pods reach kube-apiserver (on loopback) at the `kubernetes` Service: relay.py on the node's
+    address, named as that Service's endpoint (kube-apiserver runs with --endpoint-reconciler-type=none)."""
+    server = json.loads(cluster.kubeconfig.read_text())["clusters"][0]["cluster"]["server"]
+    proc = spawn("relay", [
+        sys.executable, str(HERE / "relay.py"), f"--listen={NODE_IP}:{API_RELAY_PORT}",
+        f"--to={server.removeprefix('https://')}", f"--tag={cluster.workdir}",
+    ])  # fmt: skip
+    endpoints = {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": "kubernetes-real-node",
+            "namespace": "default",
+            "labels": {
+                "kubernetes.io/service-name": "kubernetes",
+                "endpointslice.kubernetes.io/managed-by": "pagoda-e2e-harness",
+            },
+        },
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": [NODE_IP], "conditions": {"ready": True}}],
+        "ports": [{"name": "https", "port": API_RELAY_PORT, "protocol": "TCP"}],
+    }
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(endpoints))
+    return proc
 
 
 def _gpus(cluster: Any, name: str) -> int:
