@@ -56,6 +56,25 @@ class APIError(Exception):
         self.retry_after_s = retry_after_s
 
 
+class Admission:
+    """Requests admitted together that count as waiting until each starts (`take`) or is dropped
+    (`release`: whatever was not taken)."""
+
+    def __init__(self, client: EngineClient, count: int) -> None:
+        self._client = client
+        self.remaining = count
+        client._admitted += count
+
+    def take(self) -> None:
+        if self.remaining > 0:
+            self.remaining -= 1
+            self._client._admitted -= 1
+
+    def release(self) -> None:
+        self._client._admitted -= self.remaining
+        self.remaining = 0
+
+
 class EngineClient:
     """Wraps one AsyncEngine. `engine_factory(config)` builds it (blocking) in a worker thread.
 
@@ -78,6 +97,7 @@ class EngineClient:
         self._state = ServingState.LOADING
         self.state_changed = asyncio.Event()  # set on every explicit transition (health mirrors wait on it)
         self._in_flight: set[str] = set()
+        self._admitted = 0  # admitted, not yet in flight (see `admit`)
         self._idle = asyncio.Event()
         self._idle.set()
         self.metrics = ServerMetrics(self.stats_or_none, lambda: self.model_name, enable_gpu_metrics)
@@ -258,9 +278,12 @@ class EngineClient:
         }
         return APIError("unavailable", messages.get(state, "unavailable"), code=state.value, retry_after_s=5)
 
-    def admit(self, num_requests: int = 1) -> None:
+    def admit(self, num_requests: int = 1) -> Admission:
         """Raise an APIError when `num_requests` new requests cannot be taken now: not ready, or the
-        waiting queue would pass its limit (a batch larger than the limit itself is a 400: it never fits)."""
+        waiting queue would pass its limit (a batch larger than the limit itself is a 400: it never fits).
+        The admitted requests count as waiting from now until each enters `generate` (a batch's streams
+        start a loop turn later, when requests arriving meanwhile are admitted too): pass the returned
+        `Admission` to `generate` and `release()` it once they have started."""
         if not self.is_ready:
             self.metrics.count_error("unavailable")
             raise self.unavailable_error()
@@ -275,7 +298,7 @@ class EngineClient:
                 )
             stats = self.engine.stats()
             # Requests handed to the engine but not yet in its queue count as waiting too.
-            num_waiting = max(stats.num_waiting, len(self._in_flight) - stats.num_running)
+            num_waiting = max(stats.num_waiting, len(self._in_flight) + self._admitted - stats.num_running)
             if num_waiting + num_requests > self.max_waiting_requests:
                 self.metrics.count_error("queue_full")
                 raise APIError(
@@ -285,25 +308,29 @@ class EngineClient:
                     code="queue_full",
                     retry_after_s=1,
                 )
+        return Admission(self, num_requests)
 
     async def generate(
         self,
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str | None = None,
-        admitted: bool = False,
+        admission: Admission | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Admission and validation errors raise APIError before the first
-        output; closing the iterator early (client gone) aborts the request in the engine. `admitted`:
+        output; closing the iterator early (client gone) aborts the request in the engine. `admission`:
         the caller already admitted it, with its batch (`admit(len(batch))`)."""
-        if not admitted:
-            self.admit()
+        own = admission is None
+        admission = self.admit() if admission is None else admission
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._in_flight:  # refused before anything could touch the live one
+            if own:
+                admission.release()
             self.metrics.count_error("invalid_request")
             raise APIError("invalid_request", f"request id {request_id!r} is already in use", "request_id")
         engine = self.engine
         tracker = RequestTracker(self.metrics)
+        admission.take()  # from admitted to in flight, in the same turn of the loop
         self._in_flight.add(request_id)
         self._idle.clear()
         finished = failed = False

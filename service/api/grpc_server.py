@@ -145,7 +145,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
             self.client.check_model(request.model)
-            self.client.admit()
+            self.client.admit().release()  # refused before the prompt is rendered; generate admits it
             try:
                 plan = (
                     _tool_plan(request.chat) if request.WhichOneof("prompt") == "chat" else ToolPlan("none")

@@ -169,14 +169,17 @@ class OpenAIServing:
         except InvalidRequestError as exc:
             self.client.metrics.count_error("invalid_request")
             raise APIError("invalid_request", str(exc), param=exc.param) from exc
-        self.client.admit(len(prompts))  # a batch is admitted whole, or not at all
+        admission = self.client.admit(len(prompts))  # a batch is admitted whole, or not at all
         base_id = uuid.uuid4().hex
         streams = [
-            self.client.generate(p, params, f"{base_id}-{i}", admitted=True) for i, p in enumerate(prompts)
+            self.client.generate(p, params, f"{base_id}-{i}", admission) for i, p in enumerate(prompts)
         ]
         # All prompts enter the engine together (one at a time, each would wait for the last one's
         # first token). The first error, if any, is raised once every stream has stopped.
-        results = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+        try:
+            results = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+        finally:
+            admission.release()  # the streams that never started
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             for stream in streams:
