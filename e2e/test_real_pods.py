@@ -263,7 +263,9 @@ def test_rolling_update_fails_no_request(cluster, real_node, real_images, operat
         def rolled() -> bool:
             pods = get(cluster, namespace, "pods", "-l", "app.kubernetes.io/instance=roll")["items"]
             names = {p["metadata"]["name"] for p in pods}
-            ready = [p for p in pods if all(s["ready"] for s in p["status"].get("containerStatuses") or [{}])]
+            ready = [
+                p for p in pods if all(s.get("ready") for s in p["status"].get("containerStatuses") or [{}])
+            ]
             return bool(names) and not names & before and len(ready) == len(pods) == 1
 
         wait_for(
