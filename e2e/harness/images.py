@@ -119,7 +119,7 @@ def wheelhouse(cache: Path) -> tuple[Path, str]:
         for whl in max(earlier, key=lambda d: d.stat().st_mtime).glob("*.whl") if earlier else ():
             os.link(whl, out / whl.name)
         log(f"pip download into {out}")
-        python = shutil.which("python3") or sys.executable
+        python = sys.executable  # the venv make test built: it has pip
         pip = [python, "-m", "pip", "download", "--disable-pip-version-check",
                "--only-binary=:all:", "--python-version", "3.11", "-d", str(out)]  # fmt: skip
         _run([*pip, *reqs, "setuptools>=68"])
