@@ -192,11 +192,13 @@ def stop(workdir: Path, grace: float = 2.0) -> None:
     take 10-15 s to drain each other) before SIGKILL. A real node's pods go first, its host state
     (bridge, mounts, cgroups, iptables) last."""
     workdir = Path(workdir).resolve()
-    realnode.stop_pods(workdir)
-    _kill(workdir, grace)
-    for pidfile in (workdir / "pids").glob("*.pid"):
-        pidfile.unlink()
-    realnode.release(workdir)
+    try:
+        realnode.stop_pods(workdir)
+    finally:
+        _kill(workdir, grace)
+        for pidfile in (workdir / "pids").glob("*.pid"):
+            pidfile.unlink()
+        realnode.release(workdir)
 
 
 def _kill(workdir: Path, grace: float) -> None:

@@ -126,13 +126,21 @@ def _run(*cmd: str) -> subprocess.CompletedProcess:
     return subprocess.run(list(cmd), capture_output=True, text=True)
 
 
+def _read(path: Path) -> str:
+    """The file's text, or "" when it is gone (the kubelet removes cgroups while we read them)."""
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
 def _cgroup_dirs() -> list[Path]:
     """Every cgroup directory of the node, deepest first, over all mounted hierarchies."""
     found: list[Path] = []
     for hierarchy in [CGROUPS, *CGROUPS.iterdir()]:
         root = hierarchy / CGROUP_ROOT
         if root.is_dir():
-            found += [Path(d) for d, _, _ in os.walk(root)]
+            found += [Path(d) for d, _, _ in os.walk(root)]  # os.walk skips what vanishes meanwhile
     return sorted(found, key=lambda p: len(p.parts), reverse=True)
 
 
@@ -140,12 +148,7 @@ def _kill_cgroups() -> None:
     """SIGKILLs every process in the node's cgroups (the pods' containers) and removes the cgroups."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        pids = {
-            int(pid)
-            for d in _cgroup_dirs()
-            for pid in (d / "cgroup.procs").read_text().split()
-            if (d / "cgroup.procs").exists()
-        }
+        pids = {int(pid) for d in _cgroup_dirs() for pid in _read(d / "cgroup.procs").split()}
         if not pids:
             break
         for pid in pids:
@@ -184,8 +187,20 @@ def _remove_kube_chains() -> None:
                     _run(tool, "-t", table, flag, chain)
 
 
+def _kill_cni_plugins() -> None:
+    """SIGKILLs CNI plugin runs still going (a sandbox set up during the teardown): their command line
+    does not name the work directory, and one finishing after the bridge is removed makes it again."""
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            if proc.name.isdigit() and (proc / "cmdline").read_bytes().startswith(
+                str(CNI_BIN).encode() + b"/"
+            ):
+                os.kill(int(proc.name), signal.SIGKILL)
+
+
 def _cleanup_host(bin_dir: Path | None) -> None:
     _kill_cgroups()
+    _kill_cni_plugins()
     _run("ip", "link", "del", BRIDGE)
     if DEVICE_PLUGINS.is_dir():
         for f in DEVICE_PLUGINS.iterdir():
