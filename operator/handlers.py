@@ -54,8 +54,14 @@ class Reconciler:
         with self._guard:
             return self._locks.setdefault(uid, threading.Lock())
 
-    def run(self, body: Mapping[str, Any]) -> Result:
-        """Reconcile and report; raises kopf.TemporaryError (no traceback, one retry later) on ApplyFailed."""
+    def run(self, body: Mapping[str, Any]) -> Result | None:
+        """Reconcile and report; raises kopf.TemporaryError (no traceback, one retry later) on ApplyFailed.
+
+        Nothing is done for an object being deleted: garbage collection is removing its children, and
+        re-applying them failed (ApplyFailed, a 30 s retry) and held kopf's deletion of it back (the
+        resync timer of an object must stop before its finalizer goes)."""
+        if body["metadata"].get("deletionTimestamp"):
+            return None
         result = self._run(body)
         if result.retry_seconds is not None:
             ready = next(c for c in result.status["conditions"] if c["type"] == "Ready")

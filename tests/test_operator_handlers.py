@@ -56,3 +56,13 @@ def test_node_fingerprint_ignores_heartbeats_and_sees_what_selection_reads() -> 
         changed = copy.deepcopy(node)
         change(changed)
         assert node_fingerprint(changed) != before
+
+
+def test_an_object_being_deleted_is_not_reconciled() -> None:
+    """Its children are being garbage-collected: re-applying them failed and held its deletion back
+    (kube=None: any call to the API would raise here)."""
+    reconciler = Reconciler(kube=None, config=OperatorConfig())  # type: ignore[arg-type]
+    body = {
+        "metadata": {"name": "x", "namespace": "ns", "uid": "u", "deletionTimestamp": "2026-12-01T00:00:00Z"}
+    }
+    assert reconciler.run(body) is None
