@@ -54,7 +54,17 @@ def test_cache_goes_caching_then_cached_and_is_mounted_read_only(cluster, namesp
             if state:
                 states.add(state)
                 if state == "Caching":
-                    assert base.get(cluster, namespace, "deployment", "cached") is None
+                    # The status is written after the children are applied, so it can still say Caching
+                    # while the Deployment exists. Read the Deployment first, then the Job: a Job's
+                    # completion is final, so a Deployment seen before an incomplete Job came too early.
+                    claim = isvc["status"]["cache"]["claimName"]
+                    deployment = base.get(cluster, namespace, "deployment", "cached")
+                    job = base.get(cluster, namespace, "job", claim)
+                    is_complete = any(
+                        c["type"] == "Complete" and c["status"] == "True"
+                        for c in ((job or {}).get("status") or {}).get("conditions") or []
+                    )
+                    assert deployment is None or is_complete
             return isvc if state == "Cached" else None
 
         isvc = base.wait_for("status.cache.state Cached", cached, timeout=90, context=operator.tail)
