@@ -11,6 +11,8 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import yaml
@@ -170,16 +172,73 @@ def test_adapter_rules_serve_the_hpa_metric_names() -> None:
         manifests.QUEUE_METRIC,
         manifests.KV_CACHE_METRIC,
         manifests.DCGM_METRIC,
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
     }
+    for rule in rules:  # every rule finds its pods by the labels the PodMonitor and recording rule give
+        assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}
+        series = re.match(r"[^{]+", rule["seriesQuery"]).group(0)  # type: ignore[union-attr]
+        assert re.fullmatch(rule["name"]["matches"], series), rule
     dcgm = next(r for r in rules if r["name"]["as"] == manifests.DCGM_METRIC)
-    assert set(dcgm["resources"]["overrides"]) == {"exported_namespace", "exported_pod"}
-    (config_map,) = [
-        d
-        for d in render("--set", "prometheusAdapter.dcgmExportedLabels=false")
-        if d["metadata"]["name"].endswith("-adapter-rules")
+    (record,) = [r for g in monitoring_objects(True)["PrometheusRule"]["spec"]["groups"] for r in g["rules"]]
+    assert dcgm["seriesQuery"].startswith(record["record"] + "{")
+
+
+def test_vllm_names_in_the_adapter_rules_are_exported() -> None:
+    """The adapter's vLLM-named rules ask for series the server really exports (docs/metrics.md)."""
+    documented = set(re.findall(r"^\| `([^`]+)` \|", (ROOT / "docs" / "metrics.md").read_text(), re.M))
+    text = (CHART / "templates" / "adapter-rules.yaml").read_text()
+    assert set(re.findall(r"seriesQuery: '(vllm:[a-z_]+)", text)) <= documented
+
+
+def monitoring_objects(enabled: bool | str, *args: str) -> dict[str, dict]:
+    flags = [
+        f"monitoring.{kind}.enabled={str(enabled).lower()}"
+        for kind in ("podMonitor", "serviceMonitor", "prometheusRule")
     ]
-    dcgm = yaml.safe_load(config_map["data"]["config.yaml"])["rules"][2]
-    assert set(dcgm["resources"]["overrides"]) == {"namespace", "pod"}
+    docs = render(*[a for f in flags for a in ("--set", f)], *args)
+    return {d["kind"]: d for d in docs if d["apiVersion"].startswith("monitoring.coreos.com/")}
+
+
+@needs_helm
+def test_monitors_render_when_the_crds_exist_or_when_asked() -> None:
+    assert monitoring_objects("auto") == {}  # no prometheus-operator in `helm template`'s default cluster
+    apis = [a for k in ("PodMonitor", "ServiceMonitor", "PrometheusRule")
+            for a in ("--api-versions", f"monitoring.coreos.com/v1/{k}")]  # fmt: skip
+    assert set(monitoring_objects("auto", *apis)) == {"PodMonitor", "ServiceMonitor", "PrometheusRule"}
+    assert monitoring_objects(False, *apis) == {}
+    # Defaults with the CRDs: the PodMonitor and the rule, not the ServiceMonitor (double series).
+    assert set(d["kind"] for d in render(*apis) if d["apiVersion"].startswith("monitoring")) == {
+        "PodMonitor",
+        "PrometheusRule",
+    }
+    got = monitoring_objects(True, "--set", "operator.watchNamespaces={a,b}")
+    pod_monitor, service_monitor = got["PodMonitor"], got["ServiceMonitor"]
+    from pagoda.operator import manifests
+
+    server_labels = manifests.labels(_spec())
+    for monitor in (pod_monitor, service_monitor):
+        assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["a", "b"]}
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= server_labels.items()
+    assert pod_monitor["spec"]["podMetricsEndpoints"][0]["port"] == "http"
+    assert service_monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    service_ports = {p["name"] for p in manifests.service(_spec())["spec"]["ports"]}
+    assert "metrics" in service_ports
+
+
+@needs_helm
+def test_dcgm_recording_rule_maps_the_exported_labels() -> None:
+    (rule,) = monitoring_objects(True)["PrometheusRule"]["spec"]["groups"][0]["rules"]
+    assert '"pod", "$1", "exported_pod"' in rule["expr"] and '"exported_namespace"' in rule["expr"]
+    assert rule["expr"].startswith("avg by (namespace, pod)")
+    flag = ("--set", "monitoring.prometheusRule.dcgmExportedLabels=false")
+    (rule,) = monitoring_objects(True, *flag)["PrometheusRule"]["spec"]["groups"][0]["rules"]
+    assert "exported" not in rule["expr"]
+
+
+def _spec() -> Any:
+    """Enough of a ServiceSpec for the label and Service builders (they read the name and namespace)."""
+    return SimpleNamespace(name="x", namespace="ns")
 
 
 @needs_helm

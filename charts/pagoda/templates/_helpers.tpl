@@ -52,3 +52,27 @@ app.kubernetes.io/component: operator
 {{- $image := .Values.inferenceDefaults.server.image }}
 {{- printf "%s:%s" $image.repository (default .Chart.AppVersion $image.tag) }}
 {{- end }}
+
+{{/* The recording rule's series: DCGM engine activity per pod (prometheusrule.yaml, adapter-rules.yaml). */}}
+{{- define "pagoda.dcgmRecord" -}}
+namespace_pod:DCGM_FI_PROF_GR_ENGINE_ACTIVE:avg
+{{- end }}
+
+{{/* Whether to render a prometheus-operator object: `enabled` true, or "auto" and the cluster serves
+its kind (monitoring.coreos.com/v1). Call with (list $ .Values.monitoring.<x>.enabled "Kind"). */}}
+{{- define "pagoda.monitoringEnabled" -}}
+{{- $root := index . 0 }}{{ $enabled := toString (index . 1) }}{{ $kind := index . 2 }}
+{{- if or (eq $enabled "true") (and (eq $enabled "auto") ($root.Capabilities.APIVersions.Has (printf "monitoring.coreos.com/v1/%s" $kind))) -}}
+true
+{{- end }}
+{{- end }}
+
+{{/* The namespaces whose server pods the monitors select: the operator's, or all. */}}
+{{- define "pagoda.monitorNamespaces" -}}
+{{- if .Values.operator.watchNamespaces -}}
+matchNames:
+  {{- toYaml .Values.operator.watchNamespaces | nindent 2 }}
+{{- else -}}
+any: true
+{{- end }}
+{{- end }}
