@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from collections.abc import Callable
 
 from pagoda.operator.spec import OperatorConfig
 
@@ -21,8 +22,15 @@ def _env(name: str, default: object) -> object:
     return os.environ.get("PAGODA_OPERATOR_" + name.upper().replace("-", "_"), default)
 
 
+def _port(value: str) -> int:
+    port = int(value)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{value}: expected 0 (off) or a port number up to 65535")
+    return port
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    def flag(name: str, help: str, default: object, type: type = str) -> None:
+    def flag(name: str, help: str, default: object, type: Callable[[str], object] = str) -> None:
         parser.add_argument(f"--{name}", type=type, default=_env(name, default), help=help)
 
     flag("server-image", "Server image for InferenceServices that name none", _DEFAULTS.server_image)
@@ -48,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Namespace to serve (repeatable); default: all namespaces",
     )
     flag("liveness", "kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz", "")
+    flag("metrics-port", "Serve Prometheus metrics at http://0.0.0.0:PORT/metrics (0: off)", 0, _port)
     flag("log-level", "Logging level", "info")
 
 
@@ -66,18 +75,25 @@ def build_config(args: argparse.Namespace) -> OperatorConfig:
 def run(args: argparse.Namespace) -> int:
     import kopf
 
+    from pagoda.operator import metrics
     from pagoda.operator.handlers import Reconciler, configure, register
     from pagoda.operator.kube import Kube
 
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    log = logging.getLogger("pagoda.operator")
     config = build_config(args)
+    metrics_registry = metrics.new_registry()
+    reconciler = Reconciler(Kube.from_environment(), config, metrics.OperatorMetrics(metrics_registry))
+    if args.metrics_port:
+        port = metrics.serve(metrics_registry, args.metrics_port)
+        log.info("metrics at http://0.0.0.0:%d/metrics", port)
     registry = kopf.OperatorRegistry()
-    register(registry, Reconciler(Kube.from_environment(), config), tuple(args.namespace))
+    register(registry, reconciler, tuple(args.namespace))
     settings = kopf.OperatorSettings()
     configure(settings)
-    logging.getLogger("pagoda.operator").info("starting with %s", config)
+    log.info("starting with %s", config)
     kopf.run(
         registry=registry,
         settings=settings,

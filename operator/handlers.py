@@ -14,8 +14,10 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 import kopf
+from prometheus_client import CollectorRegistry
 
 from pagoda.operator.kube import Kube, KubeError
+from pagoda.operator.metrics import OperatorMetrics
 from pagoda.operator.reconcile import Result, reconcile
 from pagoda.operator.spec import GROUP, KIND, PLURAL, VERSION, OperatorConfig
 
@@ -40,12 +42,14 @@ class Reconciler:
 
     Status is written here, not through kopf's handler patch, so that the writes of the InferenceService
     handlers and of child events are serialised; the last status written is kept, because a trigger's
-    body may predate it (and events would repeat).
+    body may predate it (and events would repeat). Every reconcile is measured (metrics.py); without
+    metrics given, they go to a registry nobody serves.
     """
 
-    def __init__(self, kube: Kube, config: OperatorConfig) -> None:
+    def __init__(self, kube: Kube, config: OperatorConfig, metrics: OperatorMetrics | None = None) -> None:
         self.kube = kube
         self.config = config
+        self.metrics = metrics or OperatorMetrics(CollectorRegistry())
         self._locks: dict[str, threading.Lock] = {}
         self._written: dict[str, dict[str, Any]] = {}
         self._guard = threading.Lock()
@@ -71,16 +75,17 @@ class Reconciler:
     def _run(self, body: Mapping[str, Any]) -> Result:
         meta = body["metadata"]
         uid = meta["uid"]
-        with self._lock(uid):
+        with self._lock(uid), self.metrics.reconcile(uid) as outcome:
             known = self._written.get(uid)
             if known is not None:
                 body = {**body, "status": {**(body.get("status") or {}), **known}}
-            result = reconcile(body, self.kube, self.config, _now())
+            result = outcome.result = reconcile(body, self.kube, self.config, _now())
             try:
                 self.kube.patch_status(meta["namespace"], meta["name"], result.status)
             except KubeError as err:
                 if err.status != 404:  # deleted meanwhile: nothing to report to
                     raise
+                outcome.is_gone = True
                 return result
             self._written[uid] = result.status
             for event in result.events:
@@ -112,6 +117,7 @@ class Reconciler:
         with self._guard:
             self._locks.pop(uid, None)
             self._written.pop(uid, None)
+        self.metrics.forget(uid)
 
 
 def configure(settings: kopf.OperatorSettings) -> None:

@@ -44,7 +44,9 @@ def decide(
     used = requested_gpus(p for p in pods if not is_own_pod(p, spec))
     groups = gpu_groups(nodes, spec.node_selector, spec.tolerations, used)
     if not groups:
-        return Decision(False, why_no_gpu_nodes(nodes, spec.node_selector, spec.tolerations))
+        return Decision(
+            False, why_no_gpu_nodes(nodes, spec.node_selector, spec.tolerations), cause="NoGpuNodes"
+        )
     return select_profile(spec.profile_request(), groups, current)
 
 

@@ -75,10 +75,18 @@ class CurrentProfile:
         return f"{self.product} {self.precision} TP {self.tensor_parallel_size}"
 
 
+# Why nothing fits, as a closed set (Decision.reason says it in words): metrics label by it.
+NoFitCause = Literal[
+    "NoGpuNodes", "NoPreferredGpu", "ComputeCapability", "TensorParallel", "Memory", "Capacity"
+]
+NO_FIT_CAUSES: tuple[str, ...] = get_args(NoFitCause)
+
+
 @dataclasses.dataclass(frozen=True)
 class Rejection:
     candidate: str
     reason: str
+    cause: NoFitCause | None = None  # None: it fits, but ranked lower
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +98,7 @@ class Decision:
     tensor_parallel_size: int | None = None
     kv_cache_dtype: str | None = None
     rejected: tuple[Rejection, ...] = ()
+    cause: NoFitCause | None = None  # set when nothing is selected for a GPU reason
 
     def to_dict(self) -> dict[str, Any]:
         """The shape of `status.profile` in the CRD (and of `pagoda profile --output json`)."""
@@ -162,18 +171,23 @@ def _evaluate(request: ProfileRequest, group: GpuGroup, pref: GpuPreference | No
     if group.compute_capability < _MIN_CC[precision]:
         need_cc = ".".join(map(str, _MIN_CC[precision]))
         return Decision(
-            False, f"{precision} needs compute capability >= {need_cc}; {group.product} is {group.cc}"
+            False,
+            f"{precision} needs compute capability >= {need_cc}; {group.product} is {group.cc}",
+            cause="ComputeCapability",
         )
     need = _need(request, precision)
     fixed_tp = (pref.tensor_parallel_size if pref else None) or request.tensor_parallel_size
     if fixed_tp is not None:
         if fixed_tp > group.num_gpus:
             return Decision(
-                False, f"TP {fixed_tp} needs {fixed_tp} GPUs in one node; these have {group.num_gpus}"
+                False,
+                f"TP {fixed_tp} needs {fixed_tp} GPUs in one node; these have {group.num_gpus}",
+                cause="TensorParallel",
             )
         if not model.can_split(fixed_tp):
             heads = model.num_attention_heads
-            return Decision(False, f"TP {fixed_tp} does not divide the model's {heads} attention heads")
+            reason = f"TP {fixed_tp} does not divide the model's {heads} attention heads"
+            return Decision(False, reason, cause="TensorParallel")
         tp: int | None = fixed_tp if _fits(request, need, group.memory_mib, fixed_tp) else None
     else:
         tp = _smallest_tp(request, need, group.memory_mib, group.num_gpus)
@@ -181,11 +195,15 @@ def _evaluate(request: ProfileRequest, group: GpuGroup, pref: GpuPreference | No
     if tp is None:
         at_most = fixed_tp or max(t for t in TP_DEGREES if t <= group.num_gpus)
         fits = f"{at_most} x {group.product} ({group.memory_gib:.0f} GiB)"
-        return Decision(False, f"{model.size_label} {precision} ({sizes}) does not fit {fits}")
+        return Decision(
+            False, f"{model.size_label} {precision} ({sizes}) does not fit {fits}", cause="Memory"
+        )
     if group.max_free < tp:
         in_use = f"{group.max_free} of {group.num_gpus} free on the freest node"
         return Decision(
-            False, f"{model.size_label} {precision} TP {tp} needs {tp} free GPUs on one node; {in_use}"
+            False,
+            f"{model.size_label} {precision} TP {tp} needs {tp} free GPUs on one node; {in_use}",
+            cause="Capacity",
         )
     why = f"{precision} " + (f"(auto: compute capability {group.cc})" if wanted == "auto" else "(requested)")
     reason = (
@@ -201,6 +219,9 @@ def _evaluate(request: ProfileRequest, group: GpuGroup, pref: GpuPreference | No
     )
 
 
+_NEAREST: tuple[str, ...] = ("Capacity", "Memory", "TensorParallel", "ComputeCapability", "NoPreferredGpu")
+
+
 def _rank(decision: Decision) -> tuple[int, tuple[int, int], int]:
     gpu = decision.gpu
     assert gpu is not None and decision.tensor_parallel_size is not None  # only fitting decisions
@@ -213,21 +234,24 @@ def _rank(decision: Decision) -> tuple[int, tuple[int, int], int]:
 
 def _nothing_fits(request: ProfileRequest, groups: list[GpuGroup], rejected: list[Rejection]) -> Decision:
     if not groups:
-        return Decision(False, "no schedulable GPU nodes (none has the nvidia.com/gpu.product label)")
+        reason = "no schedulable GPU nodes (none has the nvidia.com/gpu.product label)"
+        return Decision(False, reason, cause="NoGpuNodes")
     if request.preferences:
         wanted_products = [p.product for p in request.preferences]
         preferred = [g for g in groups if any(matches_product(g.product, w) for w in wanted_products)]
         if not preferred:
             reason = f"no schedulable node has a preferred GPU ({', '.join(wanted_products)})"
-            return Decision(False, reason, rejected=tuple(rejected))
+            return Decision(False, reason, rejected=tuple(rejected), cause="NoPreferredGpu")
         groups = preferred
     fixed_tp = request.tensor_parallel_size or any(p.tensor_parallel_size for p in request.preferences)
-    is_capacity = any("free GPUs on one node" in r.reason for r in rejected)
+    is_capacity = any(r.cause == "Capacity" for r in rejected)
     if rejected and (
         fixed_tp or is_capacity
     ):  # the sizes below would not be why: say each candidate's reason
         reasons = "; ".join(f"{r.candidate}: {r.reason}" for r in rejected)
-        return Decision(False, f"no GPU fits: {reasons}", rejected=tuple(rejected))
+        # The cause of the candidate nearest to fitting: busy GPUs, then too little memory, then the rest.
+        cause = min((r.cause for r in rejected if r.cause), key=_NEAREST.index, default=None)
+        return Decision(False, f"no GPU fits: {reasons}", rejected=tuple(rejected), cause=cause)
     largest = max(groups, key=lambda g: (g.num_gpus * g.memory_mib, g.memory_mib))
     precision: str = request.precision
     if precision == "auto":
@@ -238,7 +262,7 @@ def _nothing_fits(request: ProfileRequest, groups: list[GpuGroup], rejected: lis
         need_cc = ".".join(map(str, _MIN_CC[precision]))
         newest_gpu = f"{newest.product} ({newest.cc})"
         reason = f"{precision} needs compute capability >= {need_cc}; the newest GPU is {newest_gpu}"
-        return Decision(False, reason, rejected=tuple(rejected))
+        return Decision(False, reason, rejected=tuple(rejected), cause="ComputeCapability")
     widest = max(able, key=lambda g: g.memory_mib)
     need = _need(request, precision)
     tp = _smallest_tp(request, need, widest.memory_mib, max(TP_DEGREES))
@@ -251,7 +275,7 @@ def _nothing_fits(request: ProfileRequest, groups: list[GpuGroup], rejected: lis
         f"{request.model.size_label} {precision} needs {needs}; "
         f"largest node has {largest.num_gpus} x {largest.memory_gib:.0f} GiB ({largest.product})"
     )
-    return Decision(False, reason, rejected=tuple(rejected))
+    return Decision(False, reason, rejected=tuple(rejected), cause="Memory")
 
 
 def _keep(request: ProfileRequest, groups: list[GpuGroup], current: CurrentProfile) -> Decision | None:
@@ -282,7 +306,7 @@ def select_profile(
         fitting = sorted((d for _, d in outcomes if d.is_selected), key=_rank)
         for group, d in outcomes:
             if not d.is_selected:
-                rejected.append(Rejection(group.describe(), d.reason))
+                rejected.append(Rejection(group.describe(), d.reason, d.cause))
         if fitting:
             best = fitting[0]
             for other in fitting[1:]:
@@ -296,7 +320,7 @@ def select_profile(
     for pref in request.preferences:
         matching = [g for g in groups if matches_product(g.product, pref.product)]
         if not matching:
-            rejected.append(Rejection(pref.describe(), "no schedulable node has this GPU"))
+            rejected.append(Rejection(pref.describe(), "no schedulable node has this GPU", "NoPreferredGpu"))
             continue
         outcomes = [(g, _evaluate(request, g, pref)) for g in matching]
         fitting = sorted((d for _, d in outcomes if d.is_selected), key=_rank)
@@ -304,5 +328,5 @@ def select_profile(
             best = fitting[0]
             reason = f"{best.reason}; preference {request.preferences.index(pref) + 1}: {pref.describe()}"
             return dataclasses.replace(best, reason=reason, rejected=tuple(rejected))
-        rejected.extend(Rejection(g.describe(), d.reason) for g, d in outcomes)
+        rejected.extend(Rejection(g.describe(), d.reason, d.cause) for g, d in outcomes)
     return _nothing_fits(request, groups, rejected)

@@ -45,6 +45,7 @@ class Result:
     status: dict[str, Any]
     events: tuple[Event, ...] = ()
     retry_seconds: float | None = None  # the API failed for a reason that may pass: try again then
+    decision: Decision | None = None  # what selection said this time (the operator's metrics count it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +141,9 @@ def reconcile(body: Mapping[str, Any], kube: Kube, config: OperatorConfig, now: 
             selector="",
             failure=(invalid.reason, invalid.message),
         )
-        return Result(result, tuple(_warn_once(old_status, invalid.reason, invalid.message)))
+        return Result(
+            result, tuple(_warn_once(old_status, invalid.reason, invalid.message)), decision=decision
+        )
 
     existing = {kind: kube.get(api, kind, spec.namespace, spec.name) for api, kind in CHILD_KINDS}
     theirs = [f"{kind} {spec.name} exists and is not owned by this InferenceService" for kind, obj in
@@ -230,7 +233,7 @@ def reconcile(body: Mapping[str, Any], kube: Kube, config: OperatorConfig, now: 
         old_profile = old_status.get("profile") or {}
         result["profile"] = {**result["profile"], **{k: v for k, v in old_profile.items() if k in _RUNNING}}
     retry = APPLY_RETRY_SECONDS if failure is not None and failure.reason == "ApplyFailed" else None
-    return Result(result, tuple(events), retry)
+    return Result(result, tuple(events), retry, decision)
 
 
 def cached_pending(cached: cache.CacheStatus | None) -> bool:

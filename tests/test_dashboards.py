@@ -1,7 +1,8 @@
 """The Grafana dashboards ask for exactly the series the server exports, and the chart ships them.
 
-docs/metrics.md lists what `pagoda serve` exports (tests/test_serve_http.py holds the server to it);
-here every series a dashboard queries must be in that list, histograms queried through `_bucket`.
+docs/metrics.md lists what `pagoda serve` and `pagoda operator` export (tests/test_serve_http.py and
+tests/test_operator_metrics.py hold them to it); here every series a dashboard queries must be in that
+list, histograms queried through `_bucket`.
 """
 
 from __future__ import annotations

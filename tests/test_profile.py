@@ -327,3 +327,28 @@ def test_requested_gpus_count_bound_unfinished_pods() -> None:
 
     pods = [pod("a", "2"), pod("a", "1"), pod("b", "4", "Succeeded"), pod(None, "8"), pod("c", "1", init="3")]
     assert requested_gpus(pods) == {"a": 3, "c": 3}
+
+
+@pytest.mark.parametrize(
+    ("model", "kinds", "kwargs", "used", "cause"),
+    [
+        ("llama-3.1-8b", ["H100"], {}, 0, None),
+        ("llama-3.1-8b", [], {}, 0, "NoGpuNodes"),
+        ("llama-3.1-8b", ["T4"], {}, 0, "Memory"),
+        ("llama-3.1-405b", ["H100"], {"precision": "bf16"}, 0, "Memory"),
+        ("llama-3.2-1b", ["T4"], {"precision": "bf16"}, 0, "ComputeCapability"),
+        ("llama-3.1-8b", ["H100"], {"preferences": (GpuPreference("B200"),)}, 0, "NoPreferredGpu"),
+        ("llama-3.1-8b", ["L4"], {"tensor_parallel_size": 8}, 0, "TensorParallel"),
+        ("qwen2.5-7b", ["H100"], {"tensor_parallel_size": 8}, 0, "TensorParallel"),
+        ("llama-3.1-70b", ["H100"], {}, 7, "Capacity"),
+        # Busy L4s and T4s too small: the candidate nearest to fitting (the L4, busy) names the cause.
+        ("llama-3.1-8b", ["L4", "T4"], {}, 1, "Capacity"),
+    ],
+)
+def test_every_refusal_names_its_cause(model: str, kinds: list, kwargs: dict, used: int, cause: str) -> None:
+    """The closed set the operator's metrics label by: Decision.reason stays the words for people."""
+    nodes = [node(k) for k in kinds]
+    groups = gpu_groups(nodes, used={n["metadata"]["name"]: used for n in nodes})
+    d = select_profile(ProfileRequest(resolve(model), **kwargs), groups)
+    assert d.is_selected == (cause is None), d.reason
+    assert d.cause == cause, d.reason
