@@ -252,3 +252,47 @@ def test_operator_stays_off_gpu_nodes_unless_told() -> None:
     ]
     (deployment,) = [d for d in render("--set", "operator.affinity=null") if d["kind"] == "Deployment"]
     assert "affinity" not in deployment["spec"]["template"]["spec"]
+
+
+@needs_helm
+def test_operator_metrics_port_is_served_named_and_annotated() -> None:
+    (deployment,) = [d for d in render() if d["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env["PAGODA_OPERATOR_METRICS_PORT"] == "8081"
+    assert cmd_operator._port(env["PAGODA_OPERATOR_METRICS_PORT"]) == 8081  # what the flag parses
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"health": 8080, "metrics": 8081}  # kopf's liveness keeps 8080
+    assert pod["metadata"]["annotations"] == {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": "8081",
+        "prometheus.io/path": "/metrics",
+    }
+    # A PodMonitor selects the pod by its labels and scrapes the port by name.
+    assert pod["metadata"]["labels"]["app.kubernetes.io/component"] == "operator"
+
+    docs = render("--set", "operator.metricsPort=9090", "--set", "operator.podAnnotations.team=infra")
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9090"
+    assert pod["metadata"]["annotations"]["team"] == "infra"
+    assert {"name": "metrics", "containerPort": 9090, "protocol": "TCP"} in pod["spec"]["containers"][0][
+        "ports"
+    ]
+
+    (deployment,) = [d for d in render("--set", "operator.metricsPort=0") if d["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]
+    assert "annotations" not in pod["metadata"]
+    assert [p["name"] for p in pod["spec"]["containers"][0]["ports"]] == ["health"]
+    env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}
+    assert env["PAGODA_OPERATOR_METRICS_PORT"] == "0"  # off: the flag's 0
+
+    assert HELM is not None
+    for bad in ("8080", "70000", "-1"):  # liveness's port, not a port
+        out = subprocess.run(
+            [HELM, "template", "pagoda", str(CHART), "--set", f"operator.metricsPort={bad}"],
+            capture_output=True,
+            text=True,
+        )
+        assert out.returncode != 0 and "metricsPort" in out.stderr, (bad, out.stderr)
