@@ -59,6 +59,31 @@ def test_the_dashboard_shows_the_scaling_signals_and_latencies() -> None:
     } <= names
 
 
+def test_the_operator_row_shows_reconciles_errors_latency_and_profiles() -> None:
+    """Its panels read the operator's own series only, across namespaces: the $namespace and $pod
+    variables pick server pods, and the operator runs elsewhere."""
+    (dashboard,) = [json.loads(p.read_text()) for p in DASHBOARDS if p.name == "pagoda-serving.json"]
+    panels = dashboard["panels"]
+    (row,) = [i for i, p in enumerate(panels) if p["type"] == "row" and p["title"] == "Operator"]
+    below = panels[row + 1 :]
+    exprs = [t["expr"] for p in below for t in p["targets"]]
+    names = queried({"panels": below, "templating": {"list": []}})
+    assert {re.sub(r"_(bucket|sum|count)$", "", n) for n in names} == {
+        "pagoda_operator_reconciles_total",
+        "pagoda_operator_reconcile_errors_total",
+        "pagoda_operator_reconcile_duration_seconds",
+        "pagoda_operator_profile_services",
+        "pagoda_operator_no_fitting_gpu_services",
+        "pagoda_operator_inference_services",
+    }
+    assert not [e for e in exprs if "$namespace" in e or "$pod" in e]
+    for quantile in ("0.5", "0.99"):
+        assert any(f"histogram_quantile({quantile}, " in e for e in exprs)
+    assert any("by (gpu_product" in e for e in exprs)
+    assert [p["id"] for p in panels] == sorted({p["id"] for p in panels})  # unique ids, in order
+    assert all(p["gridPos"]["y"] > panels[row]["gridPos"]["y"] for p in below)
+
+
 def _helm() -> str:
     cached = glob.glob(os.path.expanduser("~/.cache/pagoda/k8s/*/bin/helm"))
     found = os.environ.get("PAGODA_K8S_BIN", "") and os.path.join(os.environ["PAGODA_K8S_BIN"], "helm")
