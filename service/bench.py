@@ -43,6 +43,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     offline.add_argument("--max-num-batched-tokens", type=int, default=4096)
     offline.add_argument("--tensor-parallel-size", type=int, default=1)
     offline.add_argument("--peer", choices=["transformers", "none"], default="transformers")
+    offline.add_argument(
+        "--async-scheduling",
+        choices=["auto", "on", "off", "both"],
+        default="auto",
+        help="both: every batch with async scheduling and with steps in turn, on the same loaded engine",
+    )
+    offline.add_argument(
+        "--busy-steps",
+        type=int,
+        default=0,
+        help="profile this many steady decode steps at the largest batch: wall and GPU-busy ms per step",
+    )
     offline.add_argument("--output", default=None, help="append the Markdown result to this file")
     serve = sub.add_parser(
         "serve",
@@ -119,21 +131,39 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
     llm.generate(
         _prompts(2, 16, vocab, seed=99), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     )
+    core = llm.engine.core
+    modes = {"auto": [core.is_async], "on": [True], "off": [False], "both": [True, False]}
     results = []
+    tokens: dict[tuple[int, bool], list[list[int]]] = {}  # (batch, async) -> every request's tokens
     for batch in (1, args.num_prompts):
         prompts = _prompts(batch, args.input_len, vocab)
-        _sync(runner.device)
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        _sync(runner.device)
-        seconds = time.perf_counter() - start
-        decode_ms = ttft_ms = None
-        if batch == 1:
-            m = outs[0].metrics
-            assert m.first_token_time is not None and m.last_token_time is not None
-            decode_ms = 1000 * (m.last_token_time - m.first_token_time) / max(args.output_len - 1, 1)
-            ttft_ms = 1000 * (m.first_token_time - m.arrival_time)
-        results.append(Result("pagoda", batch, seconds, batch * args.output_len, decode_ms, ttft_ms))
+        for is_async in modes[args.async_scheduling]:
+            core.is_async = is_async
+            _sync(runner.device)
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            _sync(runner.device)
+            seconds = time.perf_counter() - start
+            tokens[batch, is_async] = [o.outputs[0].token_ids for o in outs]
+            decode_ms = ttft_ms = None
+            if batch == 1:
+                m = outs[0].metrics
+                assert m.first_token_time is not None and m.last_token_time is not None
+                decode_ms = 1000 * (m.last_token_time - m.first_token_time) / max(args.output_len - 1, 1)
+                ttft_ms = 1000 * (m.first_token_time - m.arrival_time)
+            name = "pagoda" + ("" if len(modes[args.async_scheduling]) == 1 else _mode_name(is_async))
+            results.append(Result(name, batch, seconds, batch * args.output_len, decode_ms, ttft_ms))
+        if len(modes[args.async_scheduling]) == 2:
+            same = sum(a == b for a, b in zip(tokens[batch, True], tokens[batch, False], strict=True))
+            print(f"batch {batch}: async == in turn for {same}/{batch} requests")
+    if args.busy_steps > 0 and runner.device.type == "cuda":
+        for is_async in modes[args.async_scheduling]:
+            core.is_async = is_async
+            wall, busy = _decode_busy(llm, _prompts(args.num_prompts, args.input_len, vocab), args.busy_steps)
+            print(
+                f"decode at batch {args.num_prompts}{_mode_name(is_async)}: {wall:.2f} ms/step wall, "
+                f"GPU busy {busy:.2f} ms/step ({100 * busy / wall:.0f}%), idle {wall - busy:.2f} ms/step"
+            )
     setup = Setup(runner.device, runner.dtype, vocab, runner.max_model_len)
     llm.shutdown()
     del llm, runner  # free the weights and the KV cache before the peer loads its copy
@@ -143,6 +173,39 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
 
         torch.cuda.empty_cache()
     return results, setup
+
+
+def _mode_name(is_async: bool) -> str:
+    return " (async)" if is_async else " (in turn)"
+
+
+def _decode_busy(llm: Any, prompts: list[list[int]], steps: int) -> tuple[float, float]:
+    """Wall and GPU-busy milliseconds per steady decode step (every request past its prefill), the
+    busy time being the sum of the CUDA kernels the profiler saw in those steps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagoda.service.sampling_params import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"busy-{i}", prompt, params)
+    for _ in range(32):  # prefills, and the ramp to a steady batch
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    busy_us = sum(e.self_device_time_total for e in prof.key_averages() if e.self_device_time_total > 0)
+    for i in range(len(prompts)):
+        engine.abort(f"busy-{i}")
+    while engine.has_unfinished or engine.core.has_unfinished:
+        engine.step()
+    return 1000 * wall / steps, busy_us / 1000 / steps
 
 
 def bench_transformers(args: argparse.Namespace, runner: Setup) -> list[Result]:

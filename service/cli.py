@@ -124,6 +124,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         optional_int,
     )
     boolean("--enable-prefix-caching", "Share the KV cache of identical prompt prefixes.", True)
+    boolean(
+        "--async-scheduling",
+        "Queue each step on the GPU before reading the last one's tokens (one GPU rank; off: in turn).",
+        True,
+    )
     flag(
         "--max-waiting-requests",
         "Refuse new requests with 503 + Retry-After (gRPC RESOURCE_EXHAUSTED) while this many wait; "
@@ -220,6 +225,7 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
+        async_scheduling=None if args.async_scheduling else False,
     )
     return server, engine
 

@@ -6,7 +6,8 @@ token ids). The checks, each printed as a row of a pass/fail table:
 
 1. float32, greedy: the engine (Triton kernels, decode CUDA graphs, a mixed batch) generates the same
    tokens as transformers `generate()` (TF32 off on both sides).
-2. CUDA graphs vs eager: the same greedy tokens with `enforce_eager=True`.
+2. CUDA graphs vs eager: the same greedy tokens with `enforce_eager=True`. Async scheduling (on by
+   default with one GPU) vs steps in turn: the same greedy and seeded-sampling tokens.
 3. bfloat16, teacher-forced: fp32 transformers scores the engine's own bf16 greedy continuation. The
    engine's tokens must equal fp32's top-1 on at least 99% of steps, or (random models have many
    near-ties that bf16 rounding alone flips) at least as often as bf16 transformers' own top-1 does,
@@ -234,6 +235,9 @@ def check(
     )
     assert device == "cpu" or llm.engine.runner.graphs is not None, "CUDA graphs should be on"
     ours = [o.outputs[0].token_ids for o in llm.generate(batch, params)]
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=NEW_TOKENS)
+    ours_seeded = [o.outputs[0].token_ids for o in llm.generate(batch, seeded)]
+    is_async = llm.engine.core.is_async
     _release(llm)
     hf: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     hf = hf.to(device).eval()
@@ -250,6 +254,19 @@ def check(
     eager_out = [o.outputs[0].token_ids for o in eager]
     same = sum(a == b for a, b in zip(ours, eager_out, strict=True))
     rows.append((kind, "fp32 graphs == eager", same == len(batch), f"{same}/{len(batch)} prompts identical"))
+
+    llm = LLM(
+        str(folder), dtype="float32", device=device, max_num_batched_tokens=512, gpu_memory_utilization=0.3,
+        tensor_parallel_size=tp, async_scheduling=False,
+    )  # fmt: skip
+    in_turn = [o.outputs[0].token_ids for o in llm.generate(batch, params)]
+    in_turn_seeded = [o.outputs[0].token_ids for o in llm.generate(batch, seeded)]
+    _release(llm)
+    same = sum(a == b for a, b in zip(ours + ours_seeded, in_turn + in_turn_seeded, strict=True))
+    rows.append(
+        (kind, f"fp32 {'async' if is_async else 'default'} == in turn", same == 2 * len(batch),
+         f"{same}/{2 * len(batch)} greedy and seeded outputs identical")
+    )  # fmt: skip
 
     for quantization in (None, "fp8"):
         teacher_forced(kind, folder, hf, batch, quantization, device, rows, tp)

@@ -37,9 +37,11 @@ def test_greedy_matches_transformers(ckpt_name: str, request: pytest.FixtureRequ
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
-def test_batch_invariance_under_preemption_and_chunking(llama_ckpt: Path) -> None:
+@pytest.mark.parametrize("is_async", [False, True], ids=["in-turn", "async"])
+def test_batch_invariance_under_preemption_and_chunking(llama_ckpt: Path, is_async: bool) -> None:
     """Each request's greedy output is the same alone as in a batch of 40 that arrive over time with
-    a KV cache too small for all of them (preemption) and a small token budget (chunked prefill)."""
+    a KV cache too small for all of them (preemption) and a small token budget (chunked prefill),
+    with steps in turn and with async scheduling (tokens read a step late, placeholders preempted)."""
     rng = random.Random(7)
     lengths = [rng.randrange(1, 120) for _ in range(40)]
     prompts = random_prompts(lengths, seed=3)
@@ -65,6 +67,7 @@ def test_batch_invariance_under_preemption_and_chunking(llama_ckpt: Path) -> Non
         max_num_batched_tokens=48,
         max_num_seqs=64,
         kv_cache_memory_bytes=40 * alone_engine.runner.kv.bytes_per_block,
+        async_scheduling=is_async,
     )
     engine = LLMEngine(config)
     results: dict[str, list[int]] = {}

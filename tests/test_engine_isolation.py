@@ -19,10 +19,13 @@ HOSTILE_SEED = 666
 PROMPTS = {"a": [101, 2002, 3003, 4004], "b": [7, 8, 9, 10, 11, 12], "c": [5005, 6006]}
 
 
-@pytest.fixture
-def engine(llama_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> LLMEngine:
+@pytest.fixture(params=[False, True], ids=["in-turn", "async"])
+def engine(llama_ckpt: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> LLMEngine:
     monkeypatch.setenv(ENV, str(HOSTILE_SEED))
-    return LLMEngine(EngineConfig(model=str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=8 << 20))
+    config = EngineConfig(
+        model=str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=8 << 20, async_scheduling=request.param
+    )
+    return LLMEngine(config)
 
 
 def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, RequestOutput]:

@@ -14,9 +14,13 @@ from pagoda.service.sampling_params import SamplingParams
 PROMPT = [101, 2002, 3003, 4004, 5005, 6006, 7007]
 
 
-@pytest.fixture(scope="module")
-def engine(llama_ckpt: Path) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=8 << 20))
+@pytest.fixture(scope="module", params=[False, True], ids=["in-turn", "async"])
+def engine(llama_ckpt: Path, request: pytest.FixtureRequest) -> LLMEngine:
+    """Each test runs with steps in turn and with async scheduling (the CPU runs the same code)."""
+    config = EngineConfig(
+        model=str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=8 << 20, async_scheduling=request.param
+    )
+    return LLMEngine(config)
 
 
 def run(

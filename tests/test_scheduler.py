@@ -14,8 +14,8 @@ def make(n_tokens: int, rid: str, start: int = 0) -> Request:
 
 def run_step(sched: Scheduler, next_token: int = 7) -> dict[str, int]:
     out = sched.schedule()
-    sampled = {r.request_id: next_token for i, r in enumerate(out.requests) if out.needs_sample(i)}
-    sched.update(out, sampled)
+    for req in sched.advance(out):
+        req.token_ids[-1] = next_token
     return dict(zip([r.request_id for r in out.requests], out.num_scheduled_tokens, strict=True))
 
 

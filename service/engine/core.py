@@ -7,6 +7,14 @@ building belong to the API process, which aborts a sequence whose text hit a sto
 
 The model is behind `ModelExecutor`: this module imports no torch, so the core runs in CPU unit tests
 with a fake executor, and runs the same in-process (offline `LLM`) or in its own process (`pagoda serve`).
+
+Asynchronous scheduling: with `async_scheduling`, a step queues its batch on the device and then
+completes the step queued before it (reads its tokens, checks stops, builds outputs), so the host's
+work overlaps the device's. The scheduler counts a sampled token before its value is known (a
+`PLACEHOLDER`, filled on the device for the next step's input and on the host at completion); a
+sequence that stops is therefore computed one step too many, and that token is dropped. What needs
+the real last token on the host before sampling (grammars, penalties) or waits for the device anyway
+(prompt log-probabilities) makes the steps run in turn while such a request is in the engine.
 """
 
 from __future__ import annotations
@@ -29,10 +37,11 @@ from pagoda.service.engine.messages import (
     SampleResult,
     TokenOutput,
 )
-from pagoda.service.engine.request import Request, RequestStatus
+from pagoda.service.engine.request import PLACEHOLDER, Request, RequestStatus
 from pagoda.service.engine.scheduler import Scheduler, SchedulerOutput
 from pagoda.service.engine.structured_output import StructuredOutputManager
 from pagoda.service.model import load_tokenizer as load_tokenizer_from
+from pagoda.service.sampling_params import SamplingParams
 from pagoda.service.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -48,6 +57,11 @@ class StepResult(Protocol):
     prompt_logprobs: dict[str, tuple[int, list[SampleResult]]]  # sequence id -> (first position, scores)
 
 
+class PendingResult(Protocol):
+    def result(self) -> StepResult:
+        """Wait for the step's sampled tokens."""
+
+
 class ModelExecutor(Protocol):
     """What the core needs of the model side (one rank in-process, or all TP ranks)."""
 
@@ -58,6 +72,14 @@ class ModelExecutor(Protocol):
     def max_model_len(self) -> int: ...
 
     def execute(self, out: SchedulerOutput) -> StepResult: ...
+
+    def launch(self, out: SchedulerOutput, after: PendingResult | None) -> PendingResult:
+        """Queue `out` without waiting for it; `after` is the step queued before, whose tokens are
+        `out`'s inputs where the host holds a `PLACEHOLDER`. Used with async scheduling only."""
+
+    @property
+    def can_overlap(self) -> bool:
+        """Whether `launch` returns before the step has run (so async scheduling pays)."""
 
     def check_alive(self) -> None:
         """Raise when a rank has died (the core then fails rather than hang in a collective)."""
@@ -70,6 +92,37 @@ class ModelExecutor(Protocol):
 class _IsolatedResult:
     sampled: dict[str, SampleResult]
     prompt_logprobs: dict[str, tuple[int, list[SampleResult]]]
+
+    def result(self) -> StepResult:
+        return self
+
+
+@dataclass
+class _Done:
+    done: StepResult
+
+    def result(self) -> StepResult:
+        return self.done
+
+
+@dataclass
+class _InFlight:
+    """A step handed to the executor whose tokens the core has not taken yet."""
+
+    out: SchedulerOutput
+    sampling: list[Request]  # the sequences holding a PLACEHOLDER for this step's token, in batch order
+    pending: PendingResult
+
+
+def _needs_turns(params: SamplingParams) -> bool:
+    """Whether a request's sampling reads its last token on the host, or waits for the device anyway."""
+    return (
+        params.grammar is not None
+        or params.presence_penalty != 0
+        or params.frequency_penalty != 0
+        or params.repetition_penalty != 1.0
+        or params.prompt_logprobs is not None
+    )
 
 
 class StepOutputs(NamedTuple):
@@ -111,10 +164,14 @@ class EngineCore:
         self.structured_output = StructuredOutputManager(
             load_tokenizer or partial(load_tokenizer_from, config.model_path), eos_token_ids
         )
+        is_async = config.async_scheduling
+        self.is_async = executor.can_overlap if is_async is None else is_async
+        self._in_flight: _InFlight | None = None
+        self._taking_turns: set[str] = set()  # requests that make steps run in turn (`_needs_turns`)
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        return bool(self._requests) or self._in_flight is not None
 
     def add_request(self, req: AddRequest) -> None:
         """Queue a request validated by the API process (ids in range, room in the context)."""
@@ -127,6 +184,8 @@ class EngineCore:
         ]
         seqs[0].pending_forks = seqs[1:]
         self._requests[req.request_id] = seqs
+        if _needs_turns(req.params):
+            self._taking_turns.add(req.request_id)
         if req.params.grammar is not None:  # scheduled once its grammar is compiled, off this thread
             self.structured_output.add(req.request_id, seqs, req.params.grammar)
         else:
@@ -143,39 +202,71 @@ class EngineCore:
         self._forget_if_done(request_id)
 
     def step(self) -> StepOutputs:
-        """Run one batch. A request that makes the step raise fails alone (see `_execute_isolated`)."""
-        failures: list[RequestFailure] = []
+        """Run one batch; with async scheduling, queue it and complete the one queued before. A request
+        that makes the step raise fails alone (see `_execute_isolated`)."""
+        outputs = StepOutputs([], [], [])
         if self.structured_output.is_active:
-            failures = self._admit_compiled()
+            outputs.failures.extend(self._admit_compiled())
+        overlap = self.is_async and not self._taking_turns
+        before, self._in_flight = self._in_flight, None
+        if before is not None and not overlap:
+            self._complete(before, outputs)  # this step's sampling needs its tokens on the host
+            before = None
         out = self.scheduler.schedule()
         if out.is_empty:
-            self.structured_output.wait(_GRAMMAR_WAIT_S)  # only grammars left to compile: wait for one
-            return StepOutputs([], [], failures)
+            if before is not None:
+                self._complete(before, outputs)
+            else:
+                self.structured_output.wait(_GRAMMAR_WAIT_S)  # only grammars left to compile: wait for one
+            return outputs
         if self.structured_output.is_active:
             out.before_sample = functools.partial(self.structured_output.fill_bitmasks, out)
         now = time.monotonic()
         for seq in out.requests:
             self._scheduled_time.setdefault(seq.request_id, now)
         self.computed_tokens_total += out.total_num_tokens
+        pending: PendingResult
         try:
-            result = self.executor.execute(out)
+            if overlap:
+                pending = self.executor.launch(out, before.pending if before else None)
+            else:
+                pending = _Done(self.executor.execute(out))
             self._failed_steps_in_a_row = 0
         except Exception as exc:
             self.executor.check_alive()  # a dead rank is the engine's failure, not a request's
-            result, isolated_failures = self._execute_isolated(out, exc)
-            failures += isolated_failures
-        owners = {seq.request_id: seq for seq in out.requests}
-        prompt_logprobs = [
+            if before is not None:  # its tokens are `out`'s inputs: on the host from here
+                self._complete(before, outputs)
+                before = None
+            pending, isolated_failures = self._execute_isolated(out, exc)
+            outputs.failures.extend(isolated_failures)
+            overlap = False
+        if before is not None:
+            self._complete(before, outputs)  # while the device runs `out`
+        step = _InFlight(out, self.scheduler.advance(out), pending)
+        if overlap:
+            self._in_flight = step
+        else:
+            self._complete(step, outputs)
+        return outputs
+
+    def _complete(self, step: _InFlight, outputs: StepOutputs) -> None:
+        """Take a step's tokens: fill its placeholders, check stops, and add its outputs to `outputs`."""
+        result = step.pending.result()
+        owners = {seq.request_id: seq for seq in step.out.requests}
+        outputs.prompt_logprobs.extend(
             PromptLogprobs(owners[seq_id].request_id.rpartition("#")[0], position, scores)
             for seq_id, (position, scores) in result.prompt_logprobs.items()
-        ]
-        grew = self.scheduler.update(out, {k: v.token_id for k, v in result.sampled.items()})
-        outputs = []
+        )
         done: set[str] = set()
-        for seq in grew:
+        for seq in step.sampling:
+            if seq.status is RequestStatus.FINISHED:
+                continue  # stopped or aborted since: its token is dropped
+            sample = result.sampled[seq.request_id]
+            assert seq.token_ids[-1] == PLACEHOLDER
+            seq.token_ids[-1] = sample.token_id
             self.generation_tokens_total += 1
             client_id = seq.request_id.rpartition("#")[0]
-            output = TokenOutput(client_id, seq.index, result.sampled[seq.request_id])
+            output = TokenOutput(client_id, seq.index, sample)
             if seq.num_output_tokens == 1:
                 output.num_cached_tokens = seq.num_cached_tokens
                 output.scheduled_time = self._scheduled_time.pop(seq.request_id, None)
@@ -185,14 +276,13 @@ class EngineCore:
             if output.finish_reason is not None:
                 self._finish(seq)
                 done.add(client_id)
-            outputs.append(output)
+            outputs.tokens.append(output)
         for client_id in done:
             self._forget_if_done(client_id)
-        return StepOutputs(outputs, prompt_logprobs, failures)
 
     def _execute_isolated(
         self, out: SchedulerOutput, error: Exception
-    ) -> tuple[StepResult, list[RequestFailure]]:
+    ) -> tuple[_IsolatedResult, list[RequestFailure]]:
         """The batch raised `error`: run its sequences one at a time, so only those that fail alone
         fail (with their whole client request); the others get their tokens as if nothing happened.
 
@@ -207,7 +297,7 @@ class EngineCore:
         failed: dict[str, str] = {}  # client request id -> why
         for seq, num_tokens in zip(out.requests, out.num_scheduled_tokens, strict=True):
             client_id = seq.request_id.rpartition("#")[0]
-            if client_id in failed:
+            if client_id in failed or seq.status is not RequestStatus.RUNNING:
                 continue
             try:
                 single = SchedulerOutput([seq], [num_tokens], out.copy_ops)
@@ -270,6 +360,7 @@ class EngineCore:
         seqs = self._requests.get(request_id)
         if seqs is not None and all(s.status is RequestStatus.FINISHED for s in seqs):
             del self._requests[request_id]
+            self._taking_turns.discard(request_id)
             self.structured_output.remove(request_id, seqs)
 
     def stats(self) -> EngineStats:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -99,17 +100,25 @@ class DecodeGraphs:
         slot_mapping: np.ndarray,
         seq_lens: np.ndarray,
         block_tables: np.ndarray,
+        fill_inputs: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:  # [bs, vocab] float32 logits
-        """Replay the smallest graph that holds this decode batch (rows of one token each)."""
+        """Replay the smallest graph that holds this decode batch (rows of one token each).
+        `fill_inputs` writes, on the device, the input ids the host does not know yet."""
         bs = len(input_ids)
         graph_bs = next(s for s in self.sizes if s >= bs)
-        self.input_ids[:bs].copy_(torch.from_numpy(input_ids))
-        self.positions[:bs].copy_(torch.from_numpy(positions))
-        self.slot_mapping[:bs].copy_(torch.from_numpy(slot_mapping))
+
+        def put(dst: torch.Tensor, src: np.ndarray) -> None:  # page-locked: no wait for queued work
+            dst.copy_(torch.from_numpy(src).pin_memory(), non_blocking=True)
+
+        put(self.input_ids[:bs], input_ids)
+        if fill_inputs is not None:
+            fill_inputs(self.input_ids[:bs])
+        put(self.positions[:bs], positions)
+        put(self.slot_mapping[:bs], slot_mapping)
         self.slot_mapping[bs:graph_bs].fill_(-1)
-        self.seq_lens[:bs].copy_(torch.from_numpy(seq_lens.astype(np.int32)))
+        put(self.seq_lens[:bs], seq_lens.astype(np.int32))
         self.seq_lens[bs:graph_bs].fill_(1)
-        self.block_tables[:bs, : block_tables.shape[1]].copy_(torch.from_numpy(block_tables))
+        put(self.block_tables[:bs, : block_tables.shape[1]], block_tables)
         graph, logits = self.graphs[graph_bs]
         graph.replay()
         return logits[:bs]

@@ -40,7 +40,13 @@ import torch.distributed as dist
 
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.cuda_graphs import DecodeGraphs
-from pagoda.service.engine.model_runner import KVCacheLayout, ModelRunner, StepResult, resolve_device
+from pagoda.service.engine.model_runner import (
+    KVCacheLayout,
+    ModelRunner,
+    PendingStep,
+    StepResult,
+    resolve_device,
+)
 from pagoda.service.engine.scheduler import SchedulerOutput
 from pagoda.service.engine.worker import WorkerArgs, worker_main
 from pagoda.service.model.config import ModelConfig
@@ -227,7 +233,18 @@ class Executor:
             dead = self._dead_worker(DEATH_GRACE_S)
             self._failure = str(dead) if dead else f"tensor-parallel step failed on rank 0: {exc!r}"
             raise RuntimeError(self._failure) from exc
-        return self.runner.finish(out, step, logits)
+        return self.runner.finish(out, step, logits).result()
+
+    @property
+    def can_overlap(self) -> bool:
+        """Whether `launch` returns before the device has run the step: one CUDA rank."""
+        return self.size == 1 and self.runner.device.type == "cuda"
+
+    def launch(self, out: SchedulerOutput, after: PendingStep | None = None) -> PendingStep:
+        """Queue a step without waiting for it (one rank only: workers would need the tokens too)."""
+        if self.size > 1:
+            raise RuntimeError("launch needs tensor_parallel_size 1")
+        return self.runner.launch(out, after)
 
     def _wait_for_device(self) -> None:
         """Wait for this step's GPU work, watching the workers: a dead peer would hang it forever."""

@@ -24,10 +24,17 @@ class FailingExecutor:
         self._executor = executor
         self._seed = seed
 
-    def execute(self, out: SchedulerOutput) -> Any:
+    def _check(self, out: SchedulerOutput) -> None:
         if any(r.params.seed == self._seed for r in out.requests):
             raise InjectedFailure(f"injected failure for a request seeded {self._seed}")
+
+    def execute(self, out: SchedulerOutput) -> Any:
+        self._check(out)
         return self._executor.execute(out)
+
+    def launch(self, out: SchedulerOutput, after: Any = None) -> Any:
+        self._check(out)
+        return self._executor.launch(out, after)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._executor, name)

@@ -3,7 +3,9 @@
 
 A step has three parts so that tensor parallelism can split them: `prepare` (the scheduler's requests
 -> a `StepInput` of host arrays), `forward` (on every rank: the same collectives in the same order),
-`finish` (rank 0 only: sampling and prompt log-probabilities). One rank runs all three in `execute`.
+`finish` (rank 0 only: sampling and prompt log-probabilities). One rank runs all three in `execute`,
+or queues them in `launch` without waiting for the device: then a `PLACEHOLDER` input (a token the
+step before sampled, not read by the host yet) is taken from that step's tokens on the device.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import torch
 
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.cuda_graphs import DecodeGraphs
-from pagoda.service.engine.sampler import Sampler, SampleResult
+from pagoda.service.engine.request import PLACEHOLDER
+from pagoda.service.engine.sampler import SampledBatch, Sampler, SampleResult, to_device
 from pagoda.service.engine.scheduler import SchedulerOutput
 from pagoda.service.model.attention import AttentionMetadata
 from pagoda.service.model.fp8 import quantize_model_fp8, supports_fp8_matmul
@@ -27,6 +30,7 @@ from pagoda.service.model.parallel import SINGLE_RANK, TPGroup
 logger = logging.getLogger(__name__)
 
 _CPU_DEFAULT_KV_BYTES = 512 << 20
+InputFill = Callable[[torch.Tensor], None]  # writes inputs the host does not have into a step's input ids
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -61,6 +65,24 @@ class StepInput:
     copy_ops: list[tuple[int, int]]  # (src, dst) KV blocks to copy first
     sample_rows: list[int]  # requests whose last row's logits are sampled, in batch order
     prompt_chunks: list[tuple[int, int, int]]  # (request, first row, num rows) scored for prompt logprobs
+    # (flattened row, request id) of inputs the host does not know yet: the step before sampled them.
+    placeholders: list[tuple[int, str]]
+
+
+@dataclass
+class PendingStep:
+    """A step queued on the device. `result()` waits for its sampled tokens only, not for the steps
+    queued after it."""
+
+    sampled: SampledBatch | None
+    rows: dict[str, int]  # request id -> its row in `sampled.tokens`
+    prompt_logprobs: dict[str, tuple[int, list[SampleResult]]]
+
+    def result(self) -> StepResult:
+        if self.sampled is None:
+            return StepResult({}, self.prompt_logprobs)
+        results = self.sampled.results()
+        return StepResult({rid: results[row] for rid, row in self.rows.items()}, self.prompt_logprobs)
 
 
 @dataclass
@@ -228,7 +250,8 @@ class ModelRunner:
                 if start < end:
                     prompt_chunks.append((i, int(query_start_loc[i]), end - start))
         rows = [i for i in range(len(reqs)) if out.needs_sample(i)]
-        return StepInput(batch, list(out.copy_ops), rows, prompt_chunks)
+        placeholders = [(int(r), reqs[row[r]].request_id) for r in np.flatnonzero(input_ids == PLACEHOLDER)]
+        return StepInput(batch, list(out.copy_ops), rows, prompt_chunks, placeholders)
 
     def _warm_up(self) -> None:
         """Compile the prefill kernels before the first request: on a slow host a Triton compile takes
@@ -258,9 +281,11 @@ class ModelRunner:
                 self.model.compute_logits(hidden[self._last_rows(batch, list(range(len(lens))))])
         torch.cuda.synchronize(self.device)
 
-    def _forward_eager(self, batch: dict[str, np.ndarray]) -> torch.Tensor:  # [num_tokens, hidden]
+    def _forward_eager(
+        self, batch: dict[str, np.ndarray], fill_inputs: InputFill | None = None
+    ) -> torch.Tensor:  # [num_tokens, hidden]
         def dev(name: str, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(batch[name]).to(device=self.device, dtype=dtype, non_blocking=True)
+            return to_device(batch[name], dtype, self.device)
 
         meta = AttentionMetadata(
             slot_mapping=dev("slot_mapping", torch.int64),
@@ -270,10 +295,13 @@ class ModelRunner:
             max_query_len=int(batch["max_query_len"]),
             max_seq_len=int(batch["seq_lens"].max()),
         )
-        return self.model(dev("input_ids", torch.int64), dev("positions", torch.int64), meta)
+        input_ids = dev("input_ids", torch.int64)
+        if fill_inputs is not None:
+            fill_inputs(input_ids)
+        return self.model(input_ids, dev("positions", torch.int64), meta)
 
     def _last_rows(self, batch: dict[str, np.ndarray], rows: list[int]) -> torch.Tensor:
-        return torch.from_numpy(batch["query_start_loc"][1:][rows] - 1).to(self.device)
+        return to_device(batch["query_start_loc"][1:][rows] - 1, torch.int64, self.device)
 
     def _prompt_logprobs(
         self, out: SchedulerOutput, step: StepInput, logits: StepLogits
@@ -303,10 +331,12 @@ class ModelRunner:
         return result
 
     @torch.inference_mode()
-    def forward(self, step: StepInput) -> StepLogits:
-        """The step's logits; under tensor parallelism every rank calls this with the same `step`."""
+    def forward(self, step: StepInput, after: PendingStep | None = None) -> StepLogits:
+        """The step's logits; under tensor parallelism every rank calls this with the same `step`.
+        `after`: the step queued before this one, whose tokens fill this one's placeholders."""
         for src, dst in step.copy_ops:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
+        fill_inputs = self._placeholder_fill(step, after)
         batch = step.batch
         num_reqs = len(batch["seq_lens"])
         is_decode = batch["max_query_len"] == 1 and len(step.sample_rows) == num_reqs
@@ -317,30 +347,50 @@ class ModelRunner:
                 batch["slot_mapping"],
                 batch["seq_lens"],
                 batch["block_tables"],
+                fill_inputs,
             )
             return StepLogits(logits, [])
-        hidden = self._forward_eager(batch)
+        hidden = self._forward_eager(batch, fill_inputs)
         prompt = [self.model.compute_logits(hidden[row : row + n]) for _, row, n in step.prompt_chunks]
         if not step.sample_rows:  # only prompt chunks this step: the KV cache is filled, nothing to sample
             return StepLogits(None, prompt)
         return StepLogits(self.model.compute_logits(hidden[self._last_rows(batch, step.sample_rows)]), prompt)
 
+    def _placeholder_fill(self, step: StepInput, after: PendingStep | None) -> InputFill | None:
+        """What writes the previous step's sampled tokens into this step's input ids, on the device."""
+        if not step.placeholders:
+            return None
+        if after is None or after.sampled is None:
+            raise RuntimeError("a step has placeholder inputs but no step queued before it")
+        dst = to_device([row for row, _ in step.placeholders], torch.int64, self.device)
+        src = to_device([after.rows[rid] for _, rid in step.placeholders], torch.int64, self.device)
+        tokens = after.sampled.tokens
+
+        def fill(input_ids: torch.Tensor) -> None:
+            input_ids.index_copy_(0, dst, tokens.index_select(0, src))
+
+        return fill
+
     @torch.inference_mode()
-    def finish(self, out: SchedulerOutput, step: StepInput, logits: StepLogits) -> StepResult:
-        """Rank 0: the sampled token of every request that reached its last token, and the prompt
-        log-probabilities of those that asked for them."""
+    def finish(self, out: SchedulerOutput, step: StepInput, logits: StepLogits) -> PendingStep:
+        """Rank 0: queue the sampling of every request that reached its last token; compute the prompt
+        log-probabilities of those that asked for them (these wait for the device)."""
         prompt_logprobs = self._prompt_logprobs(out, step, logits)
         if logits.sample is None:
-            return StepResult({}, prompt_logprobs)
+            return PendingStep(None, {}, prompt_logprobs)
         sample_reqs = [out.requests[i] for i in step.sample_rows]
-        results = self.sampler(logits.sample, sample_reqs)
-        sampled = {r.request_id: res for r, res in zip(sample_reqs, results, strict=True)}
-        return StepResult(sampled, prompt_logprobs)
+        sampled = self.sampler(logits.sample, sample_reqs)
+        rows = {r.request_id: row for row, r in enumerate(sample_reqs)}
+        return PendingStep(sampled, rows, prompt_logprobs)
 
-    def execute(self, out: SchedulerOutput) -> StepResult:
-        """Run one step on this rank alone."""
+    def launch(self, out: SchedulerOutput, after: PendingStep | None = None) -> PendingStep:
+        """Queue one step on this rank alone and return before the device has run it."""
         step = self.prepare(out)
-        logits = self.forward(step)
+        logits = self.forward(step, after)
         if out.before_sample is not None:
             out.before_sample()  # on the host while the GPU runs the forward pass
         return self.finish(out, step, logits)
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run one step on this rank alone."""
+        return self.launch(out).result()

@@ -7,6 +7,10 @@ from typing import Any
 
 from pagoda.service.sampling_params import SamplingParams
 
+# A sampled token the host has not read yet (the core queues the next step before it does). Never a
+# real token id; nothing hashes, shows or penalises it: the step's owner overwrites it first.
+PLACEHOLDER = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()

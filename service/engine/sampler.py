@@ -3,9 +3,15 @@ greedy or temperature / top-k / top-p / min-p sampling, and log-probabilities. E
 over rows; only seeded rows draw their noise one row at a time, from a generator keyed by (seed,
 completion index, output position), so a seeded request samples the same tokens whatever else is in
 the batch and even after a preemption.
+
+Nothing here waits for the GPU: parameters go over as page-locked, non-blocking copies (a blocking
+copy would wait for every kernel queued before it, the step's forward pass included), and the sampled
+tokens come back the same way, so the core can queue the next step before this one's tokens are read.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,6 +23,49 @@ from pagoda.service.grammar import LOGIT_BIAS_LIMIT
 _MASK_63 = (1 << 63) - 1
 
 
+def to_device(values: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list (or array) as a tensor on `device`, without waiting for the device's queue."""
+    host = torch.as_tensor(values, dtype=dtype)
+    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+
+
+def _to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """Copies of device tensors into page-locked host memory, queued behind what computes them; the
+    event says when they have landed."""
+    if not tensors or tensors[0].device.type == "cpu":
+        return tensors, None
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for h, t in zip(host, tensors, strict=True):
+        h.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+@dataclass
+class SampledBatch:
+    """One step's sampled tokens, on their way to the host. `tokens` stays on the device: the next step
+    reads its input ids from it before the host has seen them."""
+
+    tokens: torch.Tensor  # [rows] int64, on the device
+    _host: list[torch.Tensor]  # tokens, and when asked for: chosen log-probabilities, top values, top ids
+    _ready: torch.cuda.Event | None
+    _num_logprobs: list[int | None]  # per row
+
+    def results(self) -> list[SampleResult]:
+        """Wait for this batch's copies (not for later work on the device) and build the results."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        results = [SampleResult(t) for t in self._host[0].tolist()]
+        if len(self._host) > 1:
+            chosen, top_vals, top_ids = (h.tolist() for h in self._host[1:])
+            for i, k in enumerate(self._num_logprobs):
+                if k is not None:
+                    results[i].logprob = chosen[i]
+                    results[i].top = list(zip(top_ids[i][:k], top_vals[i][:k], strict=True))
+        return results
+
+
 def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """[num_rows, vocab_size] occurrence counts of each row's tokens."""
     width = max((len(r) for r in rows), default=0)
@@ -25,7 +74,8 @@ def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) 
         padded = torch.full((len(rows), width), vocab_size, dtype=torch.long)  # pad into a spare column
         for i, r in enumerate(rows):
             padded[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        counts.scatter_add_(1, padded.to(device), torch.ones(len(rows), width, device=device))
+        ones = torch.ones(len(rows), width, device=device)
+        counts.scatter_add_(1, to_device(padded, torch.long, device), ones)
     return counts[:, :vocab_size]
 
 
@@ -42,8 +92,8 @@ def _apply_logit_bias(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor
     if not rows:
         return logits
     device = logits.device
-    index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
-    return logits.index_put(index, torch.tensor(values, device=device), accumulate=True)
+    index = (to_device(rows, torch.long, device), to_device(cols, torch.long, device))
+    return logits.index_put(index, to_device(values, torch.float32, device), accumulate=True)
 
 
 def unpack_forbidden(bitmask: torch.Tensor) -> torch.Tensor:
@@ -75,7 +125,7 @@ def apply_token_bitmask(
     forbidden = forbidden[:, :vocab]
     if len(rows) == logits.shape[0]:
         return logits.masked_fill_(forbidden, float("-inf"))
-    index = torch.tensor(rows, device=device)
+    index = to_device(rows, torch.long, device)
     logits[index] = logits[index].masked_fill_(forbidden, float("-inf"))
     return logits
 
@@ -98,19 +148,12 @@ class Sampler:
         staged.numpy()[:] = bitmask
         return staged
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> list[SampleResult]:
-        """`logits`: [num_rows, vocab] float32, one row per request in `reqs`."""
-        logits = logits[:, : self.vocab_size].float()
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SampledBatch:
+        """`logits`: [num_rows, vocab] float32, one row per request in `reqs`. Queues the sampling and
+        the copies back; `results()` of what it returns waits for them."""
         device = logits.device
         params = [r.params for r in reqs]
-        logits = self._apply_penalties(logits, reqs)
-        logits = _apply_logit_bias(logits, reqs)
-
-        # min_tokens: end-of-sequence and stop tokens are not allowed yet.
-        for i, r in enumerate(reqs):
-            if r.num_output_tokens < r.params.min_tokens:
-                banned = [*r.params.stop_token_ids, *([] if r.params.ignore_eos else self.eos_token_ids)]
-                logits[i, [t for t in banned if t < self.vocab_size]] = float("-inf")
+        logits = self.adjusted_logits(logits, reqs)
 
         # Structured output last: whatever the biases did, only the grammar's tokens stay possible.
         masked = [i for i, r in enumerate(reqs) if r.grammar_bitmask is not None]
@@ -118,73 +161,62 @@ class Sampler:
             bitmask = np.stack([reqs[i].grammar_bitmask for i in masked])
             logits = apply_token_bitmask(logits, masked, bitmask, self.stage_bitmask(bitmask, device))
 
-        num_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=None)
-        logprobs = torch.log_softmax(logits, dim=-1) if num_logprobs is not None else None
+        num_logprobs = [p.logprobs for p in params]
+        widest = max((k for k in num_logprobs if k is not None), default=None)
+        logprobs = torch.log_softmax(logits, dim=-1) if widest is not None else None
 
-        greedy = torch.tensor([p.is_greedy for p in params], device=device)
         tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            sampled = self._sample(logits, reqs)
-            tokens = torch.where(greedy, tokens, sampled)
+        greedy = [p.is_greedy for p in params]
+        if not all(greedy):
+            tokens = torch.where(to_device(greedy, torch.bool, device), tokens, self._sample(logits, reqs))
 
-        token_list = tokens.tolist()
-        results = [SampleResult(t) for t in token_list]
-        if logprobs is not None and num_logprobs is not None:
-            chosen = logprobs.gather(1, tokens.view(-1, 1)).view(-1).tolist()
-            top_vals, top_ids = (
-                logprobs.topk(num_logprobs, dim=-1)
-                if num_logprobs > 0
-                else (logprobs[:, :0], tokens[:, None][:, :0])
-            )
-            top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
-            for i, p in enumerate(params):
-                if p.logprobs is not None:
-                    results[i].logprob = chosen[i]
-                    results[i].top = list(
-                        zip(top_ids_l[i][: p.logprobs], top_vals_l[i][: p.logprobs], strict=True)
-                    )
-        return results
+        wanted = [tokens]
+        if logprobs is not None and widest is not None:
+            chosen = logprobs.gather(1, tokens.view(-1, 1)).view(-1)
+            top_vals, top_ids = logprobs.topk(widest, dim=-1)
+            wanted += [chosen, top_vals, top_ids]
+        host, ready = _to_host(wanted)
+        return SampledBatch(tokens, host, ready, num_logprobs)
+
+    def _ban_stops_before_min_tokens(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """min_tokens: end-of-sequence and stop tokens are not allowed yet."""
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, r in enumerate(reqs):
+            if r.num_output_tokens < r.params.min_tokens:
+                banned = [*r.params.stop_token_ids, *([] if r.params.ignore_eos else self.eos_token_ids)]
+                cols += [t for t in banned if t < self.vocab_size]
+                rows += [i] * (len(cols) - len(rows))
+        if not rows:
+            return logits
+        device = logits.device
+        index = (to_device(rows, torch.long, device), to_device(cols, torch.long, device))
+        return logits.index_put(index, torch.full((len(rows),), float("-inf"), device=device))
+
+    def adjusted_logits(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """The logits sampling starts from: penalties, logit_bias and min_tokens applied (no grammar)."""
+        logits = self._apply_penalties(logits[:, : self.vocab_size].float(), reqs)
+        return self._ban_stops_before_min_tokens(_apply_logit_bias(logits, reqs), reqs)
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         params = [r.params for r in reqs]
         device = logits.device
         if any(p.presence_penalty or p.frequency_penalty for p in params):
             counts = _token_counts([r.output_token_ids for r in reqs], self.vocab_size, device)
-            presence = torch.tensor([p.presence_penalty for p in params], device=device).view(-1, 1)
-            frequency = torch.tensor([p.frequency_penalty for p in params], device=device).view(-1, 1)
+            presence = to_device([p.presence_penalty for p in params], torch.float32, device).view(-1, 1)
+            frequency = to_device([p.frequency_penalty for p in params], torch.float32, device).view(-1, 1)
             logits = logits - presence * (counts > 0) - frequency * counts
         if any(p.repetition_penalty != 1.0 for p in params):
             seen = _token_counts([r.token_ids for r in reqs], self.vocab_size, device) > 0
-            penalty = torch.tensor([p.repetition_penalty for p in params], device=device).view(-1, 1)
+            penalty = to_device([p.repetition_penalty for p in params], torch.float32, device).view(-1, 1)
             penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
             logits = torch.where(seen, penalized, logits)
         return logits
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        params = [r.params for r in reqs]
-        device = logits.device
-        temperature = torch.tensor(
-            [p.temperature if p.temperature > 0 else 1.0 for p in params], device=device
-        )
-        logits = logits / temperature.view(-1, 1)
-
-        top_k = torch.tensor([p.top_k or self.vocab_size for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
-        if bool((top_k < self.vocab_size).any()) or bool((top_p < 1.0).any()):
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            ranks = torch.arange(self.vocab_size, device=device).view(1, -1)
-            drop = ranks >= top_k.view(-1, 1)
-            probs_sorted = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-            drop |= (probs_sorted.cumsum(dim=-1) - probs_sorted) >= top_p.view(-1, 1)
-            logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
-
-        probs = logits.softmax(dim=-1)
-        min_p = torch.tensor([p.min_p for p in params], device=device)
-        if bool((min_p > 0).any()):
-            probs = probs.masked_fill(probs < min_p.view(-1, 1) * probs.max(dim=-1, keepdim=True).values, 0.0)
-
+        probs = self.filtered_probs(logits, reqs)
         # Exponential race (Gumbel-max): argmax(p / E), E ~ Exp(1), samples from p.
+        device = logits.device
         noise = torch.empty_like(probs).exponential_()
         for i, r in enumerate(reqs):
             if r.params.seed is not None:
@@ -192,3 +224,31 @@ class Sampler:
                 generator = torch.Generator(device=device).manual_seed(seed)
                 noise[i] = torch.empty(self.vocab_size, device=device).exponential_(generator=generator)
         return (probs / noise).argmax(dim=-1)
+
+    def filtered_probs(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """[rows, vocab] what each row samples from, unnormalised after min-p: temperature, then top-k
+        and top-p, then min-p (penalties and biases are already in `logits`)."""
+        params = [r.params for r in reqs]
+        device = logits.device
+        temperature = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+        logits = logits / to_device(temperature, torch.float32, device).view(-1, 1)
+
+        top_k = [min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size for p in params]
+        top_p = [p.top_p for p in params]
+        if any(k < self.vocab_size for k in top_k) or any(p < 1.0 for p in top_p):
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            ranks = torch.arange(self.vocab_size, device=device).view(1, -1)
+            drop = ranks >= to_device(top_k, torch.long, device).view(-1, 1)
+            probs_sorted = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+            drop |= (probs_sorted.cumsum(dim=-1) - probs_sorted) >= to_device(
+                top_p, torch.float32, device
+            ).view(-1, 1)
+            logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+        probs = logits.softmax(dim=-1)
+        min_p = [p.min_p for p in params]
+        if any(m > 0 for m in min_p):
+            floor = probs.max(dim=-1, keepdim=True).values * to_device(min_p, torch.float32, device)[:, None]
+            probs = probs.masked_fill(probs < floor, 0.0)
+        return probs

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagoda.service.engine.block_manager import BlockManager
-from pagoda.service.engine.request import Request, RequestStatus
+from pagoda.service.engine.request import PLACEHOLDER, Request, RequestStatus
 
 
 @dataclass
@@ -126,20 +126,21 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance the computed counts after the runner ran `out`; append each sampled token.
+    def advance(self, out: SchedulerOutput) -> list[Request]:
+        """Advance the computed counts once the runner has `out` (queued, or done); each request that
+        samples gets a `PLACEHOLDER` token, which its owner replaces with the sampled one.
 
-        Returns the requests that received a new token, in batch order.
-        """
+        The next step can be scheduled before that: its input for the placeholder comes from the device.
+        Returns the requests that sample, in batch order (those finished meanwhile are skipped)."""
         grew = []
-        for req, num_new in zip(out.requests, out.num_scheduled_tokens, strict=True):
+        for i, (req, num_new) in enumerate(zip(out.requests, out.num_scheduled_tokens, strict=True)):
             if req.status is not RequestStatus.RUNNING:
-                continue  # finished (aborted) while the step ran
+                continue  # finished (aborted, stopped) since it was scheduled
+            samples = out.needs_sample(i)
             req.num_computed_tokens += num_new
             self.block_manager.cache_computed_blocks(req)
-            token = sampled.get(req.request_id)
-            if token is not None:
-                req.token_ids.append(token)
+            if samples:
+                req.token_ids.append(PLACEHOLDER)
                 grew.append(req)
         return grew
 
