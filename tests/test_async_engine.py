@@ -14,10 +14,18 @@ from pagoda.service.engine.config import EngineConfig
 from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
 
 
-def test_concurrent_streams_cancel_and_errors(llama_ckpt: Path) -> None:
+@pytest.mark.parametrize("is_async", [False, True], ids=["in-turn", "async"])
+def test_concurrent_streams_cancel_and_errors(llama_ckpt: Path, is_async: bool) -> None:
+    """Through the engine-core process; with async scheduling, aborts land while a step is queued."""
+
     async def main() -> None:
         engine = AsyncEngine(
-            EngineConfig(model=str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=8 << 20)
+            EngineConfig(
+                model=str(llama_ckpt),
+                dtype="float32",
+                kv_cache_memory_bytes=8 << 20,
+                async_scheduling=is_async,
+            )
         )
         await engine.start()
         try:

@@ -67,6 +67,7 @@ def _run(engine: LLMEngine, work: list[tuple[str, list[int], SamplingParams, str
                 ]
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks  # nothing leaked, in flight or not
+    assert not engine.core.has_unfinished  # no step left queued once every request has ended
     return finals
 
 

@@ -256,12 +256,16 @@ def test_grpc_structured_output_fields(server: ServeProcess) -> None:
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_offline_llm_structured_output_and_logit_bias() -> None:
+@pytest.mark.parametrize("is_async", [False, True], ids=["in-turn", "async"])
+def test_offline_llm_structured_output_and_logit_bias(is_async: bool) -> None:
+    """With async scheduling, a grammar request makes the steps run in turn while it is in the engine."""
     from pagoda.service.grammar import Grammar
     from pagoda.service.llm import LLM
     from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
 
-    with LLM(max_model_len=256, kv_cache_memory_bytes=32 << 20, max_num_seqs=8) as llm:
+    with LLM(
+        max_model_len=256, kv_cache_memory_bytes=32 << 20, max_num_seqs=8, async_scheduling=is_async
+    ) as llm:
         prompts = ["A person:", "Another person:"]
         constrained = SamplingParams(temperature=0, max_tokens=40, grammar=Grammar.json_schema(PERSON))
         plain = SamplingParams(temperature=0, max_tokens=8)

@@ -144,6 +144,25 @@ def test_tp2_greedy_matches_tp1_and_transformers(
     assert tp2 == tp1 == expected
 
 
+def test_tp2_async_scheduling_matches_in_turn(llama_ckpt: Path) -> None:
+    """Under TP with async scheduling, rank 0 broadcasts the tokens the next step's placeholders take:
+    greedy and seeded outputs (chunked prefill, requests ending at different steps) are the in-turn ones."""
+    prompts = random_prompts([3, 40, 9, 70], seed=4)
+    params = [
+        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=4, n=2, max_tokens=7, ignore_eos=True),
+    ]
+    in_turn, pipelined = (
+        _generate(llama_ckpt, prompts, params, tensor_parallel_size=2, async_scheduling=is_async)
+        for is_async in (False, True)
+    )
+    assert [[c.token_ids for c in o.outputs] for o in pipelined] == [
+        [c.token_ids for c in o.outputs] for o in in_turn
+    ]
+
+
 def test_tp2_prompt_logprobs_match_tp1(llama_ckpt: Path) -> None:
     """Scored in chunks (the budget is 32 tokens), beside a request that only decodes."""
     prompts = random_prompts([70, 5], seed=9)

@@ -26,8 +26,8 @@ class EngineConfig:
     enforce_eager: bool = False  # on a GPU, never replay decode steps from CUDA graphs
     tensor_parallel_size: int = 1  # ranks the model is sharded over: GPUs (NCCL), or CPU processes (gloo)
     # Queue step N+1 on the device before reading step N's tokens, so the host's work of a step (outputs,
-    # scheduling, inputs) runs while the GPU computes. None: on with one CUDA rank, off elsewhere (on
-    # the CPU there is nothing to overlap; True there runs the same code, for tests).
+    # scheduling, inputs) runs while the GPUs compute. None: on with GPUs, off on the CPU (nothing to
+    # overlap there; True runs the same code, for tests).
     async_scheduling: bool | None = None
 
     @property
@@ -56,8 +56,6 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.async_scheduling and self.tensor_parallel_size > 1:
-            raise ValueError("async scheduling needs tensor_parallel_size 1 (workers take host inputs)")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:

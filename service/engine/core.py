@@ -200,6 +200,9 @@ class EngineCore:
         for seq in seqs if index is None else seqs[index : index + 1]:
             self._finish(seq)
         self._forget_if_done(request_id)
+        if not self._requests and self._in_flight is not None:  # nothing else waits on it
+            in_flight, self._in_flight = self._in_flight, None
+            self._complete(in_flight, StepOutputs([], [], []))
 
     def step(self) -> StepOutputs:
         """Run one batch; with async scheduling, queue it and complete the one queued before. A request
@@ -243,9 +246,9 @@ class EngineCore:
         if before is not None:
             self._complete(before, outputs)  # while the device runs `out`
         step = _InFlight(out, self.scheduler.advance(out), pending)
-        if overlap:
+        if overlap and self._requests:
             self._in_flight = step
-        else:
+        else:  # in turn; or every request ended meanwhile, so nothing waits on it: drain it now
             self._complete(step, outputs)
         return outputs
 

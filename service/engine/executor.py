@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from pagoda.service.engine.config import EngineConfig
+from pagoda.service.engine.core import PendingResult
 from pagoda.service.engine.cuda_graphs import DecodeGraphs
 from pagoda.service.engine.model_runner import (
     KVCacheLayout,
@@ -216,41 +217,52 @@ class Executor:
     # ---- steps ---------------------------------------------------------------------------------
 
     def execute(self, out: SchedulerOutput) -> StepResult:
+        return self.launch(out).result()
+
+    @property
+    def can_overlap(self) -> bool:
+        """Whether `launch` returns before the devices have run the step: on GPUs."""
+        return self.runner.device.type == "cuda"
+
+    def launch(self, out: SchedulerOutput, after: PendingResult | None = None) -> PendingResult:
+        """Queue a step on every rank without waiting for it. `after`: the step launched before, whose
+        sampled tokens (rank 0 broadcasts them) are this step's inputs where the host has placeholders."""
+        prev = after.step if isinstance(after, _WatchedStep) else after
+        assert prev is None or isinstance(prev, PendingStep)
         if self.size == 1:
-            return self.runner.execute(out)
+            return self.runner.launch(out, prev)
         self.check_alive()
-        step = self.runner.prepare(out)
+        step = self.runner.prepare(out, prev)
         message = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for worker in self._workers:
                 worker.conn.send_bytes(message)
-            logits = self.runner.forward(step)
+            logits = self.runner.forward(step, prev.sampled.tokens if prev and prev.sampled else None)
             if out.before_sample is not None:
                 out.before_sample()  # on the host while the GPUs run the forward pass
-            if self.runner.device.type == "cuda":
-                self._wait_for_device()
+            if step.prompt_chunks:  # finish reads prompt log-probabilities back: wait watching first
+                self._wait_for_device(self._record())
+            pending = self.runner.finish(out, step, logits)
         except Exception as exc:
-            dead = self._dead_worker(DEATH_GRACE_S)
-            self._failure = str(dead) if dead else f"tensor-parallel step failed on rank 0: {exc!r}"
-            raise RuntimeError(self._failure) from exc
-        return self.runner.finish(out, step, logits).result()
+            raise self._step_failed(exc) from exc
+        return _WatchedStep(self, pending, self._record())
 
-    @property
-    def can_overlap(self) -> bool:
-        """Whether `launch` returns before the device has run the step: one CUDA rank."""
-        return self.size == 1 and self.runner.device.type == "cuda"
+    def _record(self) -> torch.cuda.Event | None:
+        """An event after the work queued so far (None on the CPU, where the work is done already)."""
+        if self.runner.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
-    def launch(self, out: SchedulerOutput, after: PendingStep | None = None) -> PendingStep:
-        """Queue a step without waiting for it (one rank only: workers would need the tokens too)."""
-        if self.size > 1:
-            raise RuntimeError("launch needs tensor_parallel_size 1")
-        return self.runner.launch(out, after)
+    def _step_failed(self, exc: Exception) -> RuntimeError:
+        dead = self._dead_worker(DEATH_GRACE_S)
+        self._failure = str(dead) if dead else f"tensor-parallel step failed on rank 0: {exc!r}"
+        return RuntimeError(self._failure)
 
-    def _wait_for_device(self) -> None:
-        """Wait for this step's GPU work, watching the workers: a dead peer would hang it forever."""
-        done = torch.cuda.Event()
-        done.record()
-        while not done.query():
+    def _wait_for_device(self, done: torch.cuda.Event | None) -> None:
+        """Wait for `done`, watching the workers: a dead peer would hang it for ever."""
+        while done is not None and not done.query():
             dead = self._dead_worker(0.0)
             if dead:
                 raise dead
@@ -298,6 +310,23 @@ class Executor:
             self._finalizer()
             atexit.unregister(self._finalizer)
         self._store = None
+
+
+@dataclass
+class _WatchedStep:
+    """A tensor-parallel step in flight: waiting for it watches the workers, since a dead peer would
+    leave rank 0 in a collective for ever."""
+
+    executor: Executor
+    step: PendingStep
+    done: torch.cuda.Event | None  # recorded after the step's sampling
+
+    def result(self) -> StepResult:
+        try:
+            self.executor._wait_for_device(self.done)
+        except Exception as exc:
+            raise self.executor._step_failed(exc) from exc
+        return self.step.result()
 
 
 def _tell_workers_to_stop(workers: list[_Worker]) -> None:

@@ -65,8 +65,10 @@ class StepInput:
     copy_ops: list[tuple[int, int]]  # (src, dst) KV blocks to copy first
     sample_rows: list[int]  # requests whose last row's logits are sampled, in batch order
     prompt_chunks: list[tuple[int, int, int]]  # (request, first row, num rows) scored for prompt logprobs
-    # (flattened row, request id) of inputs the host does not know yet: the step before sampled them.
-    placeholders: list[tuple[int, str]]
+    # (flattened row, row in the previous step's sampled tokens) of inputs the host does not know yet,
+    # and how many tokens that step sampled (under TP, rank 0 broadcasts them to the other ranks).
+    placeholders: list[tuple[int, int]]
+    num_prev_tokens: int
 
 
 @dataclass
@@ -211,9 +213,9 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def prepare(self, out: SchedulerOutput) -> StepInput:
+    def prepare(self, out: SchedulerOutput, after: PendingStep | None = None) -> StepInput:
         """The flattened batch as host arrays (no padding, one row per scheduled token), and which
-        rows' logits the step needs."""
+        rows' logits the step needs. `after`: the step queued before, if placeholders are inputs."""
         reqs, counts = out.requests, np.asarray(out.num_scheduled_tokens, dtype=np.int64)
         starts = np.asarray([r.num_computed_tokens for r in reqs], dtype=np.int64)
         query_start_loc = np.zeros(len(reqs) + 1, dtype=np.int64)
@@ -250,8 +252,18 @@ class ModelRunner:
                 if start < end:
                     prompt_chunks.append((i, int(query_start_loc[i]), end - start))
         rows = [i for i in range(len(reqs)) if out.needs_sample(i)]
-        placeholders = [(int(r), reqs[row[r]].request_id) for r in np.flatnonzero(input_ids == PLACEHOLDER)]
-        return StepInput(batch, list(out.copy_ops), rows, prompt_chunks, placeholders)
+        placeholders = np.flatnonzero(input_ids == PLACEHOLDER)
+        if len(placeholders) and (after is None or after.sampled is None):
+            raise RuntimeError("a step has placeholder inputs but no step queued before it")
+        prev_rows = after.rows if after is not None else {}
+        return StepInput(
+            batch,
+            list(out.copy_ops),
+            rows,
+            prompt_chunks,
+            [(int(r), prev_rows[reqs[row[r]].request_id]) for r in placeholders],
+            len(prev_rows),
+        )
 
     def _warm_up(self) -> None:
         """Compile the prefill kernels before the first request: on a slow host a Triton compile takes
@@ -331,12 +343,12 @@ class ModelRunner:
         return result
 
     @torch.inference_mode()
-    def forward(self, step: StepInput, after: PendingStep | None = None) -> StepLogits:
+    def forward(self, step: StepInput, prev_tokens: torch.Tensor | None = None) -> StepLogits:
         """The step's logits; under tensor parallelism every rank calls this with the same `step`.
-        `after`: the step queued before this one, whose tokens fill this one's placeholders."""
+        `prev_tokens` (rank 0): the previous step's sampled tokens, which fill this one's placeholders."""
         for src, dst in step.copy_ops:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
-        fill_inputs = self._placeholder_fill(step, after)
+        fill_inputs = self._placeholder_fill(step, prev_tokens)
         batch = step.batch
         num_reqs = len(batch["seq_lens"])
         is_decode = batch["max_query_len"] == 1 and len(step.sample_rows) == num_reqs
@@ -356,15 +368,21 @@ class ModelRunner:
             return StepLogits(None, prompt)
         return StepLogits(self.model.compute_logits(hidden[self._last_rows(batch, step.sample_rows)]), prompt)
 
-    def _placeholder_fill(self, step: StepInput, after: PendingStep | None) -> InputFill | None:
-        """What writes the previous step's sampled tokens into this step's input ids, on the device."""
+    def _placeholder_fill(self, step: StepInput, prev_tokens: torch.Tensor | None) -> InputFill | None:
+        """What writes the previous step's sampled tokens into this step's input ids, on the device.
+        Under TP the other ranks get them from rank 0 first (every rank runs this, in the same order)."""
         if not step.placeholders:
             return None
-        if after is None or after.sampled is None:
-            raise RuntimeError("a step has placeholder inputs but no step queued before it")
+        if self.tp.rank == 0 and prev_tokens is None:
+            raise RuntimeError("a step has placeholder inputs but no tokens from the step before")
+        tokens = prev_tokens
+        if self.tp.size > 1:
+            if tokens is None:
+                tokens = torch.empty(step.num_prev_tokens, dtype=torch.int64, device=self.device)
+            self.tp.broadcast(tokens)
+        assert tokens is not None
         dst = to_device([row for row, _ in step.placeholders], torch.int64, self.device)
-        src = to_device([after.rows[rid] for _, rid in step.placeholders], torch.int64, self.device)
-        tokens = after.sampled.tokens
+        src = to_device([prev for _, prev in step.placeholders], torch.int64, self.device)
 
         def fill(input_ids: torch.Tensor) -> None:
             input_ids.index_copy_(0, dst, tokens.index_select(0, src))
@@ -385,8 +403,8 @@ class ModelRunner:
 
     def launch(self, out: SchedulerOutput, after: PendingStep | None = None) -> PendingStep:
         """Queue one step on this rank alone and return before the device has run it."""
-        step = self.prepare(out)
-        logits = self.forward(step, after)
+        step = self.prepare(out, after)
+        logits = self.forward(step, after.sampled.tokens if after and after.sampled else None)
         if out.before_sample is not None:
             out.before_sample()  # on the host while the GPU runs the forward pass
         return self.finish(out, step, logits)

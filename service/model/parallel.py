@@ -35,6 +35,10 @@ class TPGroup:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:  # in place, rank 0's values
+        dist.broadcast(x, src=0, group=self.group)
+        return x
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:  # [n, d] -> [n, size * d], rank order
         # One collective into one buffer (not a list of outputs): the form NCCL captures in CUDA graphs.
         n, d = x.shape
