@@ -61,3 +61,24 @@ def test_cli_at_a_request_rate_reports_failures(server: ServeProcess, tmp_path: 
         [*bench, "--model", "nope", *common], capture_output=True, text=True, timeout=300, env=ENV
     )
     assert bad.returncode == 1 and "0 ok / 4 failed" in bad.stdout
+
+
+def test_the_null_model_double_streams_through_the_real_server(llama_ckpt: Path, tmp_path: Path) -> None:
+    """`PAGODA_BENCH_NULL_MODEL=1` swaps only the model for `null_executor` (a benchmark double): the
+    API process and the engine core are the real ones, every request gets exactly its tokens, and
+    they are ordinary text (no end of sequence, nothing special)."""
+    args = ["--model", str(llama_ckpt), "--served-model-name", MODEL, "--max-num-seqs", "64"]
+    with ServeProcess(args, log_path=tmp_path / "serve.log", env={"PAGODA_BENCH_NULL_MODEL": "1"}) as proc:
+        summary = asyncio.run(
+            run_benchmark(
+                proc.base_url, MODEL, num_prompts=48, input_len=32, output_len=40, max_concurrency=48
+            )
+        )
+        assert (summary.num_ok, summary.num_failed) == (48, 0)
+        assert summary.output_tokens == 48 * 40
+        import openai
+
+        client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="none")
+        done = client.completions.create(model=MODEL, prompt="Hello", max_tokens=200, temperature=0)
+        assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 200
+        assert len(done.choices[0].text) > 200  # word pieces, not empty specials

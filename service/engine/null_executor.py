@@ -1,0 +1,70 @@
+"""A stand-in model side, for benchmarks only: no forward pass, every sampled token is ready at once.
+
+With `PAGODA_BENCH_NULL_MODEL=1`, `pagoda serve` runs the real API process and the real engine core
+(scheduler, KV blocks, step loop, messages) around this instead of the model, so `pagoda bench serve`
+against it measures what everything but the GPU can stream: the ceiling the API process puts on
+served throughput. Tokens cycle through ordinary ids of the model's vocabulary (never an end of
+sequence), so detokenizing costs what it costs with real text. The model's config and tokenizer are
+read as usual; the weights are loaded (on the CPU) only for their config, and the KV cache is a
+layout with nothing behind it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from pagoda.service.engine.config import EngineConfig
+from pagoda.service.engine.messages import SampleResult
+from pagoda.service.engine.model_runner import KVCacheLayout, StepResult
+from pagoda.service.engine.scheduler import SchedulerOutput
+
+ENV = "PAGODA_BENCH_NULL_MODEL"
+_VIRTUAL_KV_TOKENS = 1 << 22  # room for 4M tokens of context: the cache never limits the batch
+
+
+@dataclass
+class _Done:
+    done: StepResult
+
+    def result(self) -> StepResult:
+        return self.done
+
+
+class NullExecutor:
+    """The executor protocol without a model (see the module docstring)."""
+
+    can_overlap = False
+
+    def __init__(self, config: EngineConfig, eos_token_ids: set[int]) -> None:
+        from pagoda.service.model import load_model
+
+        _, self.model_config = load_model(config.model_path, "auto", "cpu")
+        block_size = config.block_size
+        self.kv = KVCacheLayout(_VIRTUAL_KV_TOKENS // block_size, block_size, 1)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        # Ordinary ids from the middle of the vocabulary: words and word pieces, not specials.
+        vocab = self.model_config.vocab_size
+        self._cycle = [t for t in range(vocab // 4, vocab // 4 + 97) if t not in eos_token_ids]
+        self._next = 0
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        sampled: dict[str, SampleResult] = {}
+        for i, req in enumerate(out.requests):
+            if out.needs_sample(i):
+                sampled[req.request_id] = SampleResult(self._cycle[self._next % len(self._cycle)])
+                self._next += 1
+        return StepResult(sampled, {})
+
+    def launch(self, out: SchedulerOutput, after: object = None) -> _Done:
+        return _Done(self.execute(out))
+
+    def check_alive(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+def is_requested() -> bool:
+    return os.environ.get(ENV, "") not in ("", "0")
