@@ -16,9 +16,10 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
-from pagoda.service.api.tool_calls import ParserName, parser_for, template_messages
+from pagoda.service.api.tool_calls import CHAT_ROLES, ParserName, parser_for, template_messages
 from pagoda.service.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from pagoda.service.engine.config import EngineConfig
+from pagoda.service.engine.input_processor import check_text_fits
 from pagoda.service.engine.messages import EngineStats
 from pagoda.service.metrics import RequestTracker, ServerMetrics
 from pagoda.service.outputs import RequestOutput
@@ -227,11 +228,11 @@ class EngineClient:
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text` (off the event loop when it is long); a 400 past what the context holds."""
         tokenizer = self.engine.tokenizer
-        if len(text) > self.max_model_len * tokenizer.max_token_chars:
+        try:
+            check_text_fits(text, self.max_model_len, tokenizer)
+        except InvalidRequestError as exc:
             self.metrics.count_error("invalid_request")
-            raise APIError(
-                "invalid_request", "the text is longer than the model's context can hold", "prompt"
-            )
+            raise APIError("invalid_request", str(exc), exc.param) from exc
         if len(text) > RELEASE_GIL_CHARS:
             return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -374,9 +375,6 @@ class EngineClient:
     def abort(self, request_id: str) -> None:
         if self._engine is not None:
             self._engine.abort(request_id)
-
-
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def check_chat_messages(messages: list[dict[str, Any]]) -> None:

@@ -11,13 +11,21 @@ Responses are plain dicts built in openai_serving.py.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import functools
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from pagoda.service.api.structured_output import StructuredOutputFields
-from pagoda.service.api.tool_calls import ToolCall, ToolChoice, ToolDefinition, ToolPlan, plan_tools
+from pagoda.service.api.tool_calls import (
+    ChatRole,
+    ToolCall,
+    ToolChoice,
+    ToolDefinition,
+    ToolPlan,
+    plan_tools,
+)
 from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
 
 
@@ -128,7 +136,7 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: ChatRole
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None  # role "tool": the call this result answers
@@ -165,7 +173,10 @@ class ChatCompletionRequest(_Request):
     functions: Any = None
     function_call: Any = None
 
+    @functools.cached_property
     def tool_plan(self) -> ToolPlan:
+        """Built once per request (its grammar comes from the tools' schemas); sampling and the
+        template both read it."""
         return plan_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def _refuse_unsupported(self) -> None:
@@ -194,7 +205,7 @@ class ChatCompletionRequest(_Request):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         params = self._sampling_params(max_tokens, logprobs)
-        plan = self.tool_plan()
+        plan = self.tool_plan
         if plan.grammar is not None:
             if params.grammar is not None:
                 raise InvalidRequestError(

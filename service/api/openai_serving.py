@@ -191,7 +191,7 @@ class OpenAIServing:
     async def chat(self, request: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[str]:
         self.client.check_model(request.model)
         try:
-            messages, plan = request.chat_messages(), request.tool_plan()
+            messages, plan = request.chat_messages(), request.tool_plan
         except InvalidRequestError as exc:
             self.client.metrics.count_error("invalid_request")
             raise APIError("invalid_request", str(exc), param=exc.param) from exc

@@ -19,13 +19,15 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagoda.service.grammar import Grammar
 from pagoda.service.sampling_params import InvalidRequestError
 
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]  # the turns a chat may hold
+CHAT_ROLES: tuple[str, ...] = get_args(ChatRole)
 ParserName = Literal["hermes", "mistral", "llama3_json"]
 PARSERS: tuple[str, ...] = ("auto", "hermes", "mistral", "llama3_json", "none")
 

@@ -10,6 +10,17 @@ from pagoda.service.tokenizer import Tokenizer
 MAX_N = 128  # completions per request, as OpenAI allows
 
 
+def check_text_fits(text: str, max_model_len: int, tokenizer: Tokenizer) -> None:
+    """Refuse, before spending time tokenizing it, text that no context of `max_model_len` tokens can
+    hold (no token spans more than `tokenizer.max_token_chars` characters)."""
+    if len(text) > max_model_len * tokenizer.max_token_chars:
+        raise InvalidRequestError(
+            f"this model's maximum context length is {max_model_len} tokens, and the prompt's "
+            f"{len(text)} characters are more than that many tokens can hold; shorten the prompt",
+            param="prompt",
+        )
+
+
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> None:
         self.tokenizer = tokenizer
@@ -21,12 +32,7 @@ class InputProcessor:
         params.validate()
         self._check_token_params(params)
         if isinstance(prompt, str):
-            if len(prompt) > self.max_model_len * self.tokenizer.max_token_chars:
-                raise InvalidRequestError(
-                    f"this model's maximum context length is {self.max_model_len} tokens, and the prompt's "
-                    f"{len(prompt)} characters are more than that many tokens can hold; shorten the prompt",
-                    param="prompt",
-                )
+            check_text_fits(prompt, self.max_model_len, self.tokenizer)
             token_ids = self.tokenizer.encode(prompt)
         else:
             token_ids = list(prompt)
