@@ -25,9 +25,9 @@ def _workload(seed: int = 5) -> list[tuple[str, list[int], SamplingParams, str |
     """(id, prompt, params, id of a request to abort when this one arrives), arriving two per step."""
     rng = random.Random(seed)
     work: list[tuple[str, list[int], SamplingParams, str | None]] = []
-    for i in range(24):
+    for i in range(30):
         prompt = [rng.randrange(3, 49152) for _ in range(rng.randrange(1, 70))]
-        kind = i % 4
+        kind = i % 5
         if kind == 0:
             params = SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 20), ignore_eos=True)
         elif kind == 1:  # seeded sampling with every filter, and log-probabilities
@@ -39,10 +39,15 @@ def _workload(seed: int = 5) -> list[tuple[str, list[int], SamplingParams, str |
             params = SamplingParams(
                 temperature=1.0, seed=i, n=2, max_tokens=10, stop_token_ids=list(range(3, 1003))
             )
-        else:  # min_tokens holds the stop tokens back; logit_bias
+        elif kind == 3:  # min_tokens holds the stop tokens back; logit_bias
             params = SamplingParams(
                 temperature=0.0, max_tokens=9, min_tokens=3, stop_token_ids=[17, 18], logit_bias={17: 50.0}
             )
+        else:  # penalties and prompt log-probabilities: the core runs steps in turn while these are in
+            params = SamplingParams(
+                temperature=0.0, max_tokens=6, presence_penalty=0.7, repetition_penalty=1.2,
+                prompt_logprobs=1, ignore_eos=True,
+            )  # fmt: skip
         abort = f"r{i - 3}" if i % 7 == 6 else None
         work.append((f"r{i}", prompt, params, abort))
     return work
