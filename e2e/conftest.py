@@ -9,6 +9,9 @@
 - `gpu_catalogue`: e2e/gpu_nodes.yaml as loaded data; `cluster_harness`: the launcher module.
 - `real_node` (session): this machine joined to `cluster` as a real node running containers
   (harness/realnode.py); skips with the reason when the machine cannot run containers.
+- `metrics_pipeline` (session): Prometheus and prometheus-adapter serving custom.metrics.k8s.io to the
+  real HPA controller, with the chart's PodMonitor, recording rule and adapter rules
+  (harness/metrics.py); needs the real node (its pods are what it scrapes).
 - `real_images` (session): {"server": ref, "operator": ref}, docker/*.Dockerfile built (when their
   inputs changed) and imported into the real node (harness/images.py); the build goes to the log.
 
@@ -152,3 +155,9 @@ def real_images(cluster, real_node, request) -> dict[str, str]:
             return harness.build_images(cluster, real_node)
         except harness.images.NoRoom as e:
             pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def metrics_pipeline(cluster, real_node) -> object:
+    """Prometheus + prometheus-adapter for `cluster` (started on first use, stopped with the cluster)."""
+    return harness.start_metrics(cluster, attached=True)

@@ -9,6 +9,7 @@ in the last test as the chart deploys it: a pod of the operator image.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -57,13 +58,23 @@ class HostOperator:
             self.proc.wait(timeout=30)
 
 
-@pytest.fixture(scope="module")
-def operator(cluster, tmp_path_factory) -> Iterator[HostOperator]:
+@contextlib.contextmanager
+def host_operator(cluster, log_dir: Path, *extra_args: str) -> Iterator[HostOperator]:
+    """The chart installed (release RELEASE) and `pagoda operator` running on the host with its
+    ServiceAccount; `extra_args` go to `pagoda operator`."""
     helm(cluster, "install", RELEASE, str(ROOT / "charts" / "pagoda"), "-n", RELEASE_NS, "--create-namespace")
     kubeconfig = cluster.serviceaccount_kubeconfig(RELEASE_NS, RELEASE)
-    log = tmp_path_factory.mktemp("operator") / "operator.log"
+    log = log_dir / "operator.log"
     env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONSAFEPATH": "1"}
-    cmd = [sys.executable, "-m", "pagoda.cli", "operator", "--resync-seconds=3", "--drain-seconds=10"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pagoda.cli",
+        "operator",
+        "--resync-seconds=3",
+        "--drain-seconds=10",
+        *extra_args,
+    ]
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     host = HostOperator(proc, log)
@@ -72,6 +83,12 @@ def operator(cluster, tmp_path_factory) -> Iterator[HostOperator]:
     finally:
         host.stop()
         helm(cluster, "uninstall", RELEASE, "-n", RELEASE_NS)
+
+
+@pytest.fixture(scope="module")
+def operator(cluster, tmp_path_factory) -> Iterator[HostOperator]:
+    with host_operator(cluster, tmp_path_factory.mktemp("operator")) as host:
+        yield host
 
 
 def inference_service(name: str, image: str, extra_args: list[str] | None = None) -> dict:

@@ -59,6 +59,7 @@ pki = _load("pki")
 nodes = _load("nodes")
 realnode = _load("realnode")
 images = _load("images")
+metrics = _load("metrics")
 
 
 class KubectlError(subprocess.CalledProcessError):
@@ -480,6 +481,21 @@ def start_real_node(cluster: Cluster, attached: bool = True) -> Any:
         _kill(workdir / "node", grace=2.0)  # containerd, kubelet, kube-proxy, shims: all name node/
         realnode.release(workdir)
         raise
+
+
+def start_metrics(cluster: Cluster, attached: bool = True) -> Any:
+    """Starts the metrics pipeline (metrics.py: Prometheus, prometheus-adapter and the custom metrics
+    APIServices) for our `cluster`; returns a metrics.MetricsPipeline. Stopped with the cluster."""
+    assert cluster.workdir is not None
+    workdir = cluster.workdir
+    return metrics.start(
+        cluster,
+        helm=cluster.bin_dir / "helm",
+        bin_dir=metrics.ensure_binaries(),
+        spawn=lambda name, cmd: _spawn(workdir, name, cmd, attached),
+        wait=lambda what, check, procs: _wait(what, check, procs, workdir),
+        free_ports=_free_ports,
+    )
 
 
 def build_images(cluster: Cluster, node: Any, attached: bool = True) -> dict[str, str]:

@@ -1,0 +1,93 @@
+"""A test double of NVIDIA's dcgm-exporter: serves dcgm-exporter's /metrics output for the real node's
+two (fake) GPUs, each labelled with the pod that holds it, as dcgm-exporter's Kubernetes mapping labels
+it (`namespace`, `pod`, `container` of the GPU's pod). Prometheus scrapes it as kube-prometheus-stack
+scrapes the real exporter, with the exporter pod's own `namespace`/`pod` as target labels, so the GPU's
+labels arrive renamed `exported_namespace`/`exported_pod`: what the chart's recording rule maps back.
+
+Only the GPU's engine activity (DCGM_FI_PROF_GR_ENGINE_ACTIVE) is set by the test; the other series
+keep the sample's values. There is no GPU: nothing here measures anything.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+ENGINE_ACTIVE = "DCGM_FI_PROF_GR_ENGINE_ACTIVE"
+# dcgm-exporter 3.3's output for two A10 GPUs of one host, default counters (a subset), before the
+# Kubernetes mapping adds the pod labels.
+SAMPLE = """\
+# HELP DCGM_FI_DEV_GPU_UTIL GPU utilization (in %).
+# TYPE DCGM_FI_DEV_GPU_UTIL gauge
+DCGM_FI_DEV_GPU_UTIL{gpu="0",UUID="GPU-5a3b7c1e-90d2-4f1a-8e6b-2c4d6f8a0b1c",pci_bus_id="00000000:00:1E.0",device="nvidia0",modelName="NVIDIA A10",Hostname="pagoda-real-0",DCGM_FI_DRIVER_VERSION="535.183.01"} 0
+DCGM_FI_DEV_GPU_UTIL{gpu="1",UUID="GPU-7e1f2a3b-4c5d-46e7-98f9-0a1b2c3d4e5f",pci_bus_id="00000000:00:1F.0",device="nvidia1",modelName="NVIDIA A10",Hostname="pagoda-real-0",DCGM_FI_DRIVER_VERSION="535.183.01"} 0
+# HELP DCGM_FI_DEV_FB_USED Framebuffer memory used (in MiB).
+# TYPE DCGM_FI_DEV_FB_USED gauge
+DCGM_FI_DEV_FB_USED{gpu="0",UUID="GPU-5a3b7c1e-90d2-4f1a-8e6b-2c4d6f8a0b1c",pci_bus_id="00000000:00:1E.0",device="nvidia0",modelName="NVIDIA A10",Hostname="pagoda-real-0",DCGM_FI_DRIVER_VERSION="535.183.01"} 20571
+DCGM_FI_DEV_FB_USED{gpu="1",UUID="GPU-7e1f2a3b-4c5d-46e7-98f9-0a1b2c3d4e5f",pci_bus_id="00000000:00:1F.0",device="nvidia1",modelName="NVIDIA A10",Hostname="pagoda-real-0",DCGM_FI_DRIVER_VERSION="535.183.01"} 0
+# HELP DCGM_FI_PROF_GR_ENGINE_ACTIVE Ratio of time the graphics engine is active.
+# TYPE DCGM_FI_PROF_GR_ENGINE_ACTIVE gauge
+DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="0",UUID="GPU-5a3b7c1e-90d2-4f1a-8e6b-2c4d6f8a0b1c",pci_bus_id="00000000:00:1E.0",device="nvidia0",modelName="NVIDIA A10",Hostname="pagoda-real-0",DCGM_FI_DRIVER_VERSION="535.183.01"} 0.000000
+DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="1",UUID="GPU-7e1f2a3b-4c5d-46e7-98f9-0a1b2c3d4e5f",pci_bus_id="00000000:00:1F.0",device="nvidia1",modelName="NVIDIA A10",Hostname="pagoda-real-0",DCGM_FI_DRIVER_VERSION="535.183.01"} 0.000000
+"""  # noqa: E501 - the exporter writes each series on one line
+
+
+@dataclass(frozen=True)
+class GpuHolder:
+    """The pod holding one GPU, and the engine activity (0-1) the double reports for that GPU."""
+
+    namespace: str
+    pod: str
+    container: str
+    engine_active: float
+
+
+class _Collector:
+    def __init__(self) -> None:
+        self.holders: dict[str, GpuHolder] = {}  # gpu index -> holder
+        self.lock = threading.Lock()
+
+    def collect(self) -> Iterator[Metric]:
+        with self.lock:
+            holders = dict(self.holders)
+        for family in text_string_to_metric_families(SAMPLE):
+            out = GaugeMetricFamily(
+                family.name,
+                family.documentation,
+                labels=[*family.samples[0].labels, "container", "namespace", "pod"],
+            )
+            for sample in family.samples:
+                holder = holders.get(sample.labels["gpu"])
+                value = sample.value
+                if holder is not None and family.name == ENGINE_ACTIVE:
+                    value = holder.engine_active
+                pod_labels = [holder.container, holder.namespace, holder.pod] if holder else ["", "", ""]
+                out.add_metric([*sample.labels.values(), *pod_labels], value)
+            yield out
+
+
+class DcgmExporterDouble:
+    """Serves the sample on 127.0.0.1 (`address`); `hold(gpu, holder)` sets a GPU's pod and activity."""
+
+    def __init__(self) -> None:
+        self._collector = _Collector()
+        registry = CollectorRegistry()
+        registry.register(self._collector)
+        self._server, self._thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+        self.address = f"127.0.0.1:{self._server.server_port}"
+
+    def hold(self, gpu: str, holder: GpuHolder | None) -> None:
+        with self._collector.lock:
+            if holder is None:
+                self._collector.holders.pop(gpu, None)
+            else:
+                self._collector.holders[gpu] = holder
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
