@@ -180,7 +180,11 @@ def test_adapter_rules_serve_the_hpa_metric_names() -> None:
         series = re.match(r"[^{]+", rule["seriesQuery"]).group(0)  # type: ignore[union-attr]
         assert re.fullmatch(rule["name"]["matches"], series), rule
     dcgm = next(r for r in rules if r["name"]["as"] == manifests.DCGM_METRIC)
-    (record,) = [r for g in monitoring_objects(True)["PrometheusRule"]["spec"]["groups"] for r in g["rules"]]
+    (record,) = [
+        r
+        for g in monitoring_objects(True)["PrometheusRule/pagoda-dcgm"]["spec"]["groups"]
+        for r in g["rules"]
+    ]
     assert dcgm["seriesQuery"].startswith(record["record"] + "{")
 
 
@@ -192,12 +196,18 @@ def test_vllm_names_in_the_adapter_rules_are_exported() -> None:
 
 
 def monitoring_objects(enabled: bool | str, *args: str) -> dict[str, dict]:
+    """The prometheus-operator objects the chart renders, as {"Kind/name": object}, with every
+    `monitoring.*.enabled` set to `enabled`."""
     flags = [
         f"monitoring.{kind}.enabled={str(enabled).lower()}"
         for kind in ("podMonitor", "serviceMonitor", "prometheusRule")
     ]
     docs = render(*[a for f in flags for a in ("--set", f)], *args)
-    return {d["kind"]: d for d in docs if d["apiVersion"].startswith("monitoring.coreos.com/")}
+    return {
+        f"{d['kind']}/{d['metadata']['name']}": d
+        for d in docs
+        if d["apiVersion"].startswith("monitoring.coreos.com/")
+    }
 
 
 @needs_helm
@@ -205,15 +215,17 @@ def test_monitors_render_when_the_crds_exist_or_when_asked() -> None:
     assert monitoring_objects("auto") == {}  # no prometheus-operator in `helm template`'s default cluster
     apis = [a for k in ("PodMonitor", "ServiceMonitor", "PrometheusRule")
             for a in ("--api-versions", f"monitoring.coreos.com/v1/{k}")]  # fmt: skip
-    assert set(monitoring_objects("auto", *apis)) == {"PodMonitor", "ServiceMonitor", "PrometheusRule"}
+    kinds = {d["kind"] for d in monitoring_objects("auto", *apis).values()}
+    assert kinds == {"PodMonitor", "ServiceMonitor", "PrometheusRule"}
     assert monitoring_objects(False, *apis) == {}
     # Defaults with the CRDs: the PodMonitor and the rule, not the ServiceMonitor (double series).
-    assert set(d["kind"] for d in render(*apis) if d["apiVersion"].startswith("monitoring")) == {
-        "PodMonitor",
-        "PrometheusRule",
+    defaults = render(*apis)
+    names = {
+        f"{d['kind']}/{d['metadata']['name']}" for d in defaults if d["apiVersion"].startswith("monitoring")
     }
+    assert names == {"PodMonitor/pagoda-servers", "PodMonitor/pagoda-operator", "PrometheusRule/pagoda-dcgm"}
     got = monitoring_objects(True, "--set", "operator.watchNamespaces={a,b}")
-    pod_monitor, service_monitor = got["PodMonitor"], got["ServiceMonitor"]
+    pod_monitor, service_monitor = got["PodMonitor/pagoda-servers"], got["ServiceMonitor/pagoda-servers"]
     from pagoda.operator import manifests
 
     server_labels = manifests.labels(_spec())
@@ -224,15 +236,24 @@ def test_monitors_render_when_the_crds_exist_or_when_asked() -> None:
     assert service_monitor["spec"]["endpoints"][0]["port"] == "metrics"
     service_ports = {p["name"] for p in manifests.service(_spec())["spec"]["ports"]}
     assert "metrics" in service_ports
+    # The operator's own PodMonitor: its pod's selector labels, its `metrics` port; none without the port.
+    operator_monitor = got["PodMonitor/pagoda-operator"]
+    (deployment,) = [d for d in render() if d["kind"] == "Deployment"]
+    assert (
+        operator_monitor["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    )
+    ports = {p["name"] for p in deployment["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert operator_monitor["spec"]["podMetricsEndpoints"][0]["port"] in ports
+    assert "PodMonitor/pagoda-operator" not in monitoring_objects(True, "--set", "operator.metricsPort=0")
 
 
 @needs_helm
 def test_dcgm_recording_rule_maps_the_exported_labels() -> None:
-    (rule,) = monitoring_objects(True)["PrometheusRule"]["spec"]["groups"][0]["rules"]
+    (rule,) = monitoring_objects(True)["PrometheusRule/pagoda-dcgm"]["spec"]["groups"][0]["rules"]
     assert '"pod", "$1", "exported_pod"' in rule["expr"] and '"exported_namespace"' in rule["expr"]
     assert rule["expr"].startswith("avg by (namespace, pod)")
     flag = ("--set", "monitoring.prometheusRule.dcgmExportedLabels=false")
-    (rule,) = monitoring_objects(True, *flag)["PrometheusRule"]["spec"]["groups"][0]["rules"]
+    (rule,) = monitoring_objects(True, *flag)["PrometheusRule/pagoda-dcgm"]["spec"]["groups"][0]["rules"]
     assert "exported" not in rule["expr"]
 
 
