@@ -43,6 +43,10 @@ HERE = Path(__file__).resolve().parent
 base = _load("pagoda_e2e_test_real_pods_base", HERE / "test_real_pods.py")
 dcgm = _load("pagoda_e2e_harness_dcgm_double", HERE / "harness" / "dcgm_double.py")
 
+# The first test's setup may bear the session's cold costs (real node build, images ~5-10 min, the
+# metrics build ~4 min) on top of its own ~2 min: past pytest-timeout's default of 600 s.
+pytestmark = pytest.mark.timeout(1800)
+
 NAME = "scale"
 QUEUE_METRIC = "pagoda_requests_waiting"
 TARGET_QUEUE_DEPTH = 2
