@@ -24,6 +24,6 @@ RUN --mount=type=bind,rw,target=/src \
 
 WORKDIR /tmp
 USER 10001:10001
-EXPOSE 8080
+EXPOSE 8080 8081
 ENTRYPOINT ["pagoda"]
 CMD ["operator", "--liveness", "http://0.0.0.0:8080/healthz"]

@@ -87,7 +87,11 @@ def run(args: argparse.Namespace) -> int:
     metrics_registry = metrics.new_registry()
     reconciler = Reconciler(Kube.from_environment(), config, metrics.OperatorMetrics(metrics_registry))
     if args.metrics_port:
-        port = metrics.serve(metrics_registry, args.metrics_port)
+        try:
+            port = metrics.serve(metrics_registry, args.metrics_port)
+        except metrics.MetricsPortError as exc:
+            log.error("%s (--metrics-port / PAGODA_OPERATOR_METRICS_PORT)", exc)
+            return 2
         log.info("metrics at http://0.0.0.0:%d/metrics", port)
     registry = kopf.OperatorRegistry()
     register(registry, reconciler, tuple(args.namespace))

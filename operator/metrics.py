@@ -198,6 +198,14 @@ def new_registry() -> CollectorRegistry:
 
 
 def serve(registry: CollectorRegistry, port: int, address: str = "0.0.0.0") -> int:
-    """Serve the registry at http://address:port/metrics in a daemon thread; returns the bound port."""
-    server, _ = start_http_server(port, address, registry)
+    """Serve the registry at http://address:port/metrics in a daemon thread; returns the bound port.
+    `MetricsPortError` when the port cannot be bound (taken, or not allowed)."""
+    try:
+        server, _ = start_http_server(port, address, registry)
+    except OSError as exc:
+        raise MetricsPortError(f"cannot serve metrics on {address}:{port}: {exc.strerror or exc}") from exc
     return int(server.server_port)
+
+
+class MetricsPortError(Exception):
+    pass

@@ -298,3 +298,16 @@ def test_metrics_port_flag_defaults_off_and_reads_the_environment(monkeypatch: p
     assert parse().metrics_port == 9100
     with pytest.raises(SystemExit):
         parse("--metrics-port", "70000")
+
+
+def test_a_taken_metrics_port_is_a_clear_error() -> None:
+    import socket
+
+    from pagoda.operator import metrics
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(metrics.MetricsPortError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
+            metrics.serve(metrics.new_registry(), port, "127.0.0.1")
