@@ -10,7 +10,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 # standard library's `operator` (Python >= 3.11).
 export PYTHONSAFEPATH := 1
 
-.PHONY: setup demo test test-fast lint e2e cluster cluster-down gpu-check bench-kernels clean
+.PHONY: setup demo test test-fast lint e2e cluster cluster-down demo-cluster gpu-check bench-kernels clean
 
 $(UV):
 	$(PY) -m venv $(VENV)
@@ -49,6 +49,12 @@ e2e: setup k8s-bin
 # REAL_NODE=1 also joins this machine as a real node running containers (root; e2e/README.md).
 cluster: setup k8s-bin
 	@$(VENV)/bin/python e2e/harness/cluster.py up $(if $(REAL_NODE),--real-node)
+
+# The whole flow without a GPU, left running: the cluster with its real node and metrics pipeline, the
+# chart and the operator pod, one InferenceService as a real pod asked a question through its Service,
+# and the HPA scaling it 1 -> 2 -> 1 on queue depth (root; e2e/harness/demo_cluster.py).
+demo-cluster: setup k8s-bin
+	@$(VENV)/bin/python e2e/harness/demo_cluster.py
 
 cluster-down: setup
 	@$(VENV)/bin/python e2e/harness/cluster.py down
