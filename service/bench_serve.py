@@ -16,6 +16,7 @@ import json
 import random
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -44,6 +45,7 @@ class Summary:
     itl_ms: dict[str, float]
     tpot_ms: dict[str, float]  # per request: (latency - TTFT) / (output tokens - 1)
     latency_ms: dict[str, float]
+    errors: dict[str, int] = field(default_factory=dict)  # why requests failed -> how many, most first
 
     @property
     def request_throughput(self) -> float:
@@ -99,7 +101,10 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], output_
                     result.itl_s.append(now - last)
                 last = now
     except Exception as exc:  # a refused or broken connection counts as a failed request
+        cause = exc.__cause__ or exc.__context__
         result.error = f"{type(exc).__name__}: {exc}"
+        result.error += f" ({type(cause).__name__}: {cause})" if cause else ""
+        result.error += f" after {len(result.itl_s) + bool(result.ttft_s)} chunks"
         return result
     result.latency_s = time.perf_counter() - start
     result.ok = result.output_tokens > 0
@@ -151,6 +156,7 @@ async def run_benchmark(
             [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
         ),
         latency_ms=_stats_ms([r.latency_s for r in ok]),
+        errors=dict(Counter(r.error or "no tokens" for r in results if not r.ok).most_common()),
     )
 
 
@@ -188,6 +194,8 @@ def format_summary(args: argparse.Namespace, summary: Summary) -> str:
             row("inter-token latency", summary.itl_ms),
             row("end to end", summary.latency_ms),
             "",
+            *(f"- failed {n}x: {error}" for error, n in list(summary.errors.items())[:5]),
+            *([""] if summary.errors else []),
         ]
     )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -61,6 +62,7 @@ def test_cli_at_a_request_rate_reports_failures(server: ServeProcess, tmp_path: 
         [*bench, "--model", "nope", *common], capture_output=True, text=True, timeout=300, env=ENV
     )
     assert bad.returncode == 1 and "0 ok / 4 failed" in bad.stdout
+    assert re.search(r"- failed 4x: HTTP 404: .*nope", bad.stdout)  # why, as the server said it
 
 
 def test_the_null_model_double_streams_through_the_real_server(llama_ckpt: Path, tmp_path: Path) -> None:
