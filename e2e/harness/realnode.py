@@ -319,6 +319,10 @@ def _kubelet_config(node_dir: Path, port: int, healthz_port: int) -> Path:
         "syncFrequency": "10s",
         "imageGCHighThresholdPercent": 100,
         "imageGCLowThresholdPercent": 99,
+        # Under disk pressure the eviction manager deletes unused images, the pause image among them
+        # (containerd 1.6 does not pin it), and no pod starts again: seen once during an image build.
+        # Images younger than this are never collected, so a test session keeps all of them.
+        "imageMinimumGCAge": "24h",
         "evictionHard": {"memory.available": "200Mi", "nodefs.available": "1%", "imagefs.available": "1%"},
         "maxPods": 30,
         "makeIPTablesUtilChains": False,
