@@ -149,3 +149,24 @@ def rotary_embedding(
         x1, x2 = x[..., :half].float(), x[..., half:].float()
         rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         x.copy_(rotated.to(x.dtype))
+
+
+FP8_MAX = 448.0  # e4m3's largest finite value
+
+
+def quantize_fp8_rows(
+    x: torch.Tensor,  # [M, K]
+) -> tuple[torch.Tensor, torch.Tensor]:  # (float8_e4m3fn [M, K], float32 [M, 1])
+    """Per-row fp8 (e4m3): `x ~= q * scale` with `scale = max(amax(|x|), 1e-12) / 448`."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def fp8_matmul_w8a16(
+    x: torch.Tensor,  # [M, K] in the model dtype
+    weight: torch.Tensor,  # [N, K] float8_e4m3fn
+    weight_scale: torch.Tensor,  # [N] float32, one scale per weight row
+) -> torch.Tensor:  # [M, N] in x's dtype
+    """`x @ (weight * weight_scale).T` with unquantized activations, in float32, rounded once."""
+    return ((x.float() @ weight.float().t()) * weight_scale.view(1, -1)).to(x.dtype)

@@ -1,0 +1,86 @@
+"""Dynamic per-row fp8 (e4m3) quantization in one launch: `x ~= q * scale`, row by row.
+
+One program per row, two passes over it in BLOCK-column chunks: the first takes the row's absolute
+maximum, the second divides by `scale = max(amax, 1e-12) / 448` and casts to e4m3. A row of a
+Llama-3-8B projection input is at most 14336 bf16 (28 KiB), so the second pass reads from L1/L2.
+
+The arithmetic is `reference.quantize_fp8_rows`' to the bit: the maximum is exact in any dtype, both
+divisions are IEEE round-to-nearest (`div_rn`; Triton's `/` is the approximate `div.full.f32` on
+NVIDIA GPUs), and after the same clamp to +-448 the value is rounded to the nearest e4m3 (ties to
+even, as PyTorch's cast) in float32 arithmetic, so the cast itself is exact. Rounding by hand costs
+a few integer operations in a memory-bound loop and makes the result independent of how a backend
+converts: Triton 3.9's interpreter rounds half up and drops the carry into the exponent (124.3
+became 64, not 128), and a conversion through float16 would round twice.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0  # e4m3's largest finite value
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+@triton.jit
+def _round_to_e4m3(v):  # float32 with |v| <= 448 -> the nearest e4m3 value (ties to even), as float32
+    # Normal range: round the float32 bits to 3 mantissa bits, a carry moving into the exponent.
+    bits = v.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    # Below 2^-6 e4m3 is subnormal, a grid of 2^-9: adding 2^14 leaves float32 exactly that grid.
+    sub = (tl.abs(v) + 16384.0) - 16384.0
+    return tl.where(tl.abs(v) < 0.015625, tl.where(bits < 0, -sub, sub), normal)  # keeps -0.0
+
+
+@triton.jit
+def _quantize_fp8_rows_kernel(
+    x_ptr,  # [M, K]
+    q_ptr,  # [M, K] float8_e4m3fn
+    scale_ptr,  # [M] float32
+    K,
+    stride_x,
+    stride_q,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    q_row = q_ptr + row * stride_q
+    cols = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, K, BLOCK):
+        x = tl.load(x_row + start + cols, mask=start + cols < K, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), 1e-12), 448.0)
+    tl.store(scale_ptr + row, scale)
+    for start in range(0, K, BLOCK):
+        mask = start + cols < K
+        x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+        tl.store(q_row + start + cols, _round_to_e4m3(q).to(tl.float8e4nv), mask=mask)
+
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def quantize_fp8_rows(
+    x: torch.Tensor,  # [M, K]
+) -> tuple[torch.Tensor, torch.Tensor]:  # (float8_e4m3fn [M, K], float32 [M, 1])
+    """`x` [M, K] -> (q, scale) with `x ~= q * scale` row by row, as `reference.quantize_fp8_rows`."""
+    if x.dim() != 2:
+        raise ValueError(f"quantize_fp8_rows: want x [M, K]; got {tuple(x.shape)}")
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"quantize_fp8_rows: x dtype {x.dtype} not in {_DTYPES}")
+    if x.stride(-1) != 1:
+        raise ValueError(f"quantize_fp8_rows: x must be contiguous in its last dim, strides {x.stride()}")
+    num_rows, k = x.shape
+    q = torch.empty((num_rows, k), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)
+    if num_rows == 0:
+        return q, scale
+    # 4096 columns a chunk: 16 per thread at 8 warps, and Llama-3-8B's 4096 inputs in one chunk.
+    block = min(4096, triton.next_power_of_2(max(k, 1)))
+    _quantize_fp8_rows_kernel[(num_rows,)](
+        x, q, scale, k, x.stride(0), q.stride(0), BLOCK=block, num_warps=8 if block >= 2048 else 4
+    )
+    return q, scale
