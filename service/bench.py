@@ -55,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="profile this many steady decode steps at the largest batch: wall and GPU-busy ms per step",
     )
+    offline.add_argument(
+        "--busy-top", type=int, default=0, help="with --busy-steps: print the K kernels with the most GPU time"
+    )
     offline.add_argument("--output", default=None, help="append the Markdown result to this file")
     serve = sub.add_parser(
         "serve",
@@ -168,7 +171,8 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
     if args.busy_steps > 0 and runner.device.type == "cuda":
         for is_async in sorted(set(modes[args.async_scheduling])):
             core.is_async = is_async
-            wall, busy = _decode_busy(llm, _prompts(args.num_prompts, args.input_len, vocab), args.busy_steps)
+            prompts = _prompts(args.num_prompts, args.input_len, vocab)
+            wall, busy = _decode_busy(llm, prompts, args.busy_steps, args.busy_top)
             print(
                 f"decode at batch {args.num_prompts}{_mode_name(is_async)}: {wall:.2f} ms/step wall, "
                 f"GPU busy {busy:.2f} ms/step ({100 * busy / wall:.0f}%), idle {wall - busy:.2f} ms/step"
@@ -188,9 +192,10 @@ def _mode_name(is_async: bool) -> str:
     return " (async)" if is_async else " (in turn)"
 
 
-def _decode_busy(llm: Any, prompts: list[list[int]], steps: int) -> tuple[float, float]:
+def _decode_busy(llm: Any, prompts: list[list[int]], steps: int, top: int = 0) -> tuple[float, float]:
     """Wall and GPU-busy milliseconds per steady decode step (every request past its prefill), the
-    busy time being the sum of the CUDA kernels the profiler saw in those steps."""
+    busy time being the sum of the CUDA kernels the profiler saw in those steps. `top`: print that
+    many kernels, most GPU time first, with their time per step."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -209,7 +214,11 @@ def _decode_busy(llm: Any, prompts: list[list[int]], steps: int) -> tuple[float,
             engine.step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    busy_us = sum(e.self_device_time_total for e in prof.key_averages() if e.self_device_time_total > 0)
+    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    busy_us = sum(e.self_device_time_total for e in kernels)
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
+        per_step = e.self_device_time_total / steps
+        print(f"  {per_step:8.1f} us/step  {e.count / steps:6.1f} calls/step  {e.key[:110]}")
     for i in range(len(prompts)):
         engine.abort(f"busy-{i}")
     while engine.has_unfinished or engine.core.has_unfinished:
