@@ -17,8 +17,9 @@ token ids). The checks, each printed as a row of a pass/fail table:
    and on random-weight models, whose top choices are near-ties, that flips about half the steps
    (41-51% top-1 agreement measured on the H200), so top-1 agreement here says nothing about fp8 on
    trained weights. Correctness of the fp8 path is item 5 plus the CPU tests of the emulation.
-5. The fp8 projection on the tensor cores (`torch._scaled_mm`) against its float32 emulation on the
-   same quantized numbers: relative L2 error under 1e-2.
+5. The fp8 projection's GPU paths (W8A8: Triton quantization + `torch._scaled_mm`; W8A16: the skinny
+   Triton kernel) against their float32 emulation on the same quantized numbers: relative L2 error
+   under 1e-2.
 """
 
 from __future__ import annotations
@@ -281,12 +282,16 @@ def fp8_layer_check() -> tuple[str, str, bool | None, str]:
 
     torch.manual_seed(0)
     layer = Fp8Linear(torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.02, None)
-    x = torch.randn(37, 4096, device="cuda", dtype=torch.bfloat16)
-    fast = layer(x).float()
-    layer.use_scaled_mm = False
-    emulated = layer(x).float()
-    err = float((fast - emulated).norm() / emulated.norm())
-    return ("Fp8Linear 37x4096x4096", "_scaled_mm == float32 emulation", err < 1e-2, f"relative L2 {err:.2e}")
+    errors = []
+    for num_rows in (37, 4):  # W8A8 (Triton quantization + _scaled_mm), W8A16 (the skinny kernel)
+        x = torch.randn(num_rows, 4096, device="cuda", dtype=torch.bfloat16)
+        layer.use_kernels = True
+        fast = layer(x).float()
+        layer.use_kernels = False
+        emulated = layer(x).float()
+        errors.append(float((fast - emulated).norm() / emulated.norm()))
+    detail = f"relative L2 W8A8 (37 rows) {errors[0]:.2e}, W8A16 (4 rows) {errors[1]:.2e}"
+    return ("Fp8Linear 4096x4096", "GPU kernels == float32 emulation", max(errors) < 1e-2, detail)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
-"""FP8 W8A8 projections: the layer against a float matmul, the model against its unquantized self,
-and the engine end to end with `quantization="fp8"` (the CPU runs the float32 emulation that the GPU's
-`torch._scaled_mm` path is checked against in `pagoda.service.gpu_check`)."""
+"""FP8 projections (W8A16 for few rows, W8A8 above): the layer against a float matmul, the model
+against its unquantized self, and the engine end to end with `quantization="fp8"` (the CPU runs the
+float32 emulation that the GPU's kernels are checked against in `pagoda.service.gpu_check`)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from pathlib import Path
 
 import torch
 
+from pagoda.kernels import reference
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.llm_engine import LLMEngine
 from pagoda.service.model import load_model
-from pagoda.service.model.fp8 import FP8_DTYPE, Fp8Linear, quantize_model_fp8, quantize_rows
+from pagoda.service.model.fp8 import FP8_DTYPE, SKINNY_MAX_M, Fp8Linear, quantize_model_fp8, quantize_rows
 from pagoda.service.sampling_params import SamplingParams
 
 
@@ -32,10 +33,25 @@ def test_fp8_linear_matches_float_matmul() -> None:
     torch.manual_seed(0)
     weight, bias, x = torch.randn(96, 64), torch.randn(96), torch.randn(5, 3, 64)
     layer = Fp8Linear(weight, bias)
-    assert layer.weight.dtype == FP8_DTYPE and not layer.use_scaled_mm
+    assert layer.weight.dtype == FP8_DTYPE and not layer.use_kernels
     out = layer(x)
     assert out.shape == (5, 3, 96)
     assert rel_l2(out, x @ weight.t() + bias) < 0.06
+
+
+def test_fp8_linear_picks_w8a16_up_to_skinny_max_m() -> None:
+    torch.manual_seed(1)
+    weight = torch.randn(48, 256)
+    layer = Fp8Linear(weight, None)
+    few, many = torch.randn(SKINNY_MAX_M, 256), torch.randn(SKINNY_MAX_M + 1, 256)
+    # Few rows: unquantized activations times the fp8 weights; many: both quantized.
+    assert torch.equal(layer(few), reference.fp8_matmul_w8a16(few, layer.weight, layer.weight_scale))
+    xq, x_scale = quantize_rows(many)
+    w8a8 = (xq.float() * x_scale) @ (layer.weight.float() * layer.weight_scale.view(-1, 1)).t()
+    torch.testing.assert_close(layer(many), w8a8)
+    # Activation rounding is W8A8's extra error: the same rows come out closer to float W8A16.
+    always_w8a8 = Fp8Linear(weight, None, skinny_max_m=0)
+    assert rel_l2(layer(few), few @ weight.t()) < 0.7 * rel_l2(always_w8a8(few), few @ weight.t())
 
 
 def test_quantized_model_logits_stay_close(llama_ckpt: Path, paged_runner: type) -> None:
