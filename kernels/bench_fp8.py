@@ -1,0 +1,248 @@
+"""fp8 projection benchmark at Llama-3-8B shapes: every way to run `Fp8Linear` against bf16, per row count.
+
+    python -m pagoda.kernels.bench_fp8 [--quick] [--sweep] [--markdown PATH]
+
+For M in 1..256 rows and the four projections of a decoder layer (qkv 4096->6144, o 4096->4096,
+gate_up 4096->28672, down 14336->4096) it times, in microseconds of CUDA-graph replay (the engine's
+decode steps replay graphs; `bench._time`):
+
+- bf16: `x @ w.t()`, the unquantized model;
+- torch quant + mm: `Fp8Linear`'s W8A8 before the Triton quantization (five PyTorch ops per call)
+  then `torch._scaled_mm` with row-wise scales;
+- triton quant + mm: `kernels/quant.py` then the same `_scaled_mm`;
+- skinny W8A16: `kernels/fp8_gemm.py` (M <= 64; it reads the weights once per 16 rows);
+- mm per-tensor: `_scaled_mm` alone on activations quantized beforehand, with one scale per
+  tensor, the fastest fp8 GEMM cuBLAS has (a bound, not a candidate: no per-row scales).
+
+Each cell also gives the weight-read bandwidth (the weight's bytes over the time, GB/s). A second
+table sums a decode step's projections (32 layers x 4) per method: the number `SKINNY_MAX_M` in
+`service/model/fp8.py` is set from, where the skinny column stops winning. `--sweep` times tile
+variants of the skinny kernel at 1 and 16 rows. Needs only torch and triton; runs in about a minute
+and a half on an H200 (`--quick`: M 1, 16, 256). A method that fails prints its error in its cell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable
+
+HELP = "time the fp8 projection paths (quantize + _scaled_mm, skinny W8A16) against bf16 on this GPU"
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # N, K
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+QUICK_ROWS = (1, 16, 256)
+SKINNY_ROWS = 64  # above, the skinny kernel re-reads the weights more than 4 times
+NUM_LAYERS = 32
+METHODS = ("bf16", "torch quant + mm", "triton quant + mm", "skinny W8A16", "mm per-tensor")
+FP8_METHODS = METHODS[1:]
+DEVICE = "cuda"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help=f"rows {QUICK_ROWS} only")
+    parser.add_argument("--sweep", action="store_true", help="also time skinny kernel tile variants")
+    parser.add_argument("--markdown", help="write the tables to this file")
+
+
+def _methods(m: int, n: int, k: int) -> dict[str, Callable[[], object] | None]:
+    """The timed callables of one (rows, shape) cell; None where a method does not apply."""
+    import torch
+
+    from pagoda.kernels import reference
+    from pagoda.kernels.fp8_gemm import fp8_matmul_w8a16
+    from pagoda.kernels.quant import quantize_fp8_rows
+
+    bf16 = torch.bfloat16
+    x = torch.randn(m, k, device=DEVICE, dtype=bf16)
+    w = torch.randn(n, k, device=DEVICE, dtype=bf16) * 0.02
+    wq, w_scale = reference.quantize_fp8_rows(w)
+    w_scale = w_scale.view(1, -1)
+    xq, _ = reference.quantize_fp8_rows(x)
+    one = torch.ones((), device=DEVICE)
+
+    def torch_quant_mm() -> object:
+        q, s = reference.quantize_fp8_rows(x)
+        return torch._scaled_mm(q, wq.t(), scale_a=s, scale_b=w_scale, out_dtype=bf16)
+
+    def triton_quant_mm() -> object:
+        q, s = quantize_fp8_rows(x)
+        return torch._scaled_mm(q, wq.t(), scale_a=s, scale_b=w_scale, out_dtype=bf16)
+
+    return {
+        "bf16": lambda: x @ w.t(),
+        "torch quant + mm": torch_quant_mm,
+        "triton quant + mm": triton_quant_mm,
+        "skinny W8A16": (lambda: fp8_matmul_w8a16(x, wq, w_scale)) if m <= SKINNY_ROWS else None,
+        "mm per-tensor": lambda: torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one, out_dtype=bf16),
+    }
+
+
+def _cell(fn: Callable[[], object] | None) -> float | str:
+    """Microseconds, or the error's first words (a method that fails must not stop the others)."""
+    from pagoda.kernels.bench import _time
+
+    if fn is None:
+        return math.nan
+    try:
+        fn()  # compile and check it runs before timing
+        return _time(fn)
+    except Exception as exc:
+        first_line = str(exc).splitlines()[0][:80] if str(exc) else ""
+        return f"error: {type(exc).__name__}: {first_line}"
+
+
+def _fmt(us: float | str, weight_bytes: int) -> str:
+    if isinstance(us, str):
+        return us.replace("|", "/")
+    if math.isnan(us):
+        return ""
+    return f"{us:.1f} ({weight_bytes / (us * 1e3):.0f})"
+
+
+def checks() -> list[str]:
+    """On this GPU: the Triton quantization against PyTorch's, the skinny kernel against float32."""
+    import torch
+
+    from pagoda.kernels import reference
+    from pagoda.kernels.fp8_gemm import fp8_matmul_w8a16
+    from pagoda.kernels.quant import quantize_fp8_rows
+
+    lines = []
+    try:
+        x = torch.randn(64, 14336, device=DEVICE, dtype=torch.bfloat16) * 3
+        q, s = quantize_fp8_rows(x)
+        q_ref, s_ref = reference.quantize_fp8_rows(x)
+        same = torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+        lines.append(f"triton quantization == PyTorch's, 64 x 14336 bf16: {same}")
+        w, w_scale = reference.quantize_fp8_rows(torch.randn(4096, 14336, device=DEVICE) * 0.02)
+        out = fp8_matmul_w8a16(x[:5], w, w_scale)
+        ref = reference.fp8_matmul_w8a16(x[:5].float(), w, w_scale)
+        err = float((out.float() - ref).norm() / ref.norm())
+        lines.append(f"skinny W8A16 vs float32 reference, 5 x 14336 -> 4096: relative L2 {err:.1e}")
+    except Exception as exc:
+        lines.append(f"checks failed: {exc!r}")
+    return lines
+
+
+def bench(rows: tuple[int, ...]) -> tuple[list[str], dict[int, dict[str, float]]]:
+    """The per-cell table's lines, and per rows x method the summed microseconds of one layer."""
+    import torch
+
+    lines = [
+        "| M | projection | " + " | ".join(f"{m} us (GB/s)" for m in METHODS) + " |",
+        "| ---: | --- |" + " ---: |" * len(METHODS),
+    ]
+    per_layer: dict[int, dict[str, float]] = {}
+    for m in rows:
+        sums = per_layer.setdefault(m, {})
+        for name, (n, k) in SHAPES.items():
+            try:
+                fns = _methods(m, n, k)
+            except Exception as exc:
+                lines.append(f"| {m} | {name} | setup failed: {exc!r} |")
+                continue
+            cells = []
+            for method, fn in fns.items():
+                us = _cell(fn)
+                cells.append(_fmt(us, n * k * (2 if method == "bf16" else 1)))
+                sums[method] = sums.get(method, 0.0) + (us if isinstance(us, float) else math.nan)
+            lines.append(f"| {m} | {name} {k}->{n} | " + " | ".join(cells) + " |")
+            print(lines[-1], flush=True)
+            del fns
+            torch.cuda.empty_cache()
+    return lines, per_layer
+
+
+def step_table(per_layer: dict[int, dict[str, float]]) -> list[str]:
+    lines = [
+        f"Per decode step, {NUM_LAYERS} layers x 4 projections (ms; the LM head and everything else not "
+        "included; best fp8 marked *):",
+        "",
+        "| M | " + " | ".join(METHODS) + " |",
+        "| ---: |" + " ---: |" * len(METHODS),
+    ]
+    for m, sums in per_layer.items():
+        ms = {k: NUM_LAYERS * v / 1e3 for k, v in sums.items()}
+        fp8 = {k: v for k, v in ms.items() if k in FP8_METHODS[:3] and not math.isnan(v)}
+        best = min(fp8, key=fp8.__getitem__) if fp8 else None
+        cells = [
+            "" if math.isnan(ms.get(k, math.nan)) else f"{ms[k]:.2f}{'*' if k == best else ''}"
+            for k in METHODS
+        ]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def sweep() -> list[str]:
+    """Skinny kernel tiles at 1 and 16 rows, each projection (us)."""
+    import torch
+
+    from pagoda.kernels import reference
+    from pagoda.kernels.fp8_gemm import Fp8GemmConfig, fp8_matmul_w8a16
+
+    configs = [Fp8GemmConfig()] + [
+        Fp8GemmConfig(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+        for bn, bk, nw, ns in [
+            (16, 128, 4, 4), (16, 512, 4, 3), (16, 512, 8, 3), (16, 256, 4, 6), (16, 1024, 8, 2),
+            (32, 256, 4, 4), (32, 512, 8, 3), (64, 256, 8, 3), (16, 256, 2, 4),
+        ]
+    ]  # fmt: skip
+    lines = ["skinny W8A16 tiles (us at M = 1 | 16 per projection; the default first):"]
+    weights = {}
+    for name, (n, k) in SHAPES.items():
+        wq, w_scale = reference.quantize_fp8_rows(torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16))
+        weights[name] = (wq, w_scale.view(-1))
+    for cfg in configs:
+        cells = []
+        for name, (wq, w_scale) in weights.items():
+            times = []
+            for m in (1, 16):
+                x = torch.randn(m, wq.shape[1], device=DEVICE, dtype=torch.bfloat16)
+                us = _cell(
+                    lambda x=x, wq=wq, w_scale=w_scale, cfg=cfg: fp8_matmul_w8a16(x, wq, w_scale, config=cfg)
+                )
+                times.append(us if isinstance(us, str) else f"{us:.1f}")
+            cells.append(f"{name} {' | '.join(times)}")
+        label = f"n {cfg.block_n} k {cfg.block_k} warps {cfg.num_warps} stages {cfg.num_stages}"
+        lines.append(f"  {label}: " + "; ".join(cells))
+        print(lines[-1], flush=True)
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    import triton
+
+    if not torch.cuda.is_available():
+        print("pagoda.kernels.bench_fp8: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    header = (
+        f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}; "
+        "us of CUDA-graph replay (weight-read GB/s: bf16 2 bytes, fp8 1 byte a weight)"
+    )
+    print(header, flush=True)
+    out = [header, "", *checks()]
+    print("\n".join(out[2:]), flush=True)
+    table, per_layer = bench(QUICK_ROWS if args.quick else ROWS)
+    steps = step_table(per_layer)
+    print("\n" + "\n".join(steps), flush=True)
+    out += ["", *table, "", *steps]
+    if args.sweep:
+        out += ["", *sweep()]
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write("\n".join(out) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pagoda.kernels.bench_fp8", description=HELP)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
