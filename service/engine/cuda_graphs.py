@@ -1,12 +1,22 @@
-"""Decode steps replayed from CUDA graphs.
+"""Steps replayed from CUDA graphs: decode batches, and mixed batches of prefill chunks and decodes.
 
-On a GPU a decode step of an 8B model is ~4 ms of kernels but hundreds of Python-launched ops; on a
-slow host CPU the launches dominate. So the runner captures, once at start-up, the whole forward pass
-plus the logits for a ladder of batch sizes, over static input buffers. A decode-only step of `bs`
-rows pads to the next captured size (padding rows write nowhere: slot -1) and replays.
+On a GPU a step of an 8B model is a few milliseconds of kernels but hundreds of Python-launched ops;
+on a slow host CPU the launches dominate (the GPU machine's host needs ~15 ms to launch one eager
+step). So the runner captures, once at start-up, the whole forward pass plus the logits over static
+input buffers, for two ladders of sizes:
 
-The attention grid is sized for `max_model_len` (the kernels stop at each row's real length), so one
-graph serves every context length.
+- decode: `bs` rows of one token each, for batch sizes 1, 2, 4, 8, 16, ... `max_num_seqs`;
+- mixed: `T` tokens of up to `max_num_seqs` sequences, any of them prefill chunks, for token counts
+  up to the step budget. Under load, requests arrive while others decode, so most steps carry a
+  prefill chunk or two beside hundreds of decodes; without these graphs every such step runs eager.
+
+A step pads to the next captured size. Padding tokens write nowhere (slot -1) and belong to no
+sequence; padding sequences have no query tokens (every attention kernel skips them) and a context
+of 0 (mixed) or 1 (decode). Rows are independent in every other op, so padding never reaches a real
+row. The attention grids are sized for `max_model_len` (the kernels stop at each row's real length),
+so one graph serves every context length.
+
+`capture=False` runs the same padded forward eagerly: how tests on the CPU check the padding.
 """
 
 from __future__ import annotations
@@ -29,39 +39,71 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return [bs for bs in ladder if bs <= max_num_seqs] or [1]
 
 
-class DecodeGraphs:
+def mixed_token_sizes(max_num_batched_tokens: int, limit: int = 2048) -> list[int]:
+    """Token counts of the mixed graphs. Past `limit` tokens a step's kernels outlast its eager
+    launches on the GPU machine's host, so a graph would gain nothing there."""
+    ladder = [128, 256, 384, 512, 768, 1024, 1536, 2048]
+    return [t for t in ladder if t <= min(max_num_batched_tokens, limit)]
+
+
+def _put(dst: torch.Tensor, src: np.ndarray) -> None:
+    """Host -> device without waiting for queued work (page-locked, non-blocking)."""
+    host = torch.from_numpy(np.ascontiguousarray(src))
+    if dst.is_cuda:
+        dst.copy_(host.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(host)
+
+
+class StepGraphs:
     def __init__(
         self,
         model: LlamaForCausalLM,
         device: torch.device,
         max_num_seqs: int,
+        max_num_batched_tokens: int,
         max_model_len: int,
         block_size: int,
+        capture: bool = True,
     ) -> None:
         self.model = model
         self.device = device
         self.max_model_len = max_model_len
+        self.capture_graphs = capture
         self.sizes = graph_batch_sizes(max_num_seqs)
-        max_bs = self.sizes[-1]
+        self.mixed_sizes = mixed_token_sizes(max_num_batched_tokens)
+        self.max_seqs = max_num_seqs
+        max_tokens = max([self.sizes[-1], *self.mixed_sizes])
         width = -(-max_model_len // block_size)
 
         def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
-        self.input_ids = zeros(max_bs, dtype=torch.int64)
-        self.positions = zeros(max_bs, dtype=torch.int64)
-        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=device)
+        # Token inputs, shared by both ladders (each replay writes every row it reads).
+        self.input_ids = zeros(max_tokens, dtype=torch.int64)
+        self.positions = zeros(max_tokens, dtype=torch.int64)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        # Decode: row i is sequence i, so query_start_loc never changes.
+        max_bs = self.sizes[-1]
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         self.block_tables = zeros(max_bs, width)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Mixed: sequence metadata for up to max_num_seqs sequences, and the rows to score.
+        self.mixed_seq_lens = zeros(max_num_seqs)
+        self.mixed_query_start_loc = zeros(max_num_seqs + 1)
+        self.mixed_block_tables = zeros(max_num_seqs, width)
+        self.logits_rows = zeros(max_num_seqs, dtype=torch.int64)
+        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
 
     @property
     def max_batch_size(self) -> int:
         return self.sizes[-1]
 
-    def _meta(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(
+    def fits_mixed(self, num_tokens: int, num_seqs: int) -> bool:
+        return bool(self.mixed_sizes) and num_tokens <= self.mixed_sizes[-1] and num_seqs <= self.max_seqs
+
+    def _decode_forward(self, bs: int) -> torch.Tensor:
+        meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:bs],
             block_tables=self.block_tables[:bs],
             seq_lens=self.seq_lens[:bs],
@@ -69,29 +111,74 @@ class DecodeGraphs:
             max_query_len=1,
             max_seq_len=self.max_model_len,
         )
-
-    def _forward(self, bs: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
+        hidden = self.model(self.input_ids[:bs], self.positions[:bs], meta)
         return self.model.compute_logits(hidden)
+
+    def _mixed_forward(self, num_tokens: int) -> torch.Tensor:
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:num_tokens],
+            block_tables=self.mixed_block_tables,
+            seq_lens=self.mixed_seq_lens,
+            query_start_loc=self.mixed_query_start_loc,
+            max_query_len=num_tokens,  # > 1: the prefill kernel runs (its grid does not depend on it)
+            max_seq_len=self.max_model_len,
+        )
+        hidden = self.model(self.input_ids[:num_tokens], self.positions[:num_tokens], meta)
+        return self.model.compute_logits(hidden.index_select(0, self.logits_rows))
+
+    def _forward(self, key: tuple[str, int]) -> torch.Tensor:
+        kind, size = key
+        return self._decode_forward(size) if kind == "decode" else self._mixed_forward(size)
 
     @torch.inference_mode()
     def capture(self) -> None:
+        """Capture every graph (the largest first, so smaller graphs reuse its memory pool). Without
+        `capture`, there is nothing to do: each replay runs its forward eagerly."""
+        if not self.capture_graphs:
+            return
         start = time.perf_counter()
         pool = None
-        for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
-            self._forward(bs)  # warm-up: compiles the Triton kernels outside the capture
+        keys = [("mixed", t) for t in reversed(self.mixed_sizes)]
+        keys += [("decode", b) for b in reversed(self.sizes)]
+        for key in keys:
+            self._forward(key)  # warm-up: compiles the Triton kernels outside the capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(bs)
+                logits = self._forward(key)
             pool = graph.pool()
-            self.graphs[bs] = (graph, logits)
+            self.graphs[key] = (graph, logits)
         torch.cuda.synchronize(self.device)
         logger.info(
-            "captured decode CUDA graphs for batch sizes %s in %.1f s",
+            "captured CUDA graphs for decode batches of %s and mixed steps of %s tokens in %.1f s",
             self.sizes,
+            self.mixed_sizes,
             time.perf_counter() - start,
         )
+
+    def _replay(self, key: tuple[str, int]) -> torch.Tensor:
+        if not self.capture_graphs:
+            return self._forward(key)
+        graph, logits = self.graphs[key]
+        assert graph is not None
+        graph.replay()
+        return logits
+
+    def _put_tokens(
+        self,
+        size: int,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        slot_mapping: np.ndarray,
+        fill_inputs: Callable[[torch.Tensor], None] | None,
+    ) -> None:
+        n = len(input_ids)
+        _put(self.input_ids[:n], input_ids)
+        if fill_inputs is not None:
+            fill_inputs(self.input_ids[:n])
+        _put(self.positions[:n], positions)
+        _put(self.slot_mapping[:n], slot_mapping)
+        self.slot_mapping[n:size].fill_(-1)
 
     def run(
         self,
@@ -102,23 +189,33 @@ class DecodeGraphs:
         block_tables: np.ndarray,
         fill_inputs: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:  # [bs, vocab] float32 logits
-        """Replay the smallest graph that holds this decode batch (rows of one token each).
+        """Replay the smallest decode graph that holds this batch (rows of one token each).
         `fill_inputs` writes, on the device, the input ids the host does not know yet."""
         bs = len(input_ids)
         graph_bs = next(s for s in self.sizes if s >= bs)
-
-        def put(dst: torch.Tensor, src: np.ndarray) -> None:  # page-locked: no wait for queued work
-            dst.copy_(torch.from_numpy(src).pin_memory(), non_blocking=True)
-
-        put(self.input_ids[:bs], input_ids)
-        if fill_inputs is not None:
-            fill_inputs(self.input_ids[:bs])
-        put(self.positions[:bs], positions)
-        put(self.slot_mapping[:bs], slot_mapping)
-        self.slot_mapping[bs:graph_bs].fill_(-1)
-        put(self.seq_lens[:bs], seq_lens.astype(np.int32))
+        self._put_tokens(graph_bs, input_ids, positions, slot_mapping, fill_inputs)
+        _put(self.seq_lens[:bs], seq_lens.astype(np.int32))
         self.seq_lens[bs:graph_bs].fill_(1)
-        put(self.block_tables[:bs, : block_tables.shape[1]], block_tables)
-        graph, logits = self.graphs[graph_bs]
-        graph.replay()
-        return logits[:bs]
+        _put(self.block_tables[:bs, : block_tables.shape[1]], block_tables)
+        return self._replay(("decode", graph_bs))[:bs]
+
+    def run_mixed(
+        self,
+        batch: dict[str, np.ndarray],
+        logits_rows: np.ndarray,
+        fill_inputs: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:  # [len(logits_rows), vocab] float32 logits
+        """Replay the smallest mixed graph that holds this flattened batch (`ModelRunner.prepare`'s
+        layout) and return the logits of the token rows `logits_rows`."""
+        num_tokens, num_seqs = len(batch["input_ids"]), len(batch["seq_lens"])
+        size = next(t for t in self.mixed_sizes if t >= num_tokens)
+        self._put_tokens(size, batch["input_ids"], batch["positions"], batch["slot_mapping"], fill_inputs)
+        _put(self.mixed_seq_lens[:num_seqs], batch["seq_lens"].astype(np.int32))
+        self.mixed_seq_lens[num_seqs:].fill_(0)
+        _put(self.mixed_query_start_loc[: num_seqs + 1], batch["query_start_loc"].astype(np.int32))
+        self.mixed_query_start_loc[num_seqs + 1 :].fill_(num_tokens)
+        block_tables = batch["block_tables"]
+        _put(self.mixed_block_tables[:num_seqs, : block_tables.shape[1]], block_tables)
+        _put(self.logits_rows[: len(logits_rows)], logits_rows.astype(np.int64))
+        self.logits_rows[len(logits_rows) :].fill_(0)
+        return self._replay(("mixed", size))[: len(logits_rows)]

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.core import PendingResult
-from pagoda.service.engine.cuda_graphs import DecodeGraphs
+from pagoda.service.engine.cuda_graphs import StepGraphs
 from pagoda.service.engine.model_runner import (
     KVCacheLayout,
     ModelRunner,
@@ -116,7 +116,7 @@ class Executor:
         return self.runner.model
 
     @property
-    def graphs(self) -> DecodeGraphs | None:
+    def graphs(self) -> StepGraphs | None:
         return self.runner.graphs
 
     # ---- start-up ------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from pagoda.service.engine.config import EngineConfig
-from pagoda.service.engine.cuda_graphs import DecodeGraphs
+from pagoda.service.engine.cuda_graphs import StepGraphs
 from pagoda.service.engine.request import PLACEHOLDER
 from pagoda.service.engine.sampler import SampledBatch, Sampler, SampleResult, to_device
 from pagoda.service.engine.scheduler import SchedulerOutput
@@ -153,12 +153,17 @@ class ModelRunner:
             layer.v_cache = self.kv_cache[1, i]
         self.max_model_len = self._max_model_len()
         self.sampler = Sampler(mc.vocab_size, eos_token_ids)
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         if self.device.type == "cuda":
             self._warm_up()
         if self.device.type == "cuda" and not config.enforce_eager:
-            self.graphs = DecodeGraphs(
-                self.model, self.device, config.max_num_seqs, self.max_model_len, config.block_size
+            self.graphs = StepGraphs(
+                self.model,
+                self.device,
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                self.max_model_len,
+                config.block_size,
             )
             self.graphs.capture()
         logger.info(
@@ -365,6 +370,13 @@ class ModelRunner:
                 fill_inputs,
             )
             return StepLogits(logits, [])
+        mixed_fits = self.graphs is not None and self.graphs.fits_mixed(len(batch["input_ids"]), num_reqs)
+        if self.graphs is not None and mixed_fits and not step.prompt_chunks:
+            if not step.sample_rows:
+                self.graphs.run_mixed(batch, np.zeros(0, dtype=np.int64), fill_inputs)
+                return StepLogits(None, [])
+            rows = batch["query_start_loc"][1:][step.sample_rows] - 1
+            return StepLogits(self.graphs.run_mixed(batch, rows, fill_inputs), [])
         hidden = self._forward_eager(batch, fill_inputs)
         prompt = [self.model.compute_logits(hidden[row : row + n]) for _, row, n in step.prompt_chunks]
         if not step.sample_rows:  # only prompt chunks this step: the KV cache is filled, nothing to sample

@@ -1,0 +1,93 @@
+"""The CUDA-graph step paths' padding, checked on the CPU: `StepGraphs(capture=False)` runs the same
+padded forward over the same static buffers as a replay would, so an engine using it must give the
+outputs of the plain eager engine. Requests arrive two per step, so most steps mix prefill chunks
+with decodes (the mixed graphs), and the tail of the run is pure decode (the decode graphs)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from pagoda.service.engine.config import EngineConfig
+from pagoda.service.engine.cuda_graphs import StepGraphs, mixed_token_sizes
+from pagoda.service.engine.llm_engine import LLMEngine
+from pagoda.service.sampling_params import SamplingParams
+
+Work = list[tuple[str, list[int], SamplingParams]]
+
+
+def _workload() -> Work:
+    rng = random.Random(11)
+    work: Work = []
+    for i in range(24):
+        prompt = [rng.randrange(3, 49152) for _ in range(rng.randrange(1, 150))]
+        if i % 3 == 0:
+            params = SamplingParams(
+                temperature=0.9, top_p=0.9, seed=i, max_tokens=16, logprobs=1, ignore_eos=True
+            )
+        else:
+            params = SamplingParams(
+                temperature=0.0, max_tokens=rng.randrange(1, 24), logprobs=1, ignore_eos=True
+            )
+        work.append((f"r{i}", prompt, params))
+    return work
+
+
+def _run(engine: LLMEngine, work: Work) -> dict[str, tuple[list[int], list[float]]]:
+    finals: dict[str, tuple[list[int], list[float]]] = {}
+    pending = list(work)
+    while pending or engine.has_unfinished:
+        for _ in range(2):
+            if pending:
+                engine.add_request(*pending.pop(0))
+        for out in engine.step():
+            if out.finished:
+                c = out.outputs[0]
+                finals[out.request_id] = (c.token_ids, [lp.logprob for lp in c.logprobs or []])
+    return finals
+
+
+class _Counting(StepGraphs):
+    """Counts the steps each path serves, so the test knows both ran."""
+
+    decode_steps = mixed_steps = 0
+
+    def run(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.decode_steps += 1
+        return super().run(*args, **kwargs)
+
+    def run_mixed(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.mixed_steps += 1
+        return super().run_mixed(*args, **kwargs)
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["in-turn", "async"])
+def test_padded_graph_steps_give_the_eager_outputs(llama_ckpt: Path, is_async: bool) -> None:
+    config = EngineConfig(
+        model=str(llama_ckpt), dtype="float32", async_scheduling=is_async, max_num_batched_tokens=160,
+        max_num_seqs=24, kv_cache_memory_bytes=8 << 20,
+    )  # fmt: skip
+    work = _workload()
+    expected = _run(LLMEngine(config), work)
+
+    engine = LLMEngine(config)
+    runner = engine.runner.runner
+    graphs = _Counting(
+        runner.model, runner.device, config.max_num_seqs, config.max_num_batched_tokens,
+        runner.max_model_len, config.block_size, capture=False,
+    )  # fmt: skip
+    runner.graphs = graphs
+    got = _run(engine, work)
+
+    assert graphs.mixed_steps > 5 and graphs.decode_steps > 5
+    assert {rid: tokens for rid, (tokens, _) in got.items()} == {rid: t for rid, (t, _) in expected.items()}
+    for rid, (_, logprobs) in expected.items():
+        assert got[rid][1] == pytest.approx(logprobs, abs=1e-4)
+
+
+def test_mixed_sizes_stop_at_the_step_budget() -> None:
+    assert mixed_token_sizes(300) == [128, 256]
+    assert mixed_token_sizes(8192)[-1] == 2048
+    assert mixed_token_sizes(64) == []
