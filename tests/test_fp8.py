@@ -81,3 +81,18 @@ def test_engine_serves_fp8(llama_ckpt: Path) -> None:
         outputs += engine.step()
     assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 8
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_accuracy_script_schemes_swap_projections_both_ways(llama_ckpt: Path) -> None:
+    from pagoda.service.fp8_accuracy import W8A16, Scheme, apply_scheme
+
+    model, _ = load_model(llama_ckpt, dtype=torch.float32)
+    layers = model.model.layers
+    before = [layer.mlp.down_proj for layer in layers]
+    originals: dict = {}
+    apply_scheme(model, originals, Scheme("w8a16, down kept", W8A16, frozenset({"mlp.down_proj"})))
+    fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert len(fp8) == 3 * len(layers) and all(m.skinny_max_m == W8A16 for m in fp8)
+    assert [layer.mlp.down_proj for layer in layers] == before
+    apply_scheme(model, originals, Scheme("bf16", None))
+    assert not any(isinstance(m, Fp8Linear) for m in model.modules()) and len(originals) == 4 * len(layers)

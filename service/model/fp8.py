@@ -35,7 +35,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 # 16 rows above it. `python -m pagoda.kernels.bench_fp8` times both paths per row count to set it.
 SKINNY_MAX_M = 16
 # The projections of each decoder layer; their sizes are multiples of 16, as _scaled_mm needs.
-_TARGETS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+TARGETS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +103,7 @@ def quantize_model_fp8(model: nn.Module, device: torch.device) -> int:
     one layer in the model dtype). The rest of the model moves to `device` as it is. Returns the count."""
     count = 0
     for layer in model.model.layers:  # type: ignore[union-attr, attr-defined]
-        for path in _TARGETS:
+        for path in TARGETS:
             parent_name, name = path.split(".")
             parent = getattr(layer, parent_name)
             linear: nn.Linear = getattr(parent, name)
