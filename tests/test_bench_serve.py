@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from pagoda.service.bench_serve import run_benchmark
+from pagoda.service.bench_serve_processes import run_in_processes, split
 from pagoda.service.serve_process import ServeProcess
 
 MODEL = "tiny-bench"
@@ -30,6 +33,16 @@ def server(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         str(16 << 20),
     ]
     with ServeProcess(args, log_path=tmp_path_factory.mktemp("serve") / "serve.log") as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def null_server(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    """`PAGODA_BENCH_NULL_MODEL=1` swaps only the model for `null_executor` (a benchmark double): the
+    API process and the engine core are the real ones."""
+    args = ["--model", str(llama_ckpt), "--served-model-name", MODEL, "--max-num-seqs", "64"]
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    with ServeProcess(args, log_path=log_path, env={"PAGODA_BENCH_NULL_MODEL": "1"}) as proc:
         yield proc
 
 
@@ -65,22 +78,56 @@ def test_cli_at_a_request_rate_reports_failures(server: ServeProcess, tmp_path: 
     assert re.search(r"- failed 4x: HTTP 404: .*nope", bad.stdout)  # why, as the server said it
 
 
-def test_the_null_model_double_streams_through_the_real_server(llama_ckpt: Path, tmp_path: Path) -> None:
-    """`PAGODA_BENCH_NULL_MODEL=1` swaps only the model for `null_executor` (a benchmark double): the
-    API process and the engine core are the real ones, every request gets exactly its tokens, and
-    they are ordinary text (no end of sequence, nothing special)."""
-    args = ["--model", str(llama_ckpt), "--served-model-name", MODEL, "--max-num-seqs", "64"]
-    with ServeProcess(args, log_path=tmp_path / "serve.log", env={"PAGODA_BENCH_NULL_MODEL": "1"}) as proc:
-        summary = asyncio.run(
-            run_benchmark(
-                proc.base_url, MODEL, num_prompts=48, input_len=32, output_len=40, max_concurrency=48
-            )
+def test_the_null_model_double_streams_through_the_real_server(null_server: ServeProcess) -> None:
+    """Every request gets exactly its tokens, and they are ordinary text (no end of sequence, nothing
+    special)."""
+    summary = asyncio.run(
+        run_benchmark(
+            null_server.base_url, MODEL, num_prompts=48, input_len=32, output_len=40, max_concurrency=48
         )
-        assert (summary.num_ok, summary.num_failed) == (48, 0)
-        assert summary.output_tokens == 48 * 40
-        import openai
+    )
+    assert (summary.num_ok, summary.num_failed) == (48, 0)
+    assert summary.output_tokens == 48 * 40
+    import openai
 
-        client = openai.OpenAI(base_url=f"{proc.base_url}/v1", api_key="none")
-        done = client.completions.create(model=MODEL, prompt="Hello", max_tokens=200, temperature=0)
-        assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 200
-        assert len(done.choices[0].text) > 200  # word pieces, not empty specials
+    client = openai.OpenAI(base_url=f"{null_server.base_url}/v1", api_key="none")
+    done = client.completions.create(model=MODEL, prompt="Hello", max_tokens=200, temperature=0)
+    assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 200
+    assert len(done.choices[0].text) > 200  # word pieces, not empty specials
+
+
+def test_two_client_processes_add_up_to_one_run(null_server: ServeProcess) -> None:
+    started = time.monotonic()
+    summary = run_in_processes(
+        2, null_server.base_url, MODEL, num_prompts=40, input_len=16, output_len=24, max_concurrency=16
+    )
+    wall_s = time.monotonic() - started
+    assert (summary.num_ok, summary.num_failed, summary.errors) == (40, 0, {})
+    assert summary.output_tokens == 40 * 24 and summary.input_tokens == 40 * 16
+    # The window opens at the first request, after both interpreters started: inside the call's wall time.
+    assert 0 < summary.duration_s <= wall_s
+    assert 0 < summary.ttft_ms["median"] <= summary.latency_ms["median"] and summary.itl_ms["mean"] > 0
+
+
+def test_cli_with_two_client_processes_at_a_request_rate(null_server: ServeProcess) -> None:
+    bench = [sys.executable, "-m", "pagoda.service.bench", "serve", "--base-url", null_server.base_url]
+    common = ["--model", MODEL, "--num-prompts", "6", "--input-len", "8", "--output-len", "4"]
+    done = subprocess.run(
+        [*bench, *common, "--request-rate", "30", "--client-processes", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "6 ok / 0 failed, 30 req/s (Poisson), max concurrency 6 from 2 client processes" in done.stdout
+
+
+def test_the_split_deals_prompts_concurrency_and_rate() -> None:
+    prompts = [[i] for i in range(7)]
+    jobs = split(3, "http://x", MODEL, prompts, 4, 30.0, 8, random.Random(0))
+    assert [job.prompts for job in jobs] == [[[0], [3], [6]], [[1], [4]], [[2], [5]]]
+    assert [job.max_concurrency for job in jobs] == [3, 3, 2]
+    assert {job.request_rate for job in jobs} == {10.0} and len({job.seed for job in jobs}) == 3
+    with pytest.raises(ValueError, match="--client-processes 3"):
+        split(3, "http://x", MODEL, prompts, 4, 30.0, 2, random.Random(0))  # a process with no slot
