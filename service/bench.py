@@ -56,7 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="profile this many steady decode steps at the largest batch: wall and GPU-busy ms per step",
     )
     offline.add_argument(
-        "--busy-top", type=int, default=0, help="with --busy-steps: print the K kernels with the most GPU time"
+        "--busy-top",
+        type=int,
+        default=0,
+        help="with --busy-steps: print the K kernels with the most GPU time",
     )
     offline.add_argument("--output", default=None, help="append the Markdown result to this file")
     serve = sub.add_parser(
