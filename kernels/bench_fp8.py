@@ -4,7 +4,7 @@
 
 For M in 1..256 rows and the four projections of a decoder layer (qkv 4096->6144, o 4096->4096,
 gate_up 4096->28672, down 14336->4096) it times, in microseconds of CUDA-graph replay (the engine's
-decode steps replay graphs; `bench._time`):
+decode steps replay graphs), each call on the next of copies of the weights that overflow L2:
 
 - bf16: `x @ w.t()`, the unquantized model;
 - torch quant + mm: `Fp8Linear`'s W8A8 before the Triton quantization (five PyTorch ops per call)
@@ -27,6 +27,7 @@ import argparse
 import math
 import sys
 from collections.abc import Callable
+from typing import Any
 
 HELP = "time the fp8 projection paths (quantize + _scaled_mm, skinny W8A16) against bf16 on this GPU"
 
@@ -38,12 +39,41 @@ NUM_LAYERS = 32
 METHODS = ("bf16", "torch quant + mm", "triton quant + mm", "skinny W8A16", "mm per-tensor")
 FP8_METHODS = METHODS[1:]
 DEVICE = "cuda"
+ROTATE_BYTES = 200e6  # 4x an H200's L2
+REP_MS = 20  # graph replay per timing (bench.py's 50 would take this run past two minutes)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help=f"rows {QUICK_ROWS} only")
     parser.add_argument("--sweep", action="store_true", help="also time skinny kernel tile variants")
     parser.add_argument("--markdown", help="write the tables to this file")
+
+
+class _Weights:
+    """Copies of one projection's weights, handed out in turn: timing one weight in a loop would read
+    it from the 50 MB L2 of an H200 (o_proj is 17 MB in fp8), where a model's 32 layers stream from
+    HBM. The copies total ROTATE_BYTES per format."""
+
+    def __init__(self, n: int, k: int) -> None:
+        import torch
+
+        from pagoda.kernels import reference
+
+        self.bf16, self.fp8 = [], []
+        for _ in range(math.ceil(ROTATE_BYTES / (n * k))):
+            w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16) * 0.02
+            wq, w_scale = reference.quantize_fp8_rows(w)
+            self.bf16.append(w)
+            self.fp8.append((wq, w_scale.view(1, -1)))
+        self.i = 0
+
+    def next_bf16(self) -> Any:
+        self.i += 1
+        return self.bf16[self.i % len(self.bf16)]
+
+    def next_fp8(self) -> tuple[Any, Any]:
+        self.i += 1
+        return self.fp8[self.i % len(self.fp8)]
 
 
 def _methods(m: int, n: int, k: int) -> dict[str, Callable[[], object] | None]:
@@ -56,33 +86,47 @@ def _methods(m: int, n: int, k: int) -> dict[str, Callable[[], object] | None]:
 
     bf16 = torch.bfloat16
     x = torch.randn(m, k, device=DEVICE, dtype=bf16)
-    w = torch.randn(n, k, device=DEVICE, dtype=bf16) * 0.02
-    wq, w_scale = reference.quantize_fp8_rows(w)
-    w_scale = w_scale.view(1, -1)
     xq, _ = reference.quantize_fp8_rows(x)
     one = torch.ones((), device=DEVICE)
+    weights = _Weights(n, k)
 
     def torch_quant_mm() -> object:
-        q, s = reference.quantize_fp8_rows(x)
+        (wq, w_scale), (q, s) = weights.next_fp8(), reference.quantize_fp8_rows(x)
         return torch._scaled_mm(q, wq.t(), scale_a=s, scale_b=w_scale, out_dtype=bf16)
 
     def triton_quant_mm() -> object:
-        q, s = quantize_fp8_rows(x)
+        (wq, w_scale), (q, s) = weights.next_fp8(), quantize_fp8_rows(x)
         return torch._scaled_mm(q, wq.t(), scale_a=s, scale_b=w_scale, out_dtype=bf16)
 
+    def skinny() -> object:
+        return fp8_matmul_w8a16(x, *weights.next_fp8())
+
+    def per_tensor() -> object:
+        return torch._scaled_mm(xq, weights.next_fp8()[0].t(), scale_a=one, scale_b=one, out_dtype=bf16)
+
     return {
-        "bf16": lambda: x @ w.t(),
+        "bf16": lambda: x @ weights.next_bf16().t(),
         "torch quant + mm": torch_quant_mm,
         "triton quant + mm": triton_quant_mm,
-        "skinny W8A16": (lambda: fp8_matmul_w8a16(x, wq, w_scale)) if m <= SKINNY_ROWS else None,
-        "mm per-tensor": lambda: torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one, out_dtype=bf16),
+        "skinny W8A16": skinny if m <= SKINNY_ROWS else None,
+        "mm per-tensor": per_tensor,
     }
+
+
+def _time(fn: Callable[[], object]) -> float:
+    """`bench._time` with shorter replays: median us of CUDA-graph replays, eager if capture fails."""
+    import torch
+    import triton
+
+    try:
+        return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=REP_MS, return_mode="median")
+    except Exception:
+        torch.cuda.synchronize()
+        return 1e3 * triton.testing.do_bench(fn, warmup=10, rep=REP_MS, return_mode="median")
 
 
 def _cell(fn: Callable[[], object] | None) -> float | str:
     """Microseconds, or the error's first words (a method that fails must not stop the others)."""
-    from pagoda.kernels.bench import _time
-
     if fn is None:
         return math.nan
     try:
@@ -179,7 +223,6 @@ def sweep() -> list[str]:
     """Skinny kernel tiles at 1 and 16 rows, each projection (us)."""
     import torch
 
-    from pagoda.kernels import reference
     from pagoda.kernels.fp8_gemm import Fp8GemmConfig, fp8_matmul_w8a16
 
     configs = [Fp8GemmConfig()] + [
@@ -190,19 +233,14 @@ def sweep() -> list[str]:
         ]
     ]  # fmt: skip
     lines = ["skinny W8A16 tiles (us at M = 1 | 16 per projection; the default first):"]
-    weights = {}
-    for name, (n, k) in SHAPES.items():
-        wq, w_scale = reference.quantize_fp8_rows(torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16))
-        weights[name] = (wq, w_scale.view(-1))
+    weights = {name: _Weights(n, k) for name, (n, k) in SHAPES.items()}
     for cfg in configs:
         cells = []
-        for name, (wq, w_scale) in weights.items():
+        for name, w in weights.items():
             times = []
             for m in (1, 16):
-                x = torch.randn(m, wq.shape[1], device=DEVICE, dtype=torch.bfloat16)
-                us = _cell(
-                    lambda x=x, wq=wq, w_scale=w_scale, cfg=cfg: fp8_matmul_w8a16(x, wq, w_scale, config=cfg)
-                )
+                x = torch.randn(m, SHAPES[name][1], device=DEVICE, dtype=torch.bfloat16)
+                us = _cell(lambda x=x, w=w, cfg=cfg: fp8_matmul_w8a16(x, *w.next_fp8(), config=cfg))
                 times.append(us if isinstance(us, str) else f"{us:.1f}")
             cells.append(f"{name} {' | '.join(times)}")
         label = f"n {cfg.block_n} k {cfg.block_k} warps {cfg.num_warps} stages {cfg.num_stages}"
