@@ -8,11 +8,17 @@ Two paths, each launched over the whole batch; a program whose row is the other 
 so no host code inspects the batch (no `.item()`, CUDA-graph safe):
 
 - Decode rows (one query token): flash-decoding. `_decode_kernel` runs one program per
-  (sequence, kv head, context split). The GROUP query heads that share a kv head are the rows of
-  one `tl.dot` (padded to 16 rows), so each K/V tile is read from memory once for the whole group.
-  Each split keeps an online softmax (running max `m`, running sum `l`, accumulator `acc`) over its
-  TILE_N-token tiles and writes `acc / l` and `m + log2(l)`; `_reduce_kernel` merges the splits by
-  their log-sum-exp. With one split the decode kernel writes the output directly.
+  (sequence, kv head, context split). The host picks only the split count, from the batch size and
+  the SM count; each program cuts its own sequence's context into partitions of
+  `max(min_partition, roundup(cdiv(ctx_len, num_splits), TILE_N))` tokens (`_partition`), so a
+  short context uses few splits and the programs past its end exit at once. This keeps decode
+  parallel inside CUDA graphs, where `max_seq_len` is the model's whole context length and says
+  nothing about the batch. The GROUP query heads that share a kv head are the rows of one `tl.dot`
+  (padded to 16 rows), so each K/V tile is read from memory once for the whole group. Each split
+  keeps an online softmax (running max `m`, running sum `l`, accumulator `acc`) over its
+  TILE_N-token tiles and writes `acc / l` and `m + log2(l)`; `_reduce_kernel` finds the same
+  partition and merges the splits by their log-sum-exp. A sequence whose context fits one
+  partition (every sequence when num_splits == 1) is written by the decode kernel directly.
 - Prefill rows (more than one query token): `_prefill_kernel` runs one program per
   (BLOCK_Q query tokens, kv head), the BLOCK_Q x GROUP (token, head) pairs being the BLOCK_M rows of
   the tile, FlashAttention-2 style. Tiles entirely below the first row's position need no causal
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import triton
@@ -60,6 +67,12 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _partition(ctx_len, num_splits, min_partition, TILE_N: tl.constexpr):
+    """Context tokens per split of one sequence: at most num_splits splits, none under min_partition."""
+    return tl.maximum(min_partition, tl.cdiv(tl.cdiv(ctx_len, num_splits), TILE_N) * TILE_N)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -67,11 +80,11 @@ def _decode_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq]
     seq_lens_ptr,  # [num_seqs]
     query_start_loc_ptr,  # [num_seqs + 1]
-    out_ptr,  # [num_tokens, num_heads, head_dim], written here when num_splits == 1
+    out_ptr,  # [num_tokens, num_heads, head_dim], written here when the context fits one split
     part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] float32, each split's acc / l
     part_lse_ptr,  # [num_seqs, num_heads, num_splits] float32, each split's m + log2(l)
     scale_log2,
-    partition_size,  # context tokens per split, a multiple of TILE_N
+    min_partition,  # the fewest context tokens per split, a multiple of TILE_N
     num_splits,  # a runtime value, not a constexpr: one compiled kernel serves every split count
     stride_qt,
     stride_qh,
@@ -97,10 +110,11 @@ def _decode_kernel(
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     ctx_len = tl.load(seq_lens_ptr + seq)
-    start = split * partition_size
+    partition = _partition(ctx_len, num_splits, min_partition, TILE_N)
+    start = split * partition
     if (q_len != 1) | (start >= ctx_len):
         return
-    end = tl.minimum(start + partition_size, ctx_len)
+    end = tl.minimum(start + partition, ctx_len)
 
     rows = tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
@@ -135,7 +149,7 @@ def _decode_kernel(
         m_i = m_new
 
     out = acc / l_i[:, None]
-    if num_splits == 1:
+    if partition >= ctx_len:  # the only split of this sequence: nothing to merge
         o_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
@@ -152,22 +166,25 @@ def _reduce_kernel(
     part_lse_ptr,  # [num_seqs, num_heads, num_splits] float32
     seq_lens_ptr,  # [num_seqs]
     query_start_loc_ptr,  # [num_seqs + 1]
-    partition_size,
+    min_partition,
     num_splits,
     stride_ot,
     stride_oh,
     HEAD_DIM: tl.constexpr,
+    TILE_N: tl.constexpr,
     SPLITS_PAD: tl.constexpr,  # num_splits rounded up to a power of two
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if q_len != 1:
+    ctx_len = tl.load(seq_lens_ptr + seq)
+    # At most num_splits: the partition holds at least cdiv(ctx_len, num_splits) tokens.
+    num_used = tl.cdiv(ctx_len, _partition(ctx_len, num_splits, min_partition, TILE_N))
+    if (q_len != 1) | (num_used == 1):  # a single split wrote the output itself
         return
-    num_used = tl.cdiv(tl.load(seq_lens_ptr + seq), partition_size)
     splits = tl.arange(0, SPLITS_PAD)
-    split_ok = splits < tl.minimum(num_used, num_splits)
+    split_ok = splits < num_used
     dims = tl.arange(0, HEAD_DIM)
     part = (seq.to(tl.int64) * tl.num_programs(1) + head) * num_splits + splits
     lse = tl.load(part_lse_ptr + part, mask=split_ok, other=float("-inf"))
@@ -305,12 +322,34 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 2
     # Split the context until the grid is about one full wave: at 115 registers x 128 threads an
-    # H200 SM holds 4 programs. Measured at Llama-3-8B shapes: batch 64 (512 programs) runs 66 us
+    # H200 SM holds 4 programs. Measured at Llama-3-8B shapes with the old host-chosen partition
+    # (cut from max_seq_len, here the batch's longest context): batch 64 (512 programs) runs 66 us
     # unsplit at 1k context and 80 us split 3 ways; batch 8 at 8k runs 238 us unsplit, 69 us split 8
-    # ways (512 programs), 82 us 5 ways. Never split below min_partition tokens.
+    # ways (512 programs), 82 us 5 ways.
     programs_per_sm: int = 4
-    min_partition: int = 256
+    # The fewest context tokens per split (rounded up to tile_n). 128 is two 64-token tiles: at
+    # num_stages=2 the second tile's loads are in flight while the first is computed, so a split
+    # costs about one tile's memory latency, while each split also writes and the reduce reads back
+    # GROUP x head_dim float32 (2 KB at Llama-3-8B, 1/32 of the split's 64 KB of K/V at 128 tokens).
+    # Batch 1 at 1.1k context gets 9 splits per kv head (72 programs) where 256 gave 5 (40).
+    # Untimed on a GPU as of this choice: `bench --sweep splits` times 64, 128 and 256.
+    min_partition: int = 128
     num_splits: int | None = None  # fixed split count (tests, sweeps); None picks one
+    # "max_seq_len" is the old scheme, kept to time against: one partition for the whole batch, cut
+    # from max_seq_len on the host. Inside CUDA graphs max_seq_len is max_model_len, so it ran a
+    # batch-1 decode at 1.1k context in one split per kv head (8 programs, ~10 us per layer).
+    partition_by: Literal["seq_len", "max_seq_len"] = "seq_len"
+
+    def __post_init__(self) -> None:
+        if self.min_partition < 1 or (self.num_splits is not None and self.num_splits < 1):
+            raise ValueError(
+                f"DecodeConfig: min_partition {self.min_partition} and num_splits {self.num_splits} "
+                "must be at least 1"
+            )
+        if self.partition_by not in ("seq_len", "max_seq_len"):
+            raise ValueError(
+                f"DecodeConfig: partition_by {self.partition_by!r} is not seq_len or max_seq_len"
+            )
 
 
 @dataclass(frozen=True)
@@ -346,6 +385,29 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_splits(
+    cfg: DecodeConfig, num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int
+) -> tuple[int, int]:
+    """(num_splits, min_partition) for the decode kernels; each sequence's partition is then
+    `_partition(ctx_len, num_splits, min_partition)` on the device.
+
+    num_splits makes num_seqs * num_kv_heads * num_splits about one wave, and is never more than
+    max_seq_len needs at min_partition tokens a split.
+    """
+    min_partition = triton.cdiv(cfg.min_partition, cfg.tile_n) * cfg.tile_n
+    if cfg.num_splits is not None:
+        num_splits = cfg.num_splits
+    else:
+        wanted = round(cfg.programs_per_sm * num_sms / (num_seqs * num_kv_heads))
+        num_splits = max(1, min(wanted, triton.cdiv(max_seq_len, min_partition)))
+    if cfg.partition_by == "max_seq_len":
+        # As min_partition it is every sequence's partition: with ctx_len <= max_seq_len the device's
+        # other term, roundup(cdiv(ctx_len, num_splits), tile_n), never exceeds it.
+        min_partition = triton.cdiv(triton.cdiv(max_seq_len, num_splits), cfg.tile_n) * cfg.tile_n
+        num_splits = triton.cdiv(max_seq_len, min_partition)
+    return num_splits, min_partition
 
 
 def _check(
@@ -453,15 +515,7 @@ def paged_attention(
         block_tables.stride(0),
     )  # fmt: skip
 
-    # Decode rows: split the context so that num_seqs * num_kv_heads * num_splits is about one wave.
-    if dcfg.num_splits is not None:
-        num_splits = dcfg.num_splits
-    else:
-        wave = dcfg.programs_per_sm * _num_sms(q.device)
-        wanted = round(wave / (num_seqs * num_kv_heads))
-        num_splits = max(1, min(wanted, triton.cdiv(max_seq_len, dcfg.min_partition)))
-    partition = triton.cdiv(triton.cdiv(max_seq_len, num_splits), dcfg.tile_n) * dcfg.tile_n
-    num_splits = triton.cdiv(max_seq_len, partition)
+    num_splits, min_partition = decode_splits(dcfg, num_seqs, num_kv_heads, max_seq_len, _num_sms(q.device))
     if num_splits > 1:
         part_out = torch.empty(
             (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
@@ -471,16 +525,16 @@ def paged_attention(
         part_out = part_lse = out  # unused
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse,
-        scale_log2, partition, num_splits, *strides, out.stride(0), out.stride(1),
+        scale_log2, min_partition, num_splits, *strides, out.stride(0), out.stride(1),
         GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, TILE_N=dcfg.tile_n, DOT_PRECISION=precision,
         num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
-            out, part_out, part_lse, seq_lens, query_start_loc, partition, num_splits,
+            out, part_out, part_lse, seq_lens, query_start_loc, min_partition, num_splits,
             out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, TILE_N=dcfg.tile_n, SPLITS_PAD=triton.next_power_of_2(num_splits),
         )  # fmt: skip
 
     if max_query_len > 1:

@@ -19,7 +19,12 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("needs TRITON_INTERPRET=1 or a CUDA GPU", allow_module_level=True)
 
-from pagoda.kernels.attention import DecodeConfig, PrefillConfig, paged_attention  # noqa: E402
+from pagoda.kernels.attention import (  # noqa: E402
+    DecodeConfig,
+    PrefillConfig,
+    decode_splits,
+    paged_attention,
+)
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 # The triton 3.9 interpreter computes bf16 tl.dot wrongly; bf16 is checked on the GPU only.
@@ -74,6 +79,11 @@ def make_batch(
     return batch
 
 
+def decode_config(**fields) -> DecodeConfig:
+    """Interpreter-sized decode tiles, splitting down to one tile unless told otherwise."""
+    return DecodeConfig(**{"tile_n": 16, "num_warps": 1, "num_stages": 1, "min_partition": 16, **fields})
+
+
 def check(batch: dict, **configs) -> None:
     expected = reference.paged_attention(
         **{k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
@@ -108,7 +118,47 @@ def test_decode_splits(dtype: torch.dtype, num_splits: int) -> None:
     # One long row and several short ones: some splits of the short rows are empty.
     seq_lens = [150, 3, 16, 70]
     batch = make_batch([1] * 4, seq_lens, num_heads=8, num_kv_heads=2, dtype=dtype, high_block_ids=True)
-    check(batch, decode_config=DecodeConfig(tile_n=16, num_warps=1, num_stages=1, num_splits=num_splits))
+    check(batch, decode_config=decode_config(num_splits=num_splits))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("max_seq_len", [4096, 131072])
+@pytest.mark.parametrize("partition_by", ["seq_len", "max_seq_len"])
+def test_decode_graph_max_seq_len(dtype: torch.dtype, max_seq_len: int, partition_by: str) -> None:
+    # Inside CUDA graphs max_seq_len is the model's context length, not the batch's: each sequence
+    # cuts its own context (at min_partition 32, 150 tokens in 5 splits, 3 in one) and the rest exit.
+    seq_lens = [150, 3, 16, 70, 33]
+    batch = make_batch([1] * 5, seq_lens, num_heads=8, num_kv_heads=2, dtype=dtype, high_block_ids=True)
+    batch["max_seq_len"] = max_seq_len
+    check(batch)
+    check(batch, decode_config=decode_config(min_partition=32, partition_by=partition_by))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_splits", [8, 64])
+def test_decode_mixed_split_counts(dtype: torch.dtype, num_splits: int) -> None:
+    # Contexts off the 16-token tile, from 1 to 500 tokens: at 8 splits and min_partition 32 they use
+    # 1, 1, 2, 3, 7 and 8 splits (partitions 32, 32, 32, 32, 32, 64), at 64 splits up to 16.
+    seq_lens = [1, 17, 33, 95, 200, 500]
+    batch = make_batch([1] * 6, seq_lens, num_heads=4, num_kv_heads=2, dtype=dtype, high_block_ids=True)
+    batch["max_seq_len"] = 8192
+    check(batch, decode_config=decode_config(num_splits=num_splits, min_partition=32))
+    check(batch, decode_config=decode_config(num_splits=num_splits, min_partition=20))  # rounds up to 32
+
+
+def test_split_choice() -> None:
+    # An H200's 132 SMs, Llama-3-8B's 8 kv heads. Batch 1 fills a wave of 528 programs whatever
+    # max_seq_len the graph was captured with; the device then uses 9 of the 66 splits at 1.1k tokens.
+    assert decode_splits(DecodeConfig(), 1, 8, 131072, 132) == (66, 128)
+    assert decode_splits(DecodeConfig(), 1, 8, 1100, 132) == (9, 128)
+    assert decode_splits(DecodeConfig(), 64, 8, 131072, 132) == (1, 128)
+    assert decode_splits(DecodeConfig(num_splits=3, min_partition=100), 64, 8, 131072, 132) == (3, 128)
+    # The old scheme: one partition from max_seq_len, 2048 tokens at 128k (a 1.1k context in one split).
+    old = DecodeConfig(partition_by="max_seq_len", min_partition=256)
+    assert decode_splits(old, 1, 8, 131072, 132) == (64, 2048)
+    assert decode_splits(old, 1, 8, 1100, 132) == (5, 256)
+    with pytest.raises(ValueError, match="num_splits"):
+        DecodeConfig(num_splits=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -134,7 +184,7 @@ def test_mixed_decode_and_prefill(dtype: torch.dtype, group: int) -> None:
     query_lens = [1, 13, 1, 1, 25, 1, 0, 3]
     seq_lens = [33, 33, 16, 17, 32, 100, 0, 50]
     batch = make_batch(query_lens, seq_lens, num_heads=2 * group, num_kv_heads=2, dtype=dtype)
-    check(batch, decode_config=DecodeConfig(tile_n=16, num_warps=1, num_stages=1, num_splits=3))
+    check(batch, decode_config=decode_config(num_splits=3))
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -152,7 +202,7 @@ def test_bigger_tiles_and_odd_group() -> None:
     batch = make_batch([1, 20, 1], [80, 60, 33], num_heads=6, num_kv_heads=2, dtype=torch.float16)
     check(
         batch,
-        decode_config=DecodeConfig(tile_n=32, num_warps=1, num_stages=1, num_splits=2),
+        decode_config=decode_config(tile_n=32, num_splits=2),
         prefill_config=PrefillConfig(block_m=32, tile_n=32, num_warps=1, num_stages=1),
     )
 
