@@ -168,6 +168,17 @@ def bench_decode(quick: bool) -> list[Row]:
             nosplit = _time(lambda b=b: paged_attention(**b, decode_config=DecodeConfig(num_splits=1)))
             rows.append(Row("paged decode, 1 split", f"batch {batch} x ctx {ctx}", nosplit, io_bytes))
         del b, k, v, q
+    # Inside CUDA graphs max_seq_len is max_model_len: the per-sequence partition against the old
+    # host one cut from max_seq_len (which ran batch 1 at 1.1k context in one split per kv head).
+    old = DecodeConfig(partition_by="max_seq_len", min_partition=256)
+    for batch, ctx in [(1, 1100), (8, 4096), (64, 1024)] if not quick else [(1, 1100)]:
+        b = {**_paged_batch([ctx] * batch, [1] * batch), "max_seq_len": 131072}
+        io_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2 + 2 * b["q"].numel() * 2
+        shape = f"batch {batch} x ctx {ctx}, max_seq_len 128k"
+        rows.append(Row("paged decode", shape, _time(lambda b=b: paged_attention(**b)), io_bytes))
+        old_us = _time(lambda b=b: paged_attention(**b, decode_config=old))
+        rows.append(Row("paged decode, old partition", shape, old_us, io_bytes))
+        del b
     # Ragged: 64 rows of 1k-8k tokens, no SDPA peer (it would pad).
     gen = torch.Generator().manual_seed(0)
     lens = torch.randint(1024, 8193, (64,), generator=gen).tolist()
@@ -314,7 +325,7 @@ def sweep(copy_bw: float) -> list[str]:
     ]
     variants += [DecodeConfig(num_stages=4), DecodeConfig(tile_n=32, num_stages=4)]
     variants += [DecodeConfig(programs_per_sm=p) for p in (2, 4, 16)]
-    variants += [DecodeConfig(min_partition=m) for m in (128, 1024)]
+    variants += [DecodeConfig(min_partition=m) for m in (64, 256, 1024)]
     for cfg in variants:
         cells = []
         for (batch, ctx), b in batches.items():
@@ -354,22 +365,37 @@ def sweep(copy_bw: float) -> list[str]:
 
 
 def sweep_splits(copy_bw: float) -> list[str]:
-    """Decode time by split count at 4k context over batch sizes, against the automatic choice."""
+    """Decode time by split scheme, with max_seq_len as the engine passes it: the batch's longest
+    context when eager, max_model_len (32k, 128k here) inside CUDA graphs.
+
+    "old" is the partition cut from max_seq_len on the host (the scheme before per-sequence
+    partitions, `partition_by="max_seq_len"`); "min N" the per-sequence partition of at least N
+    tokens; "N splits" a fixed split count at min 64. The default is marked *.
+    """
     import torch
 
     from pagoda.kernels.attention import DecodeConfig, paged_attention
 
-    lines = ["decode splits sweep (us at 4k context; the automatic choice marked *):"]
-    for batch, ctx in [(1, 4096), (4, 4096), (8, 4096), (16, 4096), (32, 4096), (48, 4096), (64, 4096)]:
-        b = _paged_batch([ctx] * batch, [1] * batch)
-        auto = _time(lambda b=b: paged_attention(**b))
-        cells = [f"auto* {auto:.1f}"]
-        for splits in (1, 2, 4, 8, 16, 32):
-            cfg = DecodeConfig(num_splits=splits)
+    default = DecodeConfig()
+    schemes = [("old", DecodeConfig(partition_by="max_seq_len", min_partition=256))]
+    schemes += [(f"min {m}", DecodeConfig(min_partition=m)) for m in (64, 128, 256, 512)]
+    schemes += [(f"{n} splits", DecodeConfig(num_splits=n, min_partition=64)) for n in (1, 8, 32)]
+    lines = ["decode splits sweep (us; old = host partition from max_seq_len, the default marked *):"]
+    cases = [
+        (1, 1100, 1100), (1, 1100, 32768), (1, 1100, 131072), (1, 4096, 32768), (1, 32768, 32768),
+        (4, 1024, 131072), (8, 4096, 131072), (16, 1024, 32768), (64, 1024, 1024), (64, 1024, 32768),
+        (64, 1024, 131072),
+    ]  # fmt: skip
+    for batch, ctx, max_seq_len in cases:
+        b = {**_paged_batch([ctx] * batch, [1] * batch), "max_seq_len": max_seq_len}
+        cells = []
+        for name, cfg in schemes:
             us = _time(lambda b=b, cfg=cfg: paged_attention(**b, decode_config=cfg))
-            cells.append(f"{splits}: {us:.1f}")
+            cells.append(f"{name}{'*' if cfg == default else ''} {us:.1f}")
+        auto = _time(lambda b=b: paged_attention(**b))
         frac = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2 / (auto * 1e-6) / copy_bw
-        lines.append(f"  batch {batch:3d}: " + "  ".join(cells) + f"  (auto at {frac:.0%} of copy)")
+        shape = f"batch {batch:3d} x ctx {ctx:5d}, max_seq_len {max_seq_len:6d}"
+        lines.append(f"  {shape}: " + " | ".join(cells) + f"  (default {auto:.1f} us, {frac:.0%} of copy)")
         print(lines[-1], flush=True)
         del b
         torch.cuda.empty_cache()
