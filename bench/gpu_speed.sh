@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Issue 11's speed figures on one CUDA GPU, in one call: the kernel microbenchmarks (fp8 projection
+# paths, decode attention splits), batch-1 decode at 1000/200 and offline 256 x 128/128 in bf16 and
+# fp8 (with the GPU-busy profile of a steady decode step), then `pagoda serve` loaded by `pagoda bench
+# serve` at concurrency 1..256 from several client processes. Sections past SECONDS_BUDGET are skipped.
+# Usage: bash bench/gpu_speed.sh TOKENIZER_DIR OUT_DIR [SECTIONS] (default: "kernels bs1 offline serve")
+set -uo pipefail
+tok=${1:?tokenizer folder}; out=${2:?output folder}; sections=${3:-kernels bs1 offline serve}
+source "$(dirname "$0")/device_env.sh"
+python3 -c "import msgspec, zmq, fastapi, uvicorn, httpx, pagoda.service.server, pagoda.service.llm, pagoda.kernels.bench_fp8" || exit 1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+start=$SECONDS
+step() { echo "== $1 after $((SECONDS - start)) s"; }
+has() { [[ " $sections " == *" $1 "* ]]; }
+[ -f /tmp/llama-8b-random/config.json ] || python3 -m pagoda.service.gpu_check --tokenizer "$tok" --build-8b /tmp/llama-8b-random 2>&1 | tail -1
+step checkpoint
+model=(--model /tmp/llama-8b-random --dtype bfloat16 --peer none)
+if has kernels; then
+    timeout 200 python3 -m pagoda.kernels.bench_fp8 --sweep --markdown "$out/fp8_kernels.md" 2>&1 | tail -40
+    step "fp8 kernels"
+    timeout 120 python3 -m pagoda.kernels.bench ${SPLITS_ARGS:---quick --sweep splits} --markdown "$out/attention.md" 2>&1 | tail -40
+    step "attention kernels"
+fi
+if has bs1; then
+    for q in "" "--quantization fp8"; do
+        python3 -m pagoda.service.bench offline "${model[@]}" $q --num-prompts 1 --input-len 1000 --output-len 200 \
+            --busy-steps 50 --busy-top 14 --output "$out/bench.md" 2>&1 | grep -v Loading | tail -24
+        step "bs1 ${q:-bf16}"
+    done
+fi
+if has offline; then
+    for q in "" "--quantization fp8"; do
+        python3 -m pagoda.service.bench offline "${model[@]}" $q --num-prompts 256 --input-len 128 --output-len 128 \
+            --busy-steps 20 --busy-top 8 --output "$out/bench.md" 2>&1 | grep -v Loading | tail -18
+        step "offline ${q:-bf16}"
+    done
+fi
+if has serve; then
+    for q in ${SERVE_PRECISIONS:-bf16}; do
+        extra=(); [ "$q" = fp8 ] && extra=(--quantization fp8)
+        python3 -m pagoda.cli serve --model /tmp/llama-8b-random --served-model-name m --port 8000 --grpc-port 8001 \
+            --max-num-seqs 256 "${extra[@]}" > "$out/serve_$q.log" 2>&1 &
+        pid=$!
+        for _ in $(seq 300); do curl -sf localhost:8000/v1/health/ready > /dev/null && break; sleep 1; done
+        step "serve $q ready"
+        for c in 1 16 64 128 256; do
+            n=$((c < 16 ? 16 : 4 * c))
+            timeout 120 python3 -m pagoda.service.bench serve --base-url http://localhost:8000 --model m --vocab-size 128256 \
+                --num-prompts $n --input-len 128 --output-len 128 --max-concurrency $c --client-processes auto \
+                --output "$out/serve_bench.md" 2>&1 | tail -12
+        done
+        grep -i "captured\|error\|Traceback" "$out/serve_$q.log" | head -5
+        kill -TERM $pid; wait $pid
+        step "serve $q"
+    done
+fi
+step "all done"
