@@ -158,8 +158,19 @@ def checks() -> list[str]:
         x = torch.randn(64, 14336, device=DEVICE, dtype=torch.bfloat16) * 3
         q, s = quantize_fp8_rows(x)
         q_ref, s_ref = reference.quantize_fp8_rows(x)
-        same = torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
-        lines.append(f"triton quantization == PyTorch's, 64 x 14336 bf16: {same}")
+        differ = (q.view(torch.uint8) != q_ref.view(torch.uint8)).nonzero()
+        scales_differ = int((s != s_ref).sum())
+        lines.append(
+            f"triton quantization == PyTorch's, 64 x 14336 bf16: {len(differ) == 0 and scales_differ == 0}"
+            f" ({len(differ)} codes and {scales_differ} scales differ)"
+        )
+        for r, c in differ[:4].tolist():  # what differs, to tell a rounding rule from a sign of zero
+            lines.append(
+                f"  x {float(x[r, c]):.6g} / scale {float(s_ref[r, 0]):.6g}:"
+                f" ours {float(q[r, c].float()):.6g}"
+                f" (0x{int(q.view(torch.uint8)[r, c]):02x}), PyTorch {float(q_ref[r, c].float()):.6g}"
+                f" (0x{int(q_ref.view(torch.uint8)[r, c]):02x})"
+            )
         w, w_scale = reference.quantize_fp8_rows(torch.randn(4096, 14336, device=DEVICE) * 0.02)
         out = fp8_matmul_w8a16(x[:5], w, w_scale)
         ref = reference.fp8_matmul_w8a16(x[:5].float(), w, w_scale)

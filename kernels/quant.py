@@ -1,4 +1,5 @@
-"""Dynamic per-row fp8 (e4m3) quantization in one launch: `x ~= q * scale`, row by row.
+"""Dynamic per-row fp8 (e4m3) quantization in one launch (`x ~= q * scale`, row by row), and the
+scaling of an fp8 product by its row and column scales in one launch (`scale_product`).
 
 One program per row, two passes over it in BLOCK-column chunks: the first takes the row's absolute
 maximum, the second divides by `scale = max(amax, 1e-12) / 448` and casts to e4m3. A row of a
@@ -84,3 +85,54 @@ def quantize_fp8_rows(
         x, q, scale, k, x.stride(0), q.stride(0), BLOCK=block, num_warps=8 if block >= 2048 else 4
     )
     return q, scale
+
+
+@triton.jit
+def _scale_product_kernel(
+    acc_ptr,  # [M, N]
+    row_scale_ptr,  # [M] float32
+    col_scale_ptr,  # [N] float32
+    out_ptr,  # [M, N]
+    N,
+    stride_acc,
+    stride_out,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < N
+    acc = tl.load(acc_ptr + row * stride_acc + cols, mask=mask, other=0.0).to(tl.float32)
+    col_scale = tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
+    out = (acc * tl.load(row_scale_ptr + row)) * col_scale
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def scale_product(
+    acc: torch.Tensor,  # [M, N], an fp8 product before its scales
+    row_scale: torch.Tensor,  # [M, 1] float32
+    col_scale: torch.Tensor,  # [1, N] float32
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [M, N] in `dtype`
+    """`acc * row_scale * col_scale` in float32, as `reference.scale_product`: the per-token and
+    per-weight-row scales of a product that `torch._scaled_mm` ran with unit scales (its fast path)."""
+    num_rows, n = acc.shape
+    if row_scale.numel() != num_rows or col_scale.numel() != n or acc.stride(-1) != 1:
+        raise ValueError(
+            f"scale_product: acc {tuple(acc.shape)} (last stride {acc.stride(-1)}), row_scale "
+            f"{tuple(row_scale.shape)}, col_scale {tuple(col_scale.shape)}"
+        )
+    out = torch.empty((num_rows, n), dtype=dtype, device=acc.device)
+    if num_rows == 0 or n == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(n))
+    _scale_product_kernel[(num_rows, triton.cdiv(n, block))](
+        acc,
+        row_scale.contiguous(),
+        col_scale.contiguous(),
+        out,
+        n,
+        acc.stride(0),
+        out.stride(0),
+        BLOCK_N=block,
+    )
+    return out

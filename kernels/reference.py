@@ -170,3 +170,13 @@ def fp8_matmul_w8a16(
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """`x @ (weight * weight_scale).T` with unquantized activations, in float32, rounded once."""
     return ((x.float() @ weight.float().t()) * weight_scale.view(1, -1)).to(x.dtype)
+
+
+def scale_product(
+    acc: torch.Tensor,  # [M, N], an fp8 product before its scales
+    row_scale: torch.Tensor,  # [M, 1] float32, one scale per activation row
+    col_scale: torch.Tensor,  # [1, N] float32, one scale per weight row
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [M, N] in `dtype`
+    """`acc * row_scale * col_scale` in float32, rounded once to `dtype`."""
+    return ((acc.float() * row_scale.view(-1, 1)) * col_scale.view(1, -1)).to(dtype)

@@ -23,7 +23,7 @@ from pagoda.service.engine.request import PLACEHOLDER
 from pagoda.service.engine.sampler import SampledBatch, Sampler, SampleResult, to_device
 from pagoda.service.engine.scheduler import SchedulerOutput
 from pagoda.service.model.attention import AttentionMetadata
-from pagoda.service.model.fp8 import SKINNY_MAX_M, quantize_model_fp8, supports_fp8_matmul
+from pagoda.service.model.fp8 import quantize_model_fp8, supports_fp8_matmul
 from pagoda.service.model.loader import load_model
 from pagoda.service.model.parallel import SINGLE_RANK, TPGroup
 
@@ -129,10 +129,7 @@ class ModelRunner:
             self.model, self.model_config = load_model(model_path, self.dtype, "cpu", tp)
             count = quantize_model_fp8(self.model, self.device)
             path = "Triton + torch._scaled_mm" if supports_fp8_matmul(self.device) else "float32 emulation"
-            logger.info(
-                "fp8: %d projections quantized (per-row weight scales; W8A16 up to %d rows, W8A8 above; %s)",
-                count, SKINNY_MAX_M, path,
-            )  # fmt: skip
+            logger.info("fp8: %d projections quantized (W8A8, per-row and per-token scales; %s)", count, path)
         else:
             self.model, self.model_config = load_model(model_path, self.dtype, self.device, tp)
         mc = self.model_config

@@ -1,20 +1,26 @@
-"""FP8 (e4m3) linear layers: weights with one scale per row, two ways to multiply by them.
+"""FP8 (e4m3) linear layers: W8A8 with one scale per weight row and a dynamic scale per token.
 
 Weights are quantized once at load, from the checkpoint's bf16/fp16 (no calibration data: a row's
-scale is its absolute maximum over 448, e4m3's largest finite value). A call then takes one of two
-paths by its row count, on every device alike:
+scale is its absolute maximum over 448, e4m3's largest finite value). Each call quantizes its
+activations per token (`kernels/quant.py`, one launch) and multiplies on the tensor cores with
+`torch._scaled_mm`, accumulating in fp32. The scales are applied one of two ways, by row count:
 
-- Up to `skinny_max_m` rows (decode batches), W8A16: the activations stay in the model dtype and a
-  skinny Triton kernel (`kernels/fp8_gemm.py`) streams the fp8 weights once, upcasting them in
-  registers. One launch, and more accurate than W8A8 (no activation rounding).
-- Above it, W8A8: the activations are quantized per token (`kernels/quant.py`, one launch) and
-  multiplied on the tensor cores with `torch._scaled_mm`, accumulating in fp32 and rescaling to the
-  model's dtype.
+- Up to `UNIT_SCALE_MAX_M` rows (decode batches): `_scaled_mm` with unit scales, which cuBLASLt
+  runs at the memory limit, then `kernels.quant.scale_product` applies both scales (one launch). With
+  row-wise scales `_scaled_mm` takes a CUTLASS kernel that reads fp8 weights at 1-2.5 TB/s at small
+  M: slower than bf16 (measured on an H200, `python -m pagoda.kernels.bench_fp8`: per decode step of
+  an 8B model at M=1, bf16 3.75 ms, row-wise 4.43 ms, unit scales 2.19 ms plus the scaling).
+- Above it, `_scaled_mm` with the row-wise scales, which is the faster of the two at large M.
 
-The kernels run on CUDA GPUs of compute capability 8.9+ (Ada, Hopper, Blackwell); elsewhere (the
-CPU, older GPUs) the same numbers are multiplied in float32 by `kernels/reference.py`: the reference
-the tests hold the GPU paths to. Both GPU paths are CUDA-graph capturable (no host syncs). Embeddings,
-norms and the LM head stay in the model dtype.
+The two paths are the same arithmetic but for one bf16 rounding of the unscaled product (|acc| is at
+most 448^2 x K, far inside bf16's range). The kernels run on CUDA GPUs of compute capability 8.9+
+(Ada, Hopper, Blackwell); elsewhere (the CPU, older GPUs) the same numbers are multiplied in float32
+by `kernels/reference.py`: the reference the tests hold the GPU paths to. Both GPU paths are
+CUDA-graph capturable (no host syncs). Embeddings, norms and the LM head stay in the model dtype.
+
+W8A16 (`skinny_max_m`: activations unquantized, a skinny Triton kernel streaming the fp8 weights,
+`kernels/fp8_gemm.py`) is more accurate but measured slower than both (3.2-5.4 ms per step at M=1):
+off by default, kept for the accuracy comparison (`python -m pagoda.service.fp8_accuracy`).
 
 Under tensor parallelism each rank quantizes its own shard (the scales are the shard's rows), and a
 row-parallel layer keeps its all-reduce.
@@ -30,10 +36,12 @@ from pagoda.service.model.parallel import RowParallelLinear, TPGroup
 
 FP8_MAX = reference.FP8_MAX
 FP8_DTYPE = torch.float8_e4m3fn
-# Rows up to which a call takes the skinny W8A16 kernel rather than quantize + torch._scaled_mm.
-# Untuned: the skinny kernel costs the same up to its 16-row tile and reads the weights again per
-# 16 rows above it. `python -m pagoda.kernels.bench_fp8` times both paths per row count to set it.
-SKINNY_MAX_M = 16
+# Rows up to which a call takes the skinny W8A16 kernel (0: never; see the module docstring).
+SKINNY_MAX_M = 0
+# Rows up to which `_scaled_mm` runs with unit scales and `scale_product` applies them. On an H200
+# (kernels/bench_fp8.py, 8B projections, per step) unit scales take 2.1-2.5 ms up to M=128 against
+# row-wise 3.9-4.4 ms; at M=256, 3.7 ms plus ~0.8 ms of scaling against row-wise 4.95 ms in all.
+UNIT_SCALE_MAX_M = 128
 # The projections of each decoder layer; their sizes are multiples of 16, as _scaled_mm needs.
 TARGETS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
@@ -68,6 +76,8 @@ class Fp8Linear(nn.Module):
         self.out_dtype = weight.dtype
         self.skinny_max_m = skinny_max_m
         self.use_kernels = supports_fp8_matmul(weight.device)  # False: the float32 reference
+        self.unit_scale: torch.Tensor
+        self.register_buffer("unit_scale", torch.ones((), dtype=torch.float32, device=weight.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         rows = x.reshape(-1, x.shape[-1]).contiguous()  # a no-op for the model's activations
@@ -90,9 +100,13 @@ class Fp8Linear(nn.Module):
             xq, x_scale = reference.quantize_fp8_rows(rows)
             w = self.weight.float() * self.weight_scale.view(-1, 1)
             return ((xq.float() * x_scale) @ w.t()).to(self.out_dtype)
-        from pagoda.kernels.quant import quantize_fp8_rows
+        from pagoda.kernels.quant import quantize_fp8_rows, scale_product
 
         xq, x_scale = quantize_fp8_rows(rows)
+        if rows.shape[0] <= UNIT_SCALE_MAX_M:
+            one = self.unit_scale
+            acc = torch._scaled_mm(xq, self.weight.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+            return scale_product(acc, x_scale, self.weight_scale, self.out_dtype)
         return torch._scaled_mm(
             xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale, out_dtype=self.out_dtype
         )

@@ -1,4 +1,4 @@
-"""quantize_fp8_rows and the skinny W8A16 fp8 GEMM: the Triton kernels against `reference.py`.
+"""quantize_fp8_rows, scale_product and the skinny W8A16 fp8 GEMM: the Triton kernels against `reference.py`.
 
 Run under TRITON_INTERPRET=1 (tests/test_kernels_interpret.py does) or on a GPU. The quantization
 must match to the bit (scales and fp8 codes); the GEMM differs from the float32 reference only in
@@ -20,7 +20,7 @@ if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("needs TRITON_INTERPRET=1 or a CUDA GPU", allow_module_level=True)
 
 from pagoda.kernels.fp8_gemm import Fp8GemmConfig, fp8_matmul_w8a16  # noqa: E402
-from pagoda.kernels.quant import quantize_fp8_rows  # noqa: E402
+from pagoda.kernels.quant import quantize_fp8_rows, scale_product  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -107,3 +107,23 @@ def test_fp8_matmul_w8a16_refuses_bad_input() -> None:
         fp8_matmul_w8a16(torch.randn(2, 64, device=DEVICE), weight.float(), scale)
     with pytest.raises(ValueError, match="weight_scale"):
         fp8_matmul_w8a16(torch.randn(2, 64, device=DEVICE), weight, scale[:8])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mn", [(1, 48), (5, 1100), (3, 2048)])
+def test_scale_product_matches_reference(dtype: torch.dtype, mn: tuple[int, int]) -> None:
+    m, n = mn
+    acc = (torch.randn(m, n, device=DEVICE) * 1e5).to(torch.bfloat16)
+    row_scale = torch.rand(m, 1, device=DEVICE) * 1e-3 + 1e-4
+    col_scale = torch.rand(1, n, device=DEVICE) * 1e-3 + 1e-4
+    out = scale_product(acc, row_scale, col_scale, dtype)
+    assert out.dtype == dtype and out.shape == (m, n)
+    # One rounding step apart at most: the interpreter's float32 -> 16-bit cast truncates.
+    expected = reference.scale_product(acc, row_scale, col_scale, dtype)
+    torch.testing.assert_close(out, expected, rtol=TOL[dtype], atol=0)
+
+
+def test_scale_product_refuses_mismatched_scales() -> None:
+    acc = torch.zeros(4, 32, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="scale_product"):
+        scale_product(acc, torch.ones(3, 1, device=DEVICE), torch.ones(1, 32, device=DEVICE), torch.float32)
