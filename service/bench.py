@@ -42,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     offline.add_argument("--output-len", type=int, default=128)
     offline.add_argument("--max-num-batched-tokens", type=int, default=4096)
     offline.add_argument("--tensor-parallel-size", type=int, default=1)
+    offline.add_argument(
+        "--cuda-graph-max-tokens", type=int, default=2048, help="0: only decode steps replay CUDA graphs"
+    )
     offline.add_argument("--peer", choices=["transformers", "none"], default="transformers")
     offline.add_argument(
         "--async-scheduling",
@@ -130,6 +133,7 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
         max_num_seqs=max(args.num_prompts, 1),
         max_num_batched_tokens=args.max_num_batched_tokens,
         tensor_parallel_size=args.tensor_parallel_size,
+        cuda_graph_max_tokens=args.cuda_graph_max_tokens,
     )
     runner = llm.engine.runner
     vocab = runner.model_config.vocab_size

@@ -112,6 +112,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     flag("--block-size", "Tokens per KV cache block (a power of two).", 16, int)
     flag(
+        "--cuda-graph-max-tokens",
+        "Largest step mixing prefill chunks with decodes that replays a CUDA graph; 0: decode steps only.",
+        2048,
+        int,
+    )
+    flag(
         "--gpu-memory-utilization",
         "Fraction of the GPU memory free after the weights that the KV cache takes.",
         0.9,
@@ -220,6 +226,7 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
+        cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         enable_prefix_caching=args.enable_prefix_caching,

@@ -91,3 +91,7 @@ def test_mixed_sizes_stop_at_the_step_budget() -> None:
     assert mixed_token_sizes(300) == [128, 256]
     assert mixed_token_sizes(8192)[-1] == 2048
     assert mixed_token_sizes(64) == []
+    assert mixed_token_sizes(8192, limit=0) == []  # --cuda-graph-max-tokens 0: decode graphs only
+    assert mixed_token_sizes(8192, limit=600) == [128, 256, 384, 512]
+    with pytest.raises(ValueError, match="cuda_graph_max_tokens"):
+        EngineConfig(cuda_graph_max_tokens=-1)

@@ -24,6 +24,7 @@ FLAGS = [
     "--max-num-seqs",
     "--max-num-batched-tokens",
     "--block-size",
+    "--cuda-graph-max-tokens",
     "--gpu-memory-utilization",
     "--kv-cache-memory-bytes",
     "--enable-prefix-caching",
@@ -61,12 +62,14 @@ def test_environment_sets_flags_and_command_line_wins(monkeypatch: pytest.Monkey
     monkeypatch.setenv("PAGODA_ENABLE_PREFIX_CACHING", "false")
     monkeypatch.setenv("PAGODA_PRECISION", "fp32")
     monkeypatch.setenv("PAGODA_KV_CACHE_MEMORY_BYTES", "1048576")
+    monkeypatch.setenv("PAGODA_CUDA_GRAPH_MAX_TOKENS", "0")
     server, engine = serve_cli.build_configs(parse("--max-num-seqs", "9"))
     assert server.port == 9000
     assert engine.max_num_seqs == 9
     assert engine.enable_prefix_caching is False
     assert engine.dtype == "float32"
     assert engine.kv_cache_memory_bytes == 1048576
+    assert engine.cuda_graph_max_tokens == 0
 
 
 @pytest.mark.parametrize(
@@ -75,6 +78,7 @@ def test_environment_sets_flags_and_command_line_wins(monkeypatch: pytest.Monkey
         (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be at least 1"),
         (["--model", "/no/such/model"], "no such checkpoint"),
         (["--block-size", "12"], "block_size must be a power of two"),
+        (["--cuda-graph-max-tokens", "-5"], "cuda_graph_max_tokens must be at least 0"),
         (["--max-waiting-requests", "-1"], "--max-waiting-requests"),
     ],
 )

@@ -23,7 +23,10 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # overrides the fraction; the CPU default is 512 MiB
     enable_prefix_caching: bool = True
     seed: int = 0
-    enforce_eager: bool = False  # on a GPU, never replay decode steps from CUDA graphs
+    enforce_eager: bool = False  # on a GPU, never replay steps from CUDA graphs
+    # The largest step (in tokens) that mixes prefill chunks with decodes and still replays a CUDA graph;
+    # 0: decode-only steps alone (cuda_graphs.py).
+    cuda_graph_max_tokens: int = 2048
     tensor_parallel_size: int = 1  # ranks the model is sharded over: GPUs (NCCL), or CPU processes (gloo)
     # Queue step N+1 on the device before reading step N's tokens, so the host's work of a step (outputs,
     # scheduling, inputs) runs while the GPUs compute. None: on with GPUs, off on the CPU (nothing to
@@ -58,5 +61,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if self.cuda_graph_max_tokens < 0:
+            raise ValueError(f"cuda_graph_max_tokens must be at least 0, got {self.cuda_graph_max_tokens}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")

@@ -40,8 +40,9 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 def mixed_token_sizes(max_num_batched_tokens: int, limit: int = 2048) -> list[int]:
-    """Token counts of the mixed graphs. Past `limit` tokens a step's kernels outlast its eager
-    launches on the GPU machine's host, so a graph would gain nothing there."""
+    """Token counts of the mixed graphs (`limit`: `EngineConfig.cuda_graph_max_tokens`). Past about
+    2k tokens a step's kernels outlast its eager launches on the GPU machine's host, so a graph
+    would gain little there."""
     ladder = [128, 256, 384, 512, 768, 1024, 1536, 2048]
     return [t for t in ladder if t <= min(max_num_batched_tokens, limit)]
 
@@ -65,13 +66,14 @@ class StepGraphs:
         max_model_len: int,
         block_size: int,
         capture: bool = True,
+        max_mixed_tokens: int = 2048,
     ) -> None:
         self.model = model
         self.device = device
         self.max_model_len = max_model_len
         self.capture_graphs = capture
         self.sizes = graph_batch_sizes(max_num_seqs)
-        self.mixed_sizes = mixed_token_sizes(max_num_batched_tokens)
+        self.mixed_sizes = mixed_token_sizes(max_num_batched_tokens, max_mixed_tokens)
         self.max_seqs = max_num_seqs
         max_tokens = max([self.sizes[-1], *self.mixed_sizes])
         width = -(-max_model_len // block_size)

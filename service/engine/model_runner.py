@@ -161,6 +161,7 @@ class ModelRunner:
                 config.max_num_batched_tokens,
                 self.max_model_len,
                 config.block_size,
+                max_mixed_tokens=config.cuda_graph_max_tokens,
             )
             self.graphs.capture()
         logger.info(
