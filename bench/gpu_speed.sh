@@ -3,6 +3,8 @@
 # paths, decode attention splits), batch-1 decode at 1000/200 and offline 256 x 128/128 in bf16 and
 # fp8 (with the GPU-busy profile of a steady decode step), then `pagoda serve` loaded by `pagoda bench
 # serve` at concurrency 1..256 from several client processes. Sections past SECONDS_BUDGET are skipped.
+# `check` runs the engine's GPU checks (fp32 greedy == transformers, graphs == eager, async == in turn,
+# bf16/fp8 teacher-forced, the fp8 layer paths); `grid` the offline grid of issue 11.
 # Usage: bash bench/gpu_speed.sh TOKENIZER_DIR OUT_DIR [SECTIONS] (default: "kernels bs1 offline serve")
 set -uo pipefail
 tok=${1:?tokenizer folder}; out=${2:?output folder}; sections=${3:-kernels bs1 offline serve}
@@ -15,6 +17,11 @@ has() { [[ " $sections " == *" $1 "* ]]; }
 [ -f /tmp/llama-8b-random/config.json ] || python3 -m pagoda.service.gpu_check --tokenizer "$tok" --build-8b /tmp/llama-8b-random 2>&1 | tail -1
 step checkpoint
 model=(--model /tmp/llama-8b-random --dtype bfloat16 --peer none)
+if has check; then
+    timeout "${CHECK_TIMEOUT:-240}" python3 -m pagoda.service.gpu_check --tokenizer "$tok" --only llama-gqa4-d64-llama3rope \
+        2>&1 | tee "$out/engine_check.log" | grep -v Loading | tail -14
+    step check
+fi
 if has kernels; then
     timeout 200 python3 -m pagoda.kernels.bench_fp8 --sweep --markdown "$out/fp8_kernels.md" 2>&1 | tail -40
     step "fp8 kernels"
@@ -29,10 +36,22 @@ if has bs1; then
     done
 fi
 if has offline; then
-    for q in "" "--quantization fp8"; do
+    for q in "" "--cuda-graph-max-tokens 0" "--quantization fp8"; do
         python3 -m pagoda.service.bench offline "${model[@]}" $q --num-prompts 256 --input-len 128 --output-len 128 \
             --busy-steps 20 --busy-top 8 --output "$out/bench.md" 2>&1 | grep -v Loading | tail -18
         step "offline ${q:-bf16}"
+    done
+fi
+if has grid; then  # issue 11's grid: in / out lengths, enough requests for a steady state
+    for q in ${GRID_PRECISIONS:-fp8 bf16}; do
+        extra=(); [ "$q" = fp8 ] && extra=(--quantization fp8)
+        for shape in "1000 1000 384" "128 2048 384" "2048 128 1024"; do
+            read -r in_len out_len n <<< "$shape"
+            timeout 200 python3 -m pagoda.service.bench offline "${model[@]}" "${extra[@]}" --num-prompts $n \
+                --input-len $in_len --output-len $out_len --max-num-batched-tokens 8192 \
+                --output "$out/bench.md" 2>&1 | grep -v Loading | tail -4
+            step "grid $q $shape"
+        done
     done
 fi
 if has serve; then
