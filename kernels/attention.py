@@ -327,13 +327,12 @@ class DecodeConfig:
     # unsplit at 1k context and 80 us split 3 ways; batch 8 at 8k runs 238 us unsplit, 69 us split 8
     # ways (512 programs), 82 us 5 ways.
     programs_per_sm: int = 4
-    # The fewest context tokens per split (rounded up to tile_n). 128 is two 64-token tiles: at
-    # num_stages=2 the second tile's loads are in flight while the first is computed, so a split
-    # costs about one tile's memory latency, while each split also writes and the reduce reads back
-    # GROUP x head_dim float32 (2 KB at Llama-3-8B, 1/32 of the split's 64 KB of K/V at 128 tokens).
-    # Batch 1 at 1.1k context gets 9 splits per kv head (72 programs) where 256 gave 5 (40).
-    # Untimed on a GPU as of this choice: `bench --sweep splits` times 64, 128 and 256.
-    min_partition: int = 128
+    # The fewest context tokens per split (rounded up to tile_n); each split also writes, and the
+    # reduce reads back, GROUP x head_dim float32 (2 KB at Llama-3-8B). Timed on an H200
+    # (`bench --sweep splits`, us): batch 1 x 1.1k context 7.6 at 64, 8.0-8.4 at 128, 10.9-11.7 at
+    # 256, and 32 us with the old host partition at max_seq_len 128k; batch 1 x 4k 9.7 / 10.9 / 13.4;
+    # batch 4 x 1k 9.3 / 10.4 / 12.9; from batch 8 x 4k and 16 x 1k up all three tie.
+    min_partition: int = 64
     num_splits: int | None = None  # fixed split count (tests, sweeps); None picks one
     # "max_seq_len" is the old scheme, kept to time against: one partition for the whole batch, cut
     # from max_seq_len on the host. Inside CUDA graphs max_seq_len is max_model_len, so it ran a

@@ -148,10 +148,10 @@ def test_decode_mixed_split_counts(dtype: torch.dtype, num_splits: int) -> None:
 
 def test_split_choice() -> None:
     # An H200's 132 SMs, Llama-3-8B's 8 kv heads. Batch 1 fills a wave of 528 programs whatever
-    # max_seq_len the graph was captured with; the device then uses 9 of the 66 splits at 1.1k tokens.
-    assert decode_splits(DecodeConfig(), 1, 8, 131072, 132) == (66, 128)
-    assert decode_splits(DecodeConfig(), 1, 8, 1100, 132) == (9, 128)
-    assert decode_splits(DecodeConfig(), 64, 8, 131072, 132) == (1, 128)
+    # max_seq_len the graph was captured with; the device then uses 18 of the 66 splits at 1.1k tokens.
+    assert decode_splits(DecodeConfig(), 1, 8, 131072, 132) == (66, 64)
+    assert decode_splits(DecodeConfig(), 1, 8, 1100, 132) == (18, 64)
+    assert decode_splits(DecodeConfig(), 64, 8, 131072, 132) == (1, 64)
     assert decode_splits(DecodeConfig(num_splits=3, min_partition=100), 64, 8, 131072, 132) == (3, 128)
     # The old scheme: one partition from max_seq_len, 2048 tokens at 128k (a 1.1k context in one split).
     old = DecodeConfig(partition_by="max_seq_len", min_partition=256)
