@@ -4,6 +4,11 @@ an engine-core process (`core_process`) over two ZMQ sockets.
 This side owns the text: it validates and tokenizes prompts, detokenizes, finds stop strings (and
 tells the core to stop that sequence), and builds outputs. The core only schedules and steps, so its
 loop never waits for this process's GIL, nor this event loop for a step.
+
+With `--api-server-count N` there are N API processes and one core (`CoreLink`): API process 0 starts
+the core, the others attach to it. Each binds its own pair of sockets; the core connects to all of
+them. Request ids travel to the core namespaced by the process's index, so ids chosen by clients of
+different processes never collide there, and the core sends each process only its own outputs.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -37,6 +43,7 @@ from pagoda.service.engine.messages import (
     CoreReady,
     EngineStats,
     Shutdown,
+    core_request_id,
     encoder,
     output_decoder,
 )
@@ -60,9 +67,26 @@ class RequestFailedError(RuntimeError):
     """This request (and only it) failed inside an engine step; the engine goes on serving others."""
 
 
+@dataclass(frozen=True)
+class CoreLink:
+    """Where the API processes and the core meet: a folder of ipc sockets, one pair per API process."""
+
+    socket_dir: str
+    api_index: int = 0  # 0 starts the core; the others attach to it
+    num_api_servers: int = 1
+
+    def inputs(self, api_index: int) -> str:
+        return f"ipc://{self.socket_dir}/inputs-{api_index}"
+
+    def outputs(self, api_index: int) -> str:
+        return f"ipc://{self.socket_dir}/outputs-{api_index}"
+
+
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, log_level: str = "info") -> None:
-        """Loads the tokenizer (blocking); `start()` starts the core."""
+    def __init__(self, config: EngineConfig, log_level: str = "info", link: CoreLink | None = None) -> None:
+        """Loads the tokenizer (blocking); `start()` starts the core (or, `link.api_index` > 0, attaches
+        to the core that API process 0 started). No `link`: the only API process, sockets in a fresh
+        temporary folder."""
         self.config = config
         self.tokenizer: Tokenizer = load_tokenizer(config.model_path)
         self.model_name = config.model_name
@@ -76,7 +100,9 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._proc: subprocess.Popen[bytes] | None = None
         self._exited = asyncio.Event()
-        self._socket_dir = tempfile.mkdtemp(prefix="pagoda-engine-")
+        self._owns_socket_dir = link is None
+        self.link = link or CoreLink(tempfile.mkdtemp(prefix="pagoda-engine-"))
+        self._id_prefix = "" if self.link.num_api_servers == 1 else core_request_id(self.link.api_index, "")
         self._stopping = False
         self._context = zmq.asyncio.Context()
         self._sync_context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -84,6 +110,10 @@ class AsyncEngine:
         self._outputs: zmq.asyncio.Socket = self._context.socket(zmq.PULL)
         self._encode = encoder().encode
         self._pump: asyncio.Task[None] | None = None
+
+    @property
+    def starts_core(self) -> bool:
+        return self.link.api_index == 0
 
     @property
     def is_healthy(self) -> bool:
@@ -110,10 +140,34 @@ class AsyncEngine:
         # that blocked at a full queue would stall the event loop.
         self._inputs.setsockopt(zmq.SNDHWM, 0)
         self._outputs.setsockopt(zmq.RCVHWM, 0)
-        inputs_addr = f"ipc://{self._socket_dir}/inputs"
-        outputs_addr = f"ipc://{self._socket_dir}/outputs"
-        self._inputs.bind(inputs_addr)
-        self._outputs.bind(outputs_addr)
+        link = self.link
+        self._inputs.bind(link.inputs(link.api_index))
+        self._outputs.bind(link.outputs(link.api_index))
+        if self.starts_core:
+            self._start_core()
+        # An attached process waits for the core's CoreReady; if the core dies first, API process 0
+        # kills this one.
+        decode = output_decoder().decode
+        receive = asyncio.ensure_future(self._outputs.recv())
+        exited = asyncio.ensure_future(self._exited.wait())
+        await asyncio.wait({receive, exited}, return_when=asyncio.FIRST_COMPLETED)
+        exited.cancel()
+        if not receive.done():
+            receive.cancel()
+            assert self._proc is not None
+            raise EngineDeadError(f"the engine core exited with code {self._proc.returncode} while starting")
+        message: CoreMessage = decode(receive.result())
+        if isinstance(message, CoreFailed):
+            raise EngineDeadError(f"the engine core failed to start: {message.message}")
+        assert isinstance(message, CoreReady)
+        self.max_model_len = message.max_model_len
+        self._stats = message.stats
+        self._input_processor = InputProcessor(self.tokenizer, message.vocab_size, self.max_model_len)
+        self._output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
+        self._pump = asyncio.create_task(self._receive_outputs())
+
+    def _start_core(self) -> None:
+        num_api_servers = self.link.num_api_servers
         command = [
             sys.executable,
             "-m",
@@ -123,9 +177,9 @@ class AsyncEngine:
             "--eos-token-ids",
             json.dumps(sorted(self.tokenizer.eos_token_ids)),
             "--inputs",
-            inputs_addr,
+            *[self.link.inputs(i) for i in range(num_api_servers)],
             "--outputs",
-            outputs_addr,
+            *[self.link.outputs(i) for i in range(num_api_servers)],
             "--parent-pid",
             str(os.getpid()),
             "--log-level",
@@ -140,32 +194,17 @@ class AsyncEngine:
             name="pagoda-core-watch",
             daemon=True,
         ).start()
-        decode = output_decoder().decode
-        receive = asyncio.ensure_future(self._outputs.recv())
-        exited = asyncio.ensure_future(self._exited.wait())
-        await asyncio.wait({receive, exited}, return_when=asyncio.FIRST_COMPLETED)
-        exited.cancel()
-        if not receive.done():
-            receive.cancel()
-            raise EngineDeadError(f"the engine core exited with code {proc.returncode} while starting")
-        message: CoreMessage = decode(receive.result())
-        if isinstance(message, CoreFailed):
-            raise EngineDeadError(f"the engine core failed to start: {message.message}")
-        assert isinstance(message, CoreReady)
-        self.max_model_len = message.max_model_len
-        self._stats = message.stats
-        self._input_processor = InputProcessor(self.tokenizer, message.vocab_size, self.max_model_len)
-        self._output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
-        self._pump = asyncio.create_task(self._receive_outputs())
 
     async def shutdown(self) -> None:
-        """Stop the core (it stops its workers) and wait for it; kill it past the timeout."""
+        """Stop the core (it stops its workers) and wait for it; kill it past the timeout. An attached
+        process only closes its sockets: the core is API process 0's to stop, after every process drained."""
         self._stopping = True
         if self._proc is not None and self._proc.poll() is None and self._pump is None:
             self._proc.kill()  # still loading: nothing to drain
             await asyncio.to_thread(self._proc.wait)
         if self._proc is not None and self._proc.poll() is None:
-            self._send(Shutdown())
+            # Past `_send`'s check: failed by another API process's death, this one's core still runs.
+            self._inputs.send(self._encode(Shutdown()))
             try:
                 await asyncio.wait_for(self._exited.wait(), _SHUTDOWN_TIMEOUT_S)
             except TimeoutError:
@@ -178,7 +217,8 @@ class AsyncEngine:
                 await self._pump
         self._sync_context.destroy(linger=0)
         self._context.destroy(linger=0)
-        shutil.rmtree(self._socket_dir, ignore_errors=True)
+        if self._owns_socket_dir:
+            shutil.rmtree(self.link.socket_dir, ignore_errors=True)
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
@@ -204,7 +244,7 @@ class AsyncEngine:
         )
         stream = OutputStream()
         self._streams[request_id] = stream
-        self._send(AddRequest(request_id, token_ids, params, now))
+        self._send(AddRequest(self._id_prefix + request_id, token_ids, params, now))
         finished = False
         try:
             while True:
@@ -227,7 +267,7 @@ class AsyncEngine:
         final = self._output_processor.abort(request_id, time.monotonic())
         if final is None:
             return
-        self._send(Abort([request_id]))
+        self._send(Abort([self._id_prefix + request_id]))
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.put_nowait(final)
@@ -242,14 +282,14 @@ class AsyncEngine:
         while True:
             message: CoreMessage = decode(await self._outputs.recv())
             if isinstance(message, CoreFailed):
-                self._fail(message.message)
+                self.fail(message.message)
                 return
             if isinstance(message, CoreReady):
                 continue
             self._stats = message.stats
             outputs, stops = processor.process(message.outputs, message.prompt_logprobs, time.monotonic())
             for request_id, index in stops:
-                self._send(Abort([request_id], index))
+                self._send(Abort([self._id_prefix + request_id], index))
             for failure in message.failures:
                 processor.fail(failure.request_id, failure.message, time.monotonic())
                 failed = self._streams.get(failure.request_id)
@@ -264,9 +304,9 @@ class AsyncEngine:
         self._exited.set()
         assert self._proc is not None
         if self._error is None and self._pump is not None and not self._stopping:
-            self._fail(f"the engine core exited with code {self._proc.returncode}")
+            self.fail(f"the engine core exited with code {self._proc.returncode}")
 
-    def _fail(self, message: str) -> None:
+    def fail(self, message: str) -> None:
         """Every open stream ends with `EngineDeadError`; new requests are refused."""
         if self._error is None:
             logger.error("engine failed: %s", message)

@@ -1,9 +1,11 @@
 """The engine-core process of `pagoda serve`: the step loop, away from the API process's GIL.
 
-Started by `AsyncEngine` as `python -m pagoda.service.engine.core_process`; it connects two ZMQ
-sockets that the API process bound (requests and aborts in, step outputs out), loads the model
+Started by `AsyncEngine` as `python -m pagoda.service.engine.core_process`; it connects to the ZMQ
+sockets that each API process bound (requests and aborts in, step outputs out), loads the model
 (tensor-parallel rank 0 lives here, its workers are this process's children), says `CoreReady` or
-`CoreFailed`, then loops: take every waiting message, run one step, send what it produced.
+`CoreFailed`, then loops: take every waiting message, run one step, send what it produced. With
+several API processes (`--api-server-count`) one PULL socket fair-queues the requests of all, and each
+process gets its own requests' outputs of every step (their ids say whose they are) and the stats.
 
 It dies with the API process: the kernel sends it SIGKILL when its parent goes (PR_SET_PDEATHSIG),
 even after a SIGKILL of the parent, so no core outlives its server. Ctrl-C is the parent's to handle.
@@ -16,6 +18,7 @@ import logging
 import signal
 import sys
 import traceback
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -28,9 +31,14 @@ from pagoda.service.engine.messages import (
     CoreFailed,
     CoreOutputs,
     CoreReady,
+    EngineStats,
+    PromptLogprobs,
+    RequestFailure,
     Shutdown,
+    TokenOutput,
     encoder,
     input_decoder,
+    split_core_request_id,
 )
 from pagoda.service.engine.parent_death import die_with_parent
 
@@ -39,9 +47,15 @@ logger = logging.getLogger("pagoda.service.engine.core")
 _IDLE_CHECK_MS = 1000  # how often an idle core checks that its workers live
 
 
-def run(core: EngineCore, inputs: zmq.Socket[bytes], outputs: zmq.Socket[bytes]) -> int:
-    """The step loop; returns the exit code. Waits on the input socket only when there is no work."""
+def run(core: EngineCore, inputs: zmq.Socket[bytes], outputs: list[zmq.Socket[bytes]]) -> int:
+    """The step loop; returns the exit code. Waits on the input socket only when there is no work.
+    `outputs`: one socket per API process."""
     encode, decode = encoder().encode, input_decoder().decode
+
+    def broadcast(message: CoreFailed) -> None:
+        for socket in outputs:
+            socket.send(encode(message))
+
     while True:
         if not core.has_unfinished and not inputs.poll(_IDLE_CHECK_MS):
             # Idle: nothing would notice a dead tensor-parallel worker until the next request; look now,
@@ -50,7 +64,7 @@ def run(core: EngineCore, inputs: zmq.Socket[bytes], outputs: zmq.Socket[bytes])
                 core.executor.check_alive()
             except Exception as exc:
                 logger.error("%s", exc)
-                outputs.send(encode(CoreFailed(str(exc))))
+                broadcast(CoreFailed(str(exc)))
                 return 1
             continue
         changed = False
@@ -72,19 +86,50 @@ def run(core: EngineCore, inputs: zmq.Socket[bytes], outputs: zmq.Socket[bytes])
                 step = core.step()
             except Exception as exc:
                 logger.exception("engine step failed")
-                outputs.send(encode(CoreFailed(f"the engine step failed: {exc!r}")))
+                broadcast(CoreFailed(f"the engine step failed: {exc!r}"))
                 return 1
-            outputs.send(encode(CoreOutputs(step.tokens, step.prompt_logprobs, core.stats(), step.failures)))
+            send_outputs(encode, outputs, step.tokens, step.prompt_logprobs, step.failures, core.stats())
         elif changed:  # aborts freed blocks: the API's queue and KV gauges should see it
-            outputs.send(encode(CoreOutputs([], [], core.stats())))
+            send_outputs(encode, outputs, [], [], [], core.stats())
+
+
+def send_outputs(
+    encode: Callable[[object], bytes],
+    outputs: list[zmq.Socket[bytes]],
+    tokens: list[TokenOutput],
+    prompt_logprobs: list[PromptLogprobs],
+    failures: list[RequestFailure],
+    stats: EngineStats,
+) -> None:
+    """One step's outputs to the API processes: all of them to the only one, or else each process its
+    own requests' (ids back to the process's own) and the stats to every process, which serve /metrics."""
+    if len(outputs) == 1:
+        outputs[0].send(encode(CoreOutputs(tokens, prompt_logprobs, stats, failures)))
+        return
+    routed = [CoreOutputs([], [], stats, []) for _ in outputs]
+    for token in tokens:
+        api_index, token.request_id = split_core_request_id(token.request_id)
+        routed[api_index].outputs.append(token)
+    for scores in prompt_logprobs:
+        api_index, scores.request_id = split_core_request_id(scores.request_id)
+        routed[api_index].prompt_logprobs.append(scores)
+    for failure in failures:
+        api_index, failure.request_id = split_core_request_id(failure.request_id)
+        routed[api_index].failures.append(failure)
+    for socket, message in zip(outputs, routed, strict=True):
+        socket.send(encode(message))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagoda-engine-core")
     parser.add_argument("--config", required=True, help="EngineConfig as JSON")
     parser.add_argument("--eos-token-ids", required=True, help="JSON list")
-    parser.add_argument("--inputs", required=True, help="ZMQ address the API process bound for requests")
-    parser.add_argument("--outputs", required=True, help="ZMQ address the API process bound for outputs")
+    parser.add_argument(
+        "--inputs", nargs="+", required=True, help="ZMQ addresses the API processes bound for requests"
+    )
+    parser.add_argument(
+        "--outputs", nargs="+", required=True, help="ZMQ addresses the API processes bound for outputs"
+    )
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
@@ -98,10 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     context = zmq.Context()
     inputs = context.socket(zmq.PULL)
     inputs.setsockopt(zmq.RCVHWM, 0)  # as the API process's side: never drop, never block the sender
-    inputs.connect(args.inputs)
-    outputs = context.socket(zmq.PUSH)
-    outputs.setsockopt(zmq.SNDHWM, 0)
-    outputs.connect(args.outputs)
+    for address in args.inputs:  # one PULL fair-queues every API process's requests
+        inputs.connect(address)
+    outputs = []
+    for address in args.outputs:
+        socket = context.socket(zmq.PUSH)
+        socket.setsockopt(zmq.SNDHWM, 0)
+        socket.connect(address)  # queues until that API process has bound it
+        outputs.append(socket)
     encode = encoder().encode
     executor = None
     try:
@@ -113,10 +162,14 @@ def main(argv: list[str] | None = None) -> int:
         core = EngineCore(config, executor, eos_token_ids)
     except BaseException as exc:
         logger.exception("the engine core failed to start")
-        outputs.send(encode(CoreFailed(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}")))
+        failed = CoreFailed(f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}")
+        for socket in outputs:
+            socket.send(encode(failed))
         _close(executor, context)
         return 1
-    outputs.send(encode(CoreReady(core.max_model_len, executor.model_config.vocab_size, core.stats())))
+    ready = CoreReady(core.max_model_len, executor.model_config.vocab_size, core.stats())
+    for socket in outputs:
+        socket.send(encode(ready))
     try:
         return run(core, inputs, outputs)
     finally:

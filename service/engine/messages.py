@@ -122,6 +122,19 @@ class CoreFailed(msgspec.Struct, tag=True):
 CoreMessage = CoreOutputs | CoreReady | CoreFailed
 
 
+def core_request_id(api_index: int, request_id: str) -> str:
+    """The id the core knows a request by when several API processes share it (`--api-server-count`):
+    the process's index first, so the core can route outputs without a table and ids from different
+    processes never collide. With one API process the client's id goes unchanged."""
+    return f"{api_index}:{request_id}"
+
+
+def split_core_request_id(core_id: str) -> tuple[int, str]:
+    """(API process index, its own request id) from `core_request_id`'s result."""
+    api_index, _, request_id = core_id.partition(":")
+    return int(api_index), request_id
+
+
 def encoder() -> msgspec.msgpack.Encoder:
     return msgspec.msgpack.Encoder()
 
