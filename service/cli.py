@@ -12,7 +12,9 @@ import asyncio
 import functools
 import logging
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -174,6 +176,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "auto",
         choices=TOOL_CALL_PARSERS,
     )
+    flag(
+        "--api-server-count",
+        "Processes serving HTTP and gRPC (tokenizing, detokenizing, streaming) on the same ports in front "
+        "of one engine core; more than 1 when one process cannot keep up with the engine.",
+        1,
+        int,
+    )
     flag("--device", "auto (cuda when there is a GPU, else cpu), cuda, cuda:N or cpu.", "auto")
     flag("--seed", "Seed of the engine's random generator (requests with a `seed` have their own).", 0, int)
     flag("--log-level", "Logging level.", "info", choices=("debug", "info", "warning", "error"))
@@ -201,6 +210,8 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     if args.max_request_bytes < 0:
         raise ValueError(f"--max-request-bytes must be >= 0, got {args.max_request_bytes}")
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be at least 1, got {args.api_server_count}")
     api_keys = args.api_key or os.environ.get(env_name("--api-key"), "").split(",")
     api_keys = tuple(key.strip() for key in api_keys if key.strip())
     check_gpu(args.precision, args.device)
@@ -215,6 +226,7 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         max_request_bytes=args.max_request_bytes,
         tool_call_parser=args.tool_call_parser,
+        api_server_count=args.api_server_count,
     )
     engine = EngineConfig(
         model=args.model,
@@ -277,15 +289,35 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if args.api_server_count <= 1:
+        return _serve(args, None)
+    # The API processes' sockets to the core, and their request metrics: prometheus_client reads
+    # PROMETHEUS_MULTIPROC_DIR when it is imported (by build_configs), and the other processes inherit it.
+    run_dir = tempfile.mkdtemp(prefix="pagoda-serve-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.path.join(run_dir, "metrics")
+    os.mkdir(os.environ["PROMETHEUS_MULTIPROC_DIR"])
+    try:
+        return _serve(args, run_dir)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _serve(args: argparse.Namespace, run_dir: str | None) -> int:
     try:
         server_config, engine_config = build_configs(args)
     except ValueError as exc:
         print(f"pagoda serve: error: {exc}", file=sys.stderr)
         return 2
     logging.getLogger(__name__).info("engine config: %s", engine_config)
-    from pagoda.service.engine.async_engine import AsyncEngine
+    from pagoda.service.engine.async_engine import AsyncEngine, CoreLink
     from pagoda.service.server import serve
 
-    return asyncio.run(
-        serve(server_config, engine_config, functools.partial(AsyncEngine, log_level=args.log_level))
-    )
+    if run_dir is None:
+        factory = functools.partial(AsyncEngine, log_level=args.log_level)
+        return asyncio.run(serve(server_config, engine_config, factory))
+    from pagoda.service.api_server_process import ApiServerProcesses
+
+    link = CoreLink(run_dir, 0, server_config.api_server_count)
+    factory = functools.partial(AsyncEngine, log_level=args.log_level, link=link)
+    api_servers = ApiServerProcesses(server_config, engine_config, run_dir)
+    return asyncio.run(serve(server_config, engine_config, factory, api_servers=api_servers))

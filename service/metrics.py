@@ -4,15 +4,21 @@ Every name is documented in docs/metrics.md; tests/test_serve_metrics.py holds t
 Engine gauges and counters are read from `engine.stats()` at scrape time (so they are never stale);
 latency histograms and request counters are observed by the engine client as requests flow.
 One registry per server, no module-level state.
+
+With several API processes (`--api-server-count`, see api_server_process) PROMETHEUS_MULTIPROC_DIR is
+set before this module is imported: the request counters and histograms then live in per-process
+files, and a scrape sums every process's through `MultiProcessCollector`, beside the engine stats
+that every process receives.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
 from pagoda.service.outputs import RequestMetrics, RequestOutput
@@ -153,7 +159,11 @@ class ServerMetrics:
         model_name: Callable[[], str],
         enable_gpu: bool = True,
     ) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry()  # what a scrape reads
+        self._request_registry = self.registry  # where this process's request metrics live
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # their values are files, summed at a scrape
+            self._request_registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self.registry)
         self.registry.register(_EngineCollector(stats_source, model_name))
         gpu = _GpuCollector.create() if enable_gpu else None
         if gpu is not None:
@@ -162,13 +172,13 @@ class ServerMetrics:
             "pagoda_requests_finished",
             "Requests finished, by the reason the (first) completion ended.",
             ["finish_reason"],
-            registry=self.registry,
+            registry=self._request_registry,
         )
         self.request_errors = Counter(
             "pagoda_request_errors",
             "Requests refused or failed, by kind of error.",
             ["error"],
-            registry=self.registry,
+            registry=self._request_registry,
         )
         for reason in FINISH_REASONS:
             self.requests_finished.labels(reason)
@@ -176,7 +186,7 @@ class ServerMetrics:
             self.request_errors.labels(kind)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...] = _LATENCY_BUCKETS) -> Histogram:
-            return Histogram(name, doc, buckets=buckets, registry=self.registry)
+            return Histogram(name, doc, buckets=buckets, registry=self._request_registry)
 
         self.time_to_first_token = histogram(
             "pagoda_time_to_first_token_seconds", "From arrival to the first generated token."

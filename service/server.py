@@ -6,24 +6,32 @@ model loads in a worker thread; readiness and the gRPC health service flip to se
 SIGTERM/SIGINT: readiness flips to not-ready and new requests get 503/UNAVAILABLE, in-flight requests
 finish (up to the drain timeout or a second signal, then they are aborted), the servers close, the
 process exits 0.
+
+With `--api-server-count N` this runs in N processes on the same ports (`api_server_process`): process
+0 spawns the others once its ports are known, waits for them before it is ready, forwards SIGTERM to
+them and stops the engine core only after they have drained and exited.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
 from pagoda.service.api.engine_client import EngineClient, ServingState
 from pagoda.service.api.grpc_server import GrpcServer
 from pagoda.service.api.http_server import DEFAULT_MAX_REQUEST_BYTES, build_app
+
+if TYPE_CHECKING:
+    from pagoda.service.api_server_process import ApiServerProcesses
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +47,10 @@ _CLOSE_GRACE_S = 2  # seconds
 _KEEP_ALIVE_S = 65
 
 
+# With several API processes: which one answered an HTTP request (a header, never in a response body).
+API_SERVER_HEADER = "x-pagoda-api-server"
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "0.0.0.0"
@@ -51,6 +63,7 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()  # CORS; none: no CORS headers
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     tool_call_parser: str = "auto"  # tool_calls.PARSERS
+    api_server_count: int = 1  # processes serving HTTP and gRPC in front of one engine core
 
 
 class _Uvicorn(uvicorn.Server):
@@ -61,10 +74,12 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:  # several API processes on one port: the kernel spreads connections over them
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     # Accepted connections inherit this. Without it the first SSE chunk after the response headers
     # waits for the client's delayed ACK (40 ms on Linux): measured 48 ms instead of 4 ms to first token.
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -80,16 +95,22 @@ async def serve(
     engine_factory: Callable[[Any], Any],
     install_signal_handlers: bool = True,
     stop_event: asyncio.Event | None = None,
+    api_server_index: int = 0,
+    api_servers: ApiServerProcesses | None = None,
+    on_loaded: Callable[[], Awaitable[None]] | None = None,
 ) -> int:
-    """Run until SIGTERM/SIGINT (or `stop_event`); return the exit code."""
+    """Run until SIGTERM/SIGINT (or `stop_event`); return the exit code. `api_servers`: process 0's
+    further API server processes, started once the ports are known; `on_loaded`: awaited after the
+    engine started, before this process turns ready."""
     stop = stop_event or asyncio.Event()
+    is_multi = server_config.api_server_count > 1
     client = EngineClient(
         engine_config,
         engine_factory,
         server_config.max_waiting_requests,
         tool_call_parser=server_config.tool_call_parser,
     )
-    sock = _bind(server_config.host, server_config.port)
+    sock = _bind(server_config.host, server_config.port, reuse_port=is_multi)
     http = _Uvicorn(
         uvicorn.Config(
             build_app(
@@ -105,6 +126,7 @@ async def serve(
             # Only requests still open after the drain (timed out, or a second signal) are left by
             # then: their handlers are cancelled, which aborts them in the engine.
             timeout_graceful_shutdown=_CLOSE_GRACE_S,
+            headers=[(API_SERVER_HEADER, str(api_server_index))] if is_multi else None,
         )
     )
     grpc_server = GrpcServer(client, server_config.host, server_config.grpc_port, server_config.api_keys)
@@ -117,14 +139,18 @@ async def serve(
         server_config.host,
         grpc_server.port,
     )
+    if api_servers is not None:
+        api_servers.start(sock.getsockname()[1], grpc_server.port, on_exit=client.fail)
+        on_loaded = api_servers.wait_ready
     loop = asyncio.get_running_loop()
     if install_signal_handlers:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
 
     exit_code = 0
-    load_task = asyncio.create_task(client.load())
-    watch_task = asyncio.create_task(_watch_health(client, grpc_server))
+    load_task = asyncio.create_task(client.load(on_loaded))
+    on_unhealthy = api_servers.kill if api_servers is not None else None
+    watch_task = asyncio.create_task(_watch_health(client, grpc_server, on_unhealthy))
     stop_task = asyncio.create_task(stop.wait())
     await asyncio.wait({load_task, stop_task, http_task}, return_when=asyncio.FIRST_COMPLETED)
     if load_task.done() and load_task.exception() is not None:
@@ -141,7 +167,12 @@ async def serve(
     force = asyncio.Event()
     if install_signal_handlers:
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, force.set)
+            loop.add_signal_handler(sig, functools.partial(_force, force, api_servers))
+    if api_servers is not None:
+        if exit_code == 0 and load_task.done():
+            api_servers.terminate()  # each drains its own requests
+        else:
+            api_servers.kill()
     client.start_drain()
     await grpc_server.set_serving(False)
     if load_task.done() and exit_code == 0:
@@ -154,6 +185,8 @@ async def serve(
     http.should_exit = True
     await asyncio.gather(http_task, return_exceptions=True)
     await grpc_server.stop(grace_s=_CLOSE_GRACE_S)
+    if api_servers is not None:  # the core serves them until they have exited
+        await api_servers.wait(server_config.drain_timeout_s + 4 * _CLOSE_GRACE_S)
     await client.shutdown()
     if install_signal_handlers:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -161,14 +194,28 @@ async def serve(
     return exit_code
 
 
-async def _watch_health(client: EngineClient, grpc_server: GrpcServer) -> None:
-    """Mirror the client's state into grpc.health.v1 (SERVING only when ready)."""
+def _force(force: asyncio.Event, api_servers: ApiServerProcesses | None) -> None:
+    """A second signal: abort in-flight requests here and in the other API processes."""
+    force.set()
+    if api_servers is not None:
+        api_servers.terminate()
+
+
+async def _watch_health(
+    client: EngineClient, grpc_server: GrpcServer, on_unhealthy: Callable[[], None] | None = None
+) -> None:
+    """Mirror the client's state into grpc.health.v1 (SERVING only when ready); call `on_unhealthy`
+    once the client turns unhealthy (process 0 then kills the other API processes)."""
     was_ready: bool | None = None
     while True:
-        is_ready = client.state is ServingState.READY
+        state = client.state
+        is_ready = state is ServingState.READY
         if is_ready != was_ready:
             await grpc_server.set_serving(is_ready)
             was_ready = is_ready
+        if state is ServingState.UNHEALTHY and on_unhealthy is not None:
+            on_unhealthy()
+            on_unhealthy = None
         # Explicit transitions wake us at once; the poll catches an engine that died on its own.
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(client.state_changed.wait(), timeout=0.2)

@@ -58,6 +58,7 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     # nor torch (the core process holds the model).
     ("pagoda.service.api.*", ("torch", "pagoda.kernels", *ENGINE_INTERNALS)),
     ("pagoda.service.server", ("torch", "pagoda.kernels", *ENGINE_INTERNALS)),
+    ("pagoda.service.api_server_process", ("torch", "pagoda.kernels", *ENGINE_INTERNALS)),
     ("pagoda.service.engine.async_engine", ("torch", "fastapi", "grpc", *ENGINE_INTERNALS)),
 ]
 

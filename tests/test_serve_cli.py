@@ -30,6 +30,7 @@ FLAGS = [
     "--enable-prefix-caching",
     "--max-waiting-requests",
     "--drain-timeout",
+    "--api-server-count",
     "--device",
 ]
 
@@ -54,6 +55,7 @@ def test_defaults() -> None:
     server, engine = serve_cli.build_configs(args)
     assert (server.port, server.grpc_port) == (8000, 8001)
     assert engine.model is None and engine.dtype == "auto" and engine.enable_prefix_caching
+    assert server.api_server_count == 1
 
 
 def test_environment_sets_flags_and_command_line_wins(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -63,8 +65,10 @@ def test_environment_sets_flags_and_command_line_wins(monkeypatch: pytest.Monkey
     monkeypatch.setenv("PAGODA_PRECISION", "fp32")
     monkeypatch.setenv("PAGODA_KV_CACHE_MEMORY_BYTES", "1048576")
     monkeypatch.setenv("PAGODA_CUDA_GRAPH_MAX_TOKENS", "0")
+    monkeypatch.setenv("PAGODA_API_SERVER_COUNT", "3")
     server, engine = serve_cli.build_configs(parse("--max-num-seqs", "9"))
     assert server.port == 9000
+    assert server.api_server_count == 3
     assert engine.max_num_seqs == 9
     assert engine.enable_prefix_caching is False
     assert engine.dtype == "float32"
@@ -80,6 +84,7 @@ def test_environment_sets_flags_and_command_line_wins(monkeypatch: pytest.Monkey
         (["--block-size", "12"], "block_size must be a power of two"),
         (["--cuda-graph-max-tokens", "-5"], "cuda_graph_max_tokens must be at least 0"),
         (["--max-waiting-requests", "-1"], "--max-waiting-requests"),
+        (["--api-server-count", "0"], "--api-server-count must be at least 1, got 0"),
     ],
 )
 def test_refuses_what_the_engine_cannot_run(argv: list[str], message: str) -> None:

@@ -13,7 +13,7 @@ import enum
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
 from pagoda.service.api.tool_calls import CHAT_ROLES, ParserName, parser_for, template_messages
@@ -104,13 +104,16 @@ class EngineClient:
         self.metrics = ServerMetrics(self.stats_or_none, lambda: self.model_name, enable_gpu_metrics)
 
     # ---- life cycle -------------------------------------------------------------------------------
-    async def load(self) -> None:
+    async def load(self, also: Callable[[], Awaitable[None]] | None = None) -> None:
         """Build the engine off the event loop (the tokenizer), then start its core process from this
-        thread; UNHEALTHY (and raise) on failure."""
+        thread, then await `also()` (the other API server processes' start) before turning READY;
+        UNHEALTHY (and raise) on failure."""
         try:
             engine = await asyncio.to_thread(self._engine_factory, self.config)
             self._engine = engine
             await engine.start()
+            if also is not None:
+                await also()
         except BaseException:
             self._state = ServingState.UNHEALTHY
             self.state_changed.set()
@@ -134,6 +137,14 @@ class EngineClient:
     @property
     def num_in_flight(self) -> int:
         return len(self._in_flight)
+
+    def fail(self, message: str) -> None:
+        """Unhealthy for good (another process of the server died): open streams end, health fails."""
+        logger.error("%s", message)
+        self._state = ServingState.UNHEALTHY
+        self.state_changed.set()
+        if self._engine is not None:
+            self._engine.fail(message)
 
     def start_drain(self) -> None:
         """Refuse new requests from now on; in-flight ones continue."""

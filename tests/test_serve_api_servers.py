@@ -1,0 +1,180 @@
+"""`pagoda serve --api-server-count 2`: two API processes on the same ports in front of one engine core.
+Real servers, each in a process group of its own: requests over HTTP and gRPC from both processes,
+one /metrics for the whole server, the same greedy outputs as one process, and the processes living
+and dying together."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+from process_group import children, cmdline, group_members, status, wait_for
+
+from pagoda.service.grpc_gen import inference_pb2 as pb
+from pagoda.service.grpc_gen import inference_pb2_grpc as pb_grpc
+from pagoda.service.serve_process import ServeProcess
+from pagoda.service.server import API_SERVER_HEADER
+
+PROMPTS = [f"Story number {i} begins" for i in range(24)]
+MAX_TOKENS = 8
+
+
+def start(llama_ckpt: Path, log_path: Path, count: int) -> ServeProcess:
+    args = ["--model", str(llama_ckpt), "--device", "cpu", "--kv-cache-memory-bytes", str(8 << 20)]
+    args += ["--max-model-len", "128", "--api-server-count", str(count)]
+    return ServeProcess(args, log_path=log_path, new_session=True).start()
+
+
+@pytest.fixture(scope="module")
+def server(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    proc = start(llama_ckpt, tmp_path_factory.mktemp("serve") / "serve.log", 2)
+    assert proc.proc is not None
+    pgid = proc.proc.pid
+    yield proc
+    assert proc.stop() == 0, proc.log()[-3000:]
+    assert wait_for(lambda: not group_members(pgid), 10), group_members(pgid)
+
+
+def http_completion(base_url: str, prompt: str) -> tuple[str, str]:
+    """(text, the answering API process) of one streamed greedy completion, on a connection of its own."""
+    served_by: list[str] = []
+    hooks = {"response": [lambda response: served_by.append(response.headers[API_SERVER_HEADER])]}
+    with httpx.Client(event_hooks=hooks) as http:
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", http_client=http)
+        stream = client.completions.create(
+            model="", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        text = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+    return text, served_by[0]
+
+
+def grpc_completion(target: str, prompt: str, request_id: str) -> str:
+    with grpc.insecure_channel(target) as channel:
+        sampling = pb.SamplingParameters(temperature=0.0, max_new_tokens=MAX_TOKENS, ignore_eos=True)
+        request = pb.GenerateRequest(request_id=request_id, text=prompt, sampling=sampling)
+        responses = list(pb_grpc.InferenceStub(channel).Generate(request, timeout=120))
+    assert all(r.request_id == request_id for r in responses)
+    assert responses[-1].usage.completion_tokens == MAX_TOKENS
+    return "".join(r.text for r in responses)
+
+
+def finished_total(metrics: str) -> float:
+    return sum(
+        float(v) for v in re.findall(r"^pagoda_requests_finished_total\{[^}]*\} (\S+)$", metrics, re.M)
+    )
+
+
+def run_all(server: ServeProcess) -> tuple[list[str], list[str], list[str]]:
+    """Every prompt over HTTP and over gRPC at once: (HTTP texts, their API processes, gRPC texts)."""
+    with ThreadPoolExecutor(2 * len(PROMPTS)) as pool:
+        http = [pool.submit(http_completion, server.base_url, p) for p in PROMPTS]
+        # The same client-chosen id on every process at once: each process's ids are its own.
+        grpc_ids = [f"same-{i % 2}" if i < 2 else f"grpc-{i}" for i in range(len(PROMPTS))]
+        rpc = [
+            pool.submit(grpc_completion, server.grpc_target, prompt, request_id)
+            for prompt, request_id in zip(PROMPTS, grpc_ids, strict=True)
+        ]
+        http_results = [f.result() for f in http]
+        return [t for t, _ in http_results], [s for _, s in http_results], [f.result() for f in rpc]
+
+
+def test_both_processes_serve_http_and_grpc_and_metrics_count_each_request_once(
+    server: ServeProcess, llama_ckpt: Path, tmp_path: Path
+) -> None:
+    before = finished_total(httpx.get(f"{server.base_url}/metrics").text)
+    http_texts, served_by, grpc_texts = run_all(server)
+    assert set(served_by) == {"0", "1"}, "SO_REUSEPORT spreads connections over both processes"
+    assert http_texts == grpc_texts
+    assert all(http_texts)
+
+    # Whichever process answers a scrape, it reports the whole server.
+    for _ in range(6):
+        with httpx.Client() as http:
+            response = http.get(f"{server.base_url}/metrics")
+        assert finished_total(response.text) - before == 2 * len(PROMPTS)
+        assert re.search(r"^pagoda_requests_running 0", response.text, re.M)
+
+    single = start(llama_ckpt, tmp_path / "single.log", 1)
+    try:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            single_texts = [t for t, _ in pool.map(lambda p: _plain_completion(single, p), PROMPTS)]
+    finally:
+        assert single.stop() == 0
+    assert http_texts == single_texts
+
+
+def _plain_completion(server: ServeProcess, prompt: str) -> tuple[str, None]:
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
+    assert API_SERVER_HEADER not in response.headers  # one process: exactly the old responses
+    return response.json()["choices"][0]["text"], None
+
+
+def test_sigterm_drains_every_process_and_exits_0(llama_ckpt: Path, tmp_path: Path) -> None:
+    server = start(llama_ckpt, tmp_path / "serve.log", 2)
+    assert server.proc is not None
+    pgid = server.proc.pid
+    started = threading.Barrier(9)
+    results: list[tuple[str, int]] = []
+
+    def stream() -> None:
+        body = {"prompt": "Hi", "max_tokens": 48, "ignore_eos": True, "stream": True}
+        body["stream_options"] = {"include_usage": True}
+        with (
+            httpx.Client(timeout=120) as http,
+            http.stream("POST", f"{server.base_url}/v1/completions", json=body) as r,
+        ):
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            started.wait()
+            events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            usage = json.loads(events[-2])["usage"]
+            results.append((r.headers[API_SERVER_HEADER], usage["completion_tokens"]))
+
+    threads = [threading.Thread(target=stream) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    started.wait()
+    server.terminate()
+    for thread in threads:
+        thread.join(120)
+    assert server.wait() == 0, server.log()[-3000:]
+    assert len(results) == 8 and all(n == 48 for _, n in results), results  # every stream ran to its end
+    assert wait_for(lambda: not group_members(pgid), 10), group_members(pgid)
+
+
+def test_sigkill_of_an_api_server_process_fails_health(llama_ckpt: Path, tmp_path: Path) -> None:
+    server = start(llama_ckpt, tmp_path / "serve.log", 3)
+    assert server.proc is not None
+    pgid = server.proc.pid
+    others = [p for p in children(pgid) if "pagoda.service.api_server_process" in cmdline(p)]
+    assert len(others) == 2, [cmdline(p) for p in children(pgid)]
+    os.kill(others[0], signal.SIGKILL)
+    live, ready = f"{server.base_url}/v1/health/live", f"{server.base_url}/v1/health/ready"
+    # Process 0 kills the other API process too, so only it answers: 503 to both probes.
+    assert wait_for(lambda: others[1] not in group_members(pgid), 30), server.log()[-3000:]
+    statuses = [(status(live), status(ready)) for _ in range(6)]
+    assert statuses == [(503, 503)] * 6, (statuses, server.log()[-3000:])
+    server.stop()
+    assert wait_for(lambda: not group_members(pgid), 10), group_members(pgid)
+
+
+def test_sigkill_of_process_0_takes_every_process_with_it(llama_ckpt: Path, tmp_path: Path) -> None:
+    server = start(llama_ckpt, tmp_path / "serve.log", 2)
+    assert server.proc is not None
+    pgid = server.proc.pid
+    assert len(children(pgid)) >= 2  # the core and API process 1
+    server.kill()
+    assert wait_for(lambda: not group_members(pgid), 10), group_members(pgid)
