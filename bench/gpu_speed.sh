@@ -56,7 +56,7 @@ if has grid; then  # issue 11's grid: in / out lengths, enough requests for a st
 fi
 if has serve; then
     for q in ${SERVE_PRECISIONS:-bf16}; do
-        extra=(); [ "$q" = fp8 ] && extra=(--quantization fp8)
+        extra=(); [ "$q" = fp8 ] && extra=(--precision fp8)
         python3 -m pagoda.cli serve --model /tmp/llama-8b-random --served-model-name m --port 8000 --grpc-port 8001 \
             --max-num-seqs 256 "${extra[@]}" > "$out/serve_$q.log" 2>&1 &
         pid=$!
