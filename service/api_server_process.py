@@ -46,6 +46,12 @@ from pagoda.service.server import ServerConfig
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Configs:
+    server: ServerConfig  # with the resolved ports
+    engine: EngineConfig
+
+
 class ApiServerProcesses:
     """API process 0's handle on processes 1..N-1: start, readiness, exit watch, signals."""
 
@@ -70,10 +76,6 @@ class ApiServerProcesses:
                 "pagoda.service.api_server_process",
                 "--index",
                 str(index),
-                "--server-config",
-                msgspec.json.encode(config).decode(),
-                "--engine-config",
-                msgspec.json.encode(self.engine_config).decode(),
                 "--socket-dir",
                 self.socket_dir,
                 "--parent-pid",
@@ -82,8 +84,12 @@ class ApiServerProcesses:
                 str(write_fd),
             ]
             env = {**os.environ, "PYTHONSAFEPATH": "1"}  # the repo's operator/ must not shadow the stdlib
-            proc = subprocess.Popen(command, env=env, pass_fds=(write_fd,))
+            proc = subprocess.Popen(command, env=env, pass_fds=(write_fd,), stdin=subprocess.PIPE)
             os.close(write_fd)
+            # On stdin, not the command line, where `ps` would show the API keys.
+            assert proc.stdin is not None
+            proc.stdin.write(msgspec.json.encode(_Configs(config, self.engine_config)))
+            proc.stdin.close()
             ready: asyncio.Future[bool] = loop.create_future()
             self._procs.append(proc)
             self._ready.append(ready)
@@ -155,18 +161,17 @@ class ApiServerProcesses:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """API process k > 0: `serve()` over an engine attached to process 0's core."""
+    """API process k > 0: `serve()` over an engine attached to process 0's core. Its configuration comes
+    as JSON on stdin."""
     parser = argparse.ArgumentParser(prog="pagoda-api-server")
     parser.add_argument("--index", type=int, required=True)
-    parser.add_argument("--server-config", required=True, help="ServerConfig as JSON (resolved ports)")
-    parser.add_argument("--engine-config", required=True, help="EngineConfig as JSON")
     parser.add_argument("--socket-dir", required=True, help="the folder of the core's ipc sockets")
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--ready-fd", type=int, required=True, help="write b'1' here once serving")
     args = parser.parse_args(argv)
     die_with_parent(args.parent_pid)
-    server_config = msgspec.json.decode(args.server_config, type=ServerConfig)
-    engine_config = msgspec.json.decode(args.engine_config, type=EngineConfig)
+    configs = msgspec.json.decode(sys.stdin.buffer.read(), type=_Configs)
+    server_config, engine_config = configs.server, configs.engine
     logging.basicConfig(
         level=server_config.log_level.upper(),
         format=f"%(asctime)s %(levelname)s %(name)s [api {args.index}]: %(message)s",

@@ -29,9 +29,9 @@ PROMPTS = [f"Story number {i} begins" for i in range(24)]
 MAX_TOKENS = 8
 
 
-def start(llama_ckpt: Path, log_path: Path, count: int) -> ServeProcess:
+def start(llama_ckpt: Path, log_path: Path, count: int, *extra: str) -> ServeProcess:
     args = ["--model", str(llama_ckpt), "--device", "cpu", "--kv-cache-memory-bytes", str(8 << 20)]
-    args += ["--max-model-len", "128", "--api-server-count", str(count)]
+    args += ["--max-model-len", "128", "--api-server-count", str(count), *extra]
     return ServeProcess(args, log_path=log_path, new_session=True).start()
 
 
@@ -172,9 +172,10 @@ def test_sigkill_of_an_api_server_process_fails_health(llama_ckpt: Path, tmp_pat
 
 
 def test_sigkill_of_process_0_takes_every_process_with_it(llama_ckpt: Path, tmp_path: Path) -> None:
-    server = start(llama_ckpt, tmp_path / "serve.log", 2)
+    server = start(llama_ckpt, tmp_path / "serve.log", 2, "--api-key", "secret-key")
     assert server.proc is not None
     pgid = server.proc.pid
     assert len(children(pgid)) >= 2  # the core and API process 1
+    assert not any("secret-key" in cmdline(p) for p in children(pgid))  # its config goes on stdin
     server.kill()
     assert wait_for(lambda: not group_members(pgid), 10), group_members(pgid)
