@@ -155,16 +155,21 @@ def test_sigterm_drains_every_process_and_exits_0(llama_ckpt: Path, tmp_path: Pa
     assert wait_for(lambda: not group_members(pgid), 10), group_members(pgid)
 
 
-def test_sigkill_of_an_api_server_process_fails_health(llama_ckpt: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("victim", ["api server 1", "core"])
+def test_sigkill_of_an_api_server_process_or_the_core_fails_health(
+    llama_ckpt: Path, tmp_path: Path, victim: str
+) -> None:
+    """Process 0 kills the API processes left, so only it answers: 503 to both probes, and SIGTERM
+    still leaves nothing."""
     server = start(llama_ckpt, tmp_path / "serve.log", 3)
     assert server.proc is not None
     pgid = server.proc.pid
     others = [p for p in children(pgid) if "pagoda.service.api_server_process" in cmdline(p)]
     assert len(others) == 2, [cmdline(p) for p in children(pgid)]
-    os.kill(others[0], signal.SIGKILL)
+    core = [p for p in children(pgid) if "pagoda.service.engine.core_process" in cmdline(p)]
+    os.kill(others[0] if victim == "api server 1" else core[0], signal.SIGKILL)
     live, ready = f"{server.base_url}/v1/health/live", f"{server.base_url}/v1/health/ready"
-    # Process 0 kills the other API process too, so only it answers: 503 to both probes.
-    assert wait_for(lambda: others[1] not in group_members(pgid), 30), server.log()[-3000:]
+    assert wait_for(lambda: not set(others) & set(group_members(pgid)), 30), server.log()[-3000:]
     statuses = [(status(live), status(ready)) for _ in range(6)]
     assert statuses == [(503, 503)] * 6, (statuses, server.log()[-3000:])
     server.stop()
