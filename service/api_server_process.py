@@ -170,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ready-fd", type=int, required=True, help="write b'1' here once serving")
     args = parser.parse_args(argv)
     die_with_parent(args.parent_pid)
+    # Ctrl-C reaches the whole process group: process 0 forwards it as SIGTERM, which drains this one;
+    # taken here as well, it would be a second signal and abort the requests at once.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     configs = msgspec.json.decode(sys.stdin.buffer.read(), type=_Configs)
     server_config, engine_config = configs.server, configs.engine
     logging.basicConfig(
@@ -187,7 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     link = CoreLink(args.socket_dir, args.index, server_config.api_server_count)
     factory = functools.partial(AsyncEngine, log_level=server_config.log_level, link=link)
     return asyncio.run(
-        serve(server_config, engine_config, factory, api_server_index=args.index, on_loaded=signal_ready)
+        serve(
+            server_config,
+            engine_config,
+            factory,
+            api_server_index=args.index,
+            on_loaded=signal_ready,
+            stop_signals=(signal.SIGTERM,),
+        )
     )
 
 

@@ -98,10 +98,12 @@ async def serve(
     api_server_index: int = 0,
     api_servers: ApiServerProcesses | None = None,
     on_loaded: Callable[[], Awaitable[None]] | None = None,
+    stop_signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT),
 ) -> int:
     """Run until SIGTERM/SIGINT (or `stop_event`); return the exit code. `api_servers`: process 0's
     further API server processes, started once the ports are known; `on_loaded`: awaited after the
-    engine started, before this process turns ready."""
+    engine started, before this process turns ready; `stop_signals`: what starts the drain (a second one
+    aborts what is left)."""
     stop = stop_event or asyncio.Event()
     is_multi = server_config.api_server_count > 1
     client = EngineClient(
@@ -144,7 +146,7 @@ async def serve(
         on_loaded = api_servers.wait_ready
     loop = asyncio.get_running_loop()
     if install_signal_handlers:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in stop_signals:
             loop.add_signal_handler(sig, stop.set)
 
     exit_code = 0
@@ -166,7 +168,7 @@ async def serve(
     logger.info("shutting down: draining %d in-flight requests", client.num_in_flight)
     force = asyncio.Event()
     if install_signal_handlers:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in stop_signals:
             loop.add_signal_handler(sig, functools.partial(_force, force, api_servers))
     if api_servers is not None:
         if exit_code == 0 and load_task.done():
@@ -189,7 +191,7 @@ async def serve(
         await api_servers.wait(server_config.drain_timeout_s + 4 * _CLOSE_GRACE_S)
     await client.shutdown()
     if install_signal_handlers:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in stop_signals:
             loop.remove_signal_handler(sig)
     return exit_code
 

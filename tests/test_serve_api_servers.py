@@ -121,7 +121,8 @@ def _plain_completion(server: ServeProcess, prompt: str) -> tuple[str, None]:
     return response.json()["choices"][0]["text"], None
 
 
-def test_sigterm_drains_every_process_and_exits_0(llama_ckpt: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop", ["SIGTERM to process 0", "Ctrl-C to the process group"])
+def test_a_stop_signal_drains_every_process_and_exits_0(llama_ckpt: Path, tmp_path: Path, stop: str) -> None:
     server = start(llama_ckpt, tmp_path / "serve.log", 2)
     assert server.proc is not None
     pgid = server.proc.pid
@@ -147,7 +148,10 @@ def test_sigterm_drains_every_process_and_exits_0(llama_ckpt: Path, tmp_path: Pa
     for thread in threads:
         thread.start()
     started.wait()
-    server.terminate()
+    if stop == "SIGTERM to process 0":
+        server.terminate()
+    else:
+        os.killpg(pgid, signal.SIGINT)
     for thread in threads:
         thread.join(120)
     assert server.wait() == 0, server.log()[-3000:]
