@@ -3,6 +3,7 @@
 # paths, decode attention splits), batch-1 decode at 1000/200 and offline 256 x 128/128 in bf16 and
 # fp8 (with the GPU-busy profile of a steady decode step), then `pagoda serve` loaded by `pagoda bench
 # serve` at concurrency 1..256 from several client processes. Sections past SECONDS_BUDGET are skipped.
+# Env: SERVE_PRECISIONS (bf16), SERVE_CONCURRENCY (1 16 64 128 256), API_SERVERS (1), GRID_PRECISIONS.
 # `check` runs the engine's GPU checks (fp32 greedy == transformers, graphs == eager, async == in turn,
 # bf16/fp8 teacher-forced, the fp8 layer paths); `grid` the offline grid of issue 11.
 # Usage: bash bench/gpu_speed.sh TOKENIZER_DIR OUT_DIR [SECTIONS] (default: "kernels bs1 offline serve")
@@ -58,11 +59,15 @@ if has serve; then
     for q in ${SERVE_PRECISIONS:-bf16}; do
         extra=(); [ "$q" = fp8 ] && extra=(--precision fp8)
         python3 -m pagoda.cli serve --model /tmp/llama-8b-random --served-model-name m --port 8000 --grpc-port 8001 \
-            --max-num-seqs 256 "${extra[@]}" > "$out/serve_$q.log" 2>&1 &
+            --max-num-seqs 256 --api-server-count "${API_SERVERS:-1}" "${extra[@]}" > "$out/serve_$q.log" 2>&1 &
         pid=$!
-        for _ in $(seq 300); do curl -sf localhost:8000/v1/health/ready > /dev/null && break; sleep 1; done
+        for _ in $(seq 300); do
+            curl -sf localhost:8000/v1/health/ready > /dev/null && break
+            kill -0 $pid 2> /dev/null || { tail -20 "$out/serve_$q.log"; break; }
+            sleep 1
+        done
         step "serve $q ready"
-        for c in 1 16 64 128 256; do
+        for c in ${SERVE_CONCURRENCY:-1 16 64 128 256}; do
             n=$((c < 16 ? 16 : 4 * c))
             timeout 120 python3 -m pagoda.service.bench serve --base-url http://localhost:8000 --model m --vocab-size 128256 \
                 --num-prompts $n --input-len 128 --output-len 128 --max-concurrency $c --client-processes auto \
