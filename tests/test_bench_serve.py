@@ -106,7 +106,8 @@ def test_two_client_processes_add_up_to_one_run(null_server: ServeProcess) -> No
     assert summary.output_tokens == 40 * 24 and summary.input_tokens == 40 * 16
     # The window opens at the first request, after both interpreters started: inside the call's wall time.
     assert 0 < summary.duration_s <= wall_s
-    assert 0 < summary.ttft_ms["median"] <= summary.latency_ms["median"] and summary.itl_ms["mean"] > 0
+    # No check on ITL: a loaded server may merge a stream's tokens into one chunk, leaving no gap to time.
+    assert 0 < summary.ttft_ms["median"] <= summary.latency_ms["median"]
 
 
 def test_cli_with_two_client_processes_at_a_request_rate(null_server: ServeProcess) -> None:
