@@ -19,8 +19,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
 
+from pagoda.service.engine.messages import STEP_SECONDS_BUCKETS
 from pagoda.service.outputs import RequestMetrics, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -88,6 +95,17 @@ class _EngineCollector:
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+        steps = HistogramMetricFamily(
+            "pagoda_engine_step_duration_seconds",
+            "Wall time of one engine-core step, by kind (decode: one token per sequence; mixed: a prefill "
+            "chunk in it).",
+            labels=["kind"],
+        )
+        for kind, counts in stats.step_bucket_counts.items():
+            bounds = [*map(str, STEP_SECONDS_BUCKETS), "+Inf"]
+            cumulative = [float(sum(counts[: i + 1])) for i in range(len(counts))]
+            steps.add_metric([kind], list(zip(bounds, cumulative, strict=True)), stats.step_seconds_sum[kind])
+        yield steps
         yield InfoMetricFamily(
             "pagoda_kv_cache",
             "The KV cache's shape: tokens per block and blocks allocated.",

@@ -397,6 +397,8 @@ def test_metrics_exports_every_documented_name_and_values_move(server: ServeProc
         'pagoda_requests_finished_total{finish_reason="length"}',
         'pagoda_request_errors_total{error="not_found"}',
         "pagoda_prefix_cache_queries_total",
+        'pagoda_engine_step_duration_seconds_count{kind="decode"}',
+        'pagoda_engine_step_duration_seconds_count{kind="mixed"}',
     ]
     start = {n: _metric(server, n) for n in names}
     body = {"prompt": "Metrics move", "max_tokens": 5, **EXACT}
@@ -405,6 +407,8 @@ def test_metrics_exports_every_documented_name_and_values_move(server: ServeProc
     end = {n: _metric(server, n) for n in names}
     assert [n for n in names if end[n] <= start[n]] == []
     assert end["pagoda_generation_tokens_total"] - start["pagoda_generation_tokens_total"] == 5
+    steps = {k: end[n] - start[n] for k, n in (("decode", names[-2]), ("mixed", names[-1]))}
+    assert steps == {"decode": 4, "mixed": 1}  # the prompt's step made the first token, then 4 decodes
     assert (
         end["pagoda_inter_token_latency_seconds_count"] - start["pagoda_inter_token_latency_seconds_count"]
         == 4

@@ -19,6 +19,7 @@ the real last token on the host before sampling (grammars, penalties) or waits f
 
 from __future__ import annotations
 
+import bisect
 import functools
 import logging
 import time
@@ -30,6 +31,7 @@ from typing import NamedTuple, Protocol
 from pagoda.service.engine.block_manager import BlockManager
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.messages import (
+    STEP_SECONDS_BUCKETS,
     AddRequest,
     EngineStats,
     PromptLogprobs,
@@ -161,6 +163,9 @@ class EngineCore:
         self.computed_tokens_total = 0  # tokens run through the model (prefix-cache hits are not)
         self.failed_requests_total = 0
         self._failed_steps_in_a_row = 0
+        kinds = ("decode", "mixed")
+        self._step_bucket_counts = {k: [0] * (len(STEP_SECONDS_BUCKETS) + 1) for k in kinds}
+        self._step_seconds_sum = dict.fromkeys(kinds, 0.0)
         self.structured_output = StructuredOutputManager(
             load_tokenizer or partial(load_tokenizer_from, config.model_path), eos_token_ids
         )
@@ -207,6 +212,7 @@ class EngineCore:
     def step(self) -> StepOutputs:
         """Run one batch; with async scheduling, queue it and complete the one queued before. A request
         that makes the step raise fails alone (see `_execute_isolated`)."""
+        started = time.monotonic()
         outputs = StepOutputs([], [], [])
         if self.structured_output.is_active:
             outputs.failures.extend(self._admit_compiled())
@@ -250,7 +256,14 @@ class EngineCore:
             self._in_flight = step
         else:  # in turn; or every request ended meanwhile, so nothing waits on it: drain it now
             self._complete(step, outputs)
+        self._time_step(out, time.monotonic() - started)
         return outputs
+
+    def _time_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """Count one step's wall time: with async scheduling, the period between steps in a steady state."""
+        kind = "decode" if out.total_num_tokens == len(out.requests) else "mixed"
+        self._step_bucket_counts[kind][bisect.bisect_left(STEP_SECONDS_BUCKETS, seconds)] += 1
+        self._step_seconds_sum[kind] += seconds
 
     def _complete(self, step: _InFlight, outputs: StepOutputs) -> None:
         """Take a step's tokens: fill its placeholders, check stops, and add its outputs to `outputs`."""
@@ -379,4 +392,6 @@ class EngineCore:
             prefix_cache_hits_total=bm.prefix_hits_tokens,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
+            step_bucket_counts={k: list(v) for k, v in self._step_bucket_counts.items()},
+            step_seconds_sum=dict(self._step_seconds_sum),
         )

@@ -13,7 +13,7 @@ No torch here: both processes import this module.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -39,6 +39,14 @@ class EngineStats:
     prefix_cache_hits_total: int = 0  # of which found
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    # Engine steps by kind ("decode": every sequence one token; "mixed": any prefill chunk), as counts
+    # per STEP_SECONDS_BUCKETS bucket (not cumulative; the last one past the largest bound) and sums.
+    step_bucket_counts: dict[str, list[int]] = field(default_factory=dict)
+    step_seconds_sum: dict[str, float] = field(default_factory=dict)
+
+
+# Upper bounds, in seconds, of the step duration histogram (`pagoda_engine_step_duration_seconds`).
+STEP_SECONDS_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5)
 
 
 # ---- API process -> engine core -------------------------------------------------------------------
