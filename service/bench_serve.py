@@ -258,33 +258,14 @@ def run(args: argparse.Namespace) -> int:
     num_processes = args.client_processes
     if num_processes == "auto":
         num_processes = auto_client_processes(min(args.max_concurrency or args.num_prompts, args.num_prompts))
+    load = (args.base_url, args.model, args.num_prompts, args.input_len, args.output_len)
+    shape = (args.request_rate, args.max_concurrency, args.vocab_size)
     if num_processes == 1:
-        summary = asyncio.run(
-            run_benchmark(
-                args.base_url,
-                args.model,
-                args.num_prompts,
-                args.input_len,
-                args.output_len,
-                args.request_rate,
-                args.max_concurrency,
-                args.vocab_size,
-            )
-        )
+        summary = asyncio.run(run_benchmark(*load, *shape))
     else:
         from pagoda.service.bench_serve_processes import run_in_processes
 
-        summary = run_in_processes(
-            num_processes,
-            args.base_url,
-            args.model,
-            args.num_prompts,
-            args.input_len,
-            args.output_len,
-            args.request_rate,
-            args.max_concurrency,
-            args.vocab_size,
-        )
+        summary = run_in_processes(num_processes, *load, *shape)
     text = format_summary(args, summary, num_processes)
     print(text)
     if args.output:

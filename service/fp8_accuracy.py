@@ -22,7 +22,6 @@ points (90.2%, 90.8%) and W8A16 not at all (91.4%), within a handful of tokens.
 from __future__ import annotations
 
 import argparse
-import gc
 import math
 import sys
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from typing import Any
 
 import torch
 
+from pagoda.service.gpu_check import release_llm
 from pagoda.service.llm import LLM
 from pagoda.service.model.fp8 import TARGETS, Fp8Linear
 from pagoda.service.sampling_params import SamplingParams
@@ -125,14 +125,6 @@ def _engine(dtype: str, device: str) -> LLM:
     )
 
 
-def _release(llm: LLM) -> None:
-    llm.shutdown()
-    del llm.engine
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def run(device: str, max_tokens: int) -> list[str]:
     llm = _engine("float32", device)
     prompts = chat_prompts(llm)
@@ -140,7 +132,7 @@ def run(device: str, max_tokens: int) -> list[str]:
     sequences = [p + a.outputs[0].token_ids for p, a in zip(prompts, answers, strict=True)]
     prompt_lens = [len(p) for p in prompts]
     truth = score(llm, sequences, prompt_lens)
-    _release(llm)
+    release_llm(llm)
     num_tokens = len(truth.top1)
     answer_tokens = [t for seq, n in zip(sequences, prompt_lens, strict=True) for t in seq[n:]]
     kept = sum(t == s for t, s in zip(truth.top1, answer_tokens, strict=True))
@@ -162,7 +154,7 @@ def run(device: str, max_tokens: int) -> list[str]:
         mean_err = math.fsum(errors) / num_tokens
         lines.append(f"| {scheme.name} | {num_tokens} | {agree:.1%} | {mean_err:.4f} | {max(errors):.3f} |")
         print(lines[-1], flush=True)
-    _release(llm)
+    release_llm(llm)
     return lines
 
 

@@ -102,10 +102,11 @@ def _generate(folder: Path, batch: list[list[int]], params: SamplingParams, **en
     try:
         return llm.generate(batch, params)
     finally:
-        _release(llm)
+        release_llm(llm)
 
 
-def _release(llm: LLM) -> None:
+def release_llm(llm: LLM) -> None:
+    """Shut `llm` down and give its GPU memory back, so the next engine or model gets it."""
     llm.shutdown()
     del llm.engine
     gc.collect()
@@ -239,7 +240,7 @@ def check(
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=NEW_TOKENS)
     ours_seeded = [o.outputs[0].token_ids for o in llm.generate(batch, seeded)]
     is_async = llm.engine.core.is_async
-    _release(llm)
+    release_llm(llm)
     hf: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     hf = hf.to(device).eval()
     with torch.inference_mode():
@@ -262,7 +263,7 @@ def check(
     )  # fmt: skip
     in_turn = [o.outputs[0].token_ids for o in llm.generate(batch, params)]
     in_turn_seeded = [o.outputs[0].token_ids for o in llm.generate(batch, seeded)]
-    _release(llm)
+    release_llm(llm)
     same = sum(a == b for a, b in zip(ours + ours_seeded, in_turn + in_turn_seeded, strict=True))
     rows.append(
         (kind, f"fp32 {'async' if is_async else 'default'} == in turn", same == 2 * len(batch),

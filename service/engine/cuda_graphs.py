@@ -95,7 +95,7 @@ class StepGraphs:
         self.mixed_query_start_loc = zeros(max_num_seqs + 1)
         self.mixed_block_tables = zeros(max_num_seqs, width)
         self.logits_rows = zeros(max_num_seqs, dtype=torch.int64)
-        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
+        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @property
     def max_batch_size(self) -> int:
@@ -162,7 +162,6 @@ class StepGraphs:
         if not self.capture_graphs:
             return self._forward(key)
         graph, logits = self.graphs[key]
-        assert graph is not None
         graph.replay()
         return logits
 
