@@ -386,3 +386,12 @@ def test_operator_pod_from_the_chart_serves_an_inference_service(
     pod = server_pods(cluster, namespace, "by-pod")[0]
     assert pod["spec"]["containers"][0]["image"] == real_images["server"]
     assert "Paris" in ask(service_url(cluster, namespace, "by-pod"))
+
+
+def test_the_node_holds_one_generation_of_images(cluster, real_node, real_images, cluster_harness) -> None:
+    """After pods ran (so the kubelet's CRI recorded its `sha256:` aliases), building the images drops
+    every older server and operator image, aliases included: the cache must not grow per build."""
+    cluster_harness.build_images(cluster, real_node)  # present: only drops what is stale
+    listing = real_node.ctr("images", "list").stdout
+    assert cluster_harness.images.stale_images(listing, set(real_images.values())) == []
+    assert {f"docker.io/{r}" for r in real_images.values()} <= real_node.images()
