@@ -95,6 +95,16 @@ class _EngineCollector:
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+        yield CounterMetricFamily(
+            "pagoda_engine_gc_pause_seconds",
+            "Time the engine core's step loop stood still in Python garbage collections.",
+            value=stats.gc_pause_seconds_total,
+        )
+        yield CounterMetricFamily(
+            "pagoda_engine_gc_collections",
+            "Python garbage collections in the engine core since it turned ready.",
+            value=stats.gc_collections_total,
+        )
         steps = HistogramMetricFamily(
             "pagoda_engine_step_duration_seconds",
             "Wall time of one engine-core step, by kind (decode: one token per sequence; mixed: a prefill "

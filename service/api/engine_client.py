@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
+from pagoda.service import gc_pauses
 from pagoda.service.api.tool_calls import CHAT_ROLES, ParserName, parser_for, template_messages
 from pagoda.service.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from pagoda.service.engine.config import EngineConfig
@@ -119,6 +120,7 @@ class EngineClient:
             self.state_changed.set()
             raise
         self._engine = engine
+        gc_pauses.freeze()  # the tokenizer, the app and the libraries live as long as the process
         if self._state is ServingState.LOADING:
             self._state = ServingState.READY
             self.state_changed.set()

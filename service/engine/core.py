@@ -42,6 +42,7 @@ from pagoda.service.engine.messages import (
 from pagoda.service.engine.request import PLACEHOLDER, Request, RequestStatus
 from pagoda.service.engine.scheduler import Scheduler, SchedulerOutput
 from pagoda.service.engine.structured_output import StructuredOutputManager
+from pagoda.service.gc_pauses import GcPauses
 from pagoda.service.model import load_tokenizer as load_tokenizer_from
 from pagoda.service.sampling_params import SamplingParams
 from pagoda.service.tokenizer import Tokenizer
@@ -166,6 +167,7 @@ class EngineCore:
         kinds = ("decode", "mixed")
         self._step_bucket_counts = {k: [0] * (len(STEP_SECONDS_BUCKETS) + 1) for k in kinds}
         self._step_seconds_sum = dict.fromkeys(kinds, 0.0)
+        self.gc_pauses: GcPauses | None = None  # set by the core process, whose pauses they are
         self.structured_output = StructuredOutputManager(
             load_tokenizer or partial(load_tokenizer_from, config.model_path), eos_token_ids
         )
@@ -394,4 +396,6 @@ class EngineCore:
             generation_tokens_total=self.generation_tokens_total,
             step_bucket_counts={k: list(v) for k, v in self._step_bucket_counts.items()},
             step_seconds_sum=dict(self._step_seconds_sum),
+            gc_pause_seconds_total=self.gc_pauses.seconds_total if self.gc_pauses else 0.0,
+            gc_collections_total=self.gc_pauses.collections_total if self.gc_pauses else 0,
         )

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
+from pagoda.service import gc_pauses
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.core import EngineCore, ModelExecutor
 from pagoda.service.engine.messages import (
@@ -167,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
             socket.send(encode(failed))
         _close(executor, context)
         return 1
+    gc_pauses.freeze()  # the model and the libraries: never walked by a collection in the step loop
+    core.gc_pauses = gc_pauses.GcPauses().start()
     ready = CoreReady(core.max_model_len, executor.model_config.vocab_size, core.stats())
     for socket in outputs:
         socket.send(encode(ready))

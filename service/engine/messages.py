@@ -43,6 +43,8 @@ class EngineStats:
     # per STEP_SECONDS_BUCKETS bucket (not cumulative; the last one past the largest bound) and sums.
     step_bucket_counts: dict[str, list[int]] = field(default_factory=dict)
     step_seconds_sum: dict[str, float] = field(default_factory=dict)
+    gc_pause_seconds_total: float = 0.0  # the core process's garbage-collector pauses (gc_pauses.py)
+    gc_collections_total: int = 0
 
 
 # Upper bounds, in seconds, of the step duration histogram (`pagoda_engine_step_duration_seconds`).
