@@ -3,7 +3,9 @@
 # paths, decode attention splits), batch-1 decode at 1000/200 and offline 256 x 128/128 in bf16 and
 # fp8 (with the GPU-busy profile of a steady decode step), then `pagoda serve` loaded by `pagoda bench
 # serve` at concurrency 1..256 from several client processes. Sections past SECONDS_BUDGET are skipped.
-# Env: SERVE_PRECISIONS (bf16), SERVE_CONCURRENCY (1 16 64 128 256), API_SERVERS (1), GRID_PRECISIONS.
+# Env: SERVE_PRECISIONS (bf16), SERVE_CONCURRENCY (1 16 64 128 256), API_SERVERS (1), GRID_PRECISIONS and
+# OFFLINE_VARIANTS (";"-separated extra arguments). Precision names: bf16, fp8 (W8A8 projections), and
+# either with "-kv8" (an fp8 KV cache).
 # `check` runs the engine's GPU checks (fp32 greedy == transformers, graphs == eager, async == in turn,
 # bf16/fp8 teacher-forced, the fp8 layer paths); `grid` the offline grid of issue 11.
 # Usage: bash bench/gpu_speed.sh TOKENIZER_DIR OUT_DIR [SECTIONS] (default: "kernels bs1 offline serve")
@@ -15,6 +17,12 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 start=$SECONDS
 step() { echo "== $1 after $((SECONDS - start)) s"; }
 has() { [[ " $sections " == *" $1 "* ]]; }
+precision_args() {  # bench offline's arguments for a precision name
+    case $1 in
+        bf16) ;; fp8) echo --quantization fp8 ;; bf16-kv8) echo --kv-cache-dtype fp8 ;;
+        fp8-kv8) echo --quantization fp8 --kv-cache-dtype fp8 ;; *) echo "unknown precision $1" >&2; return 1 ;;
+    esac
+}
 [ -f /tmp/llama-8b-random/config.json ] || python3 -m pagoda.service.gpu_check --tokenizer "$tok" --build-8b /tmp/llama-8b-random 2>&1 | tail -1
 step checkpoint
 model=(--model /tmp/llama-8b-random --dtype bfloat16 --peer none)
@@ -37,17 +45,19 @@ if has bs1; then
     done
 fi
 if has offline; then
-    for q in "" "--cuda-graph-max-tokens 0" "--quantization fp8"; do
+    IFS=';' read -ra variants <<< "${OFFLINE_VARIANTS:- ;--quantization fp8;--kv-cache-dtype fp8;--quantization fp8 --kv-cache-dtype fp8}"
+    for q in "${variants[@]}"; do
         python3 -m pagoda.service.bench offline "${model[@]}" $q --num-prompts 256 --input-len 128 --output-len 128 \
             --busy-steps 20 --busy-top 8 --output "$out/bench.md" 2>&1 | grep -v Loading | tail -18
         step "offline ${q:-bf16}"
     done
 fi
 if has grid; then  # issue 11's grid: in / out lengths, enough requests for a steady state
-    for q in ${GRID_PRECISIONS:-fp8 bf16}; do
-        extra=(); [ "$q" = fp8 ] && extra=(--quantization fp8)
+    for q in ${GRID_PRECISIONS:-fp8-kv8 bf16}; do
+        read -ra extra <<< "$(precision_args "$q")"
         for shape in "1000 1000 384" "128 2048 384" "2048 128 1024"; do
             read -r in_len out_len n <<< "$shape"
+            [[ $q == *-kv8 && $n == 384 ]] && n=768  # an fp8 cache holds twice the sequences
             timeout 200 python3 -m pagoda.service.bench offline "${model[@]}" "${extra[@]}" --num-prompts $n \
                 --input-len $in_len --output-len $out_len --max-num-batched-tokens 8192 \
                 --output "$out/bench.md" 2>&1 | grep -v Loading | tail -4
@@ -72,6 +82,9 @@ if has serve; then
             timeout 120 python3 -m pagoda.service.bench serve --base-url http://localhost:8000 --model m --vocab-size 128256 \
                 --num-prompts $n --input-len 128 --output-len 128 --max-concurrency $c --client-processes auto \
                 --output "$out/serve_bench.md" 2>&1 | tail -12
+            # The core's step-time histogram and GC pauses, cumulative: diff consecutive dumps.
+            { echo "## c=$c"; curl -s localhost:8000/metrics | grep -E "^pagoda_engine_(step_duration|gc_)"; } \
+                >> "$out/serve_metrics_$q.txt"
         done
         grep -i "captured\|error\|Traceback" "$out/serve_$q.log" | head -5
         kill -TERM $pid; wait $pid

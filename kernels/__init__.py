@@ -47,10 +47,12 @@ def write_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64; a negative slot is skipped (graph padding)
+    k_scale: float = 1.0,  # an fp8 (float8_e4m3fn) cache holds key / k_scale
+    v_scale: float = 1.0,
 ) -> None:
     """Scatter the new tokens' K and V into their cache slots."""
     fn = _triton_fn("kv_cache", "write_kv") if use_triton(key) else reference.write_kv
-    fn(key, value, k_cache, v_cache, slot_mapping)
+    fn(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_attention(
@@ -63,10 +65,20 @@ def paged_attention(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    k_scale: float = 1.0,  # the cache holds K / k_scale (an fp8 cache; 1.0 otherwise)
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Causal attention of each sequence's query tokens over its paged context (GQA aware)."""
-    fn = _triton_fn("attention", "paged_attention") if use_triton(q) else reference.paged_attention
-    return fn(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len)
+    """Causal attention of each sequence's query tokens over its paged context (GQA aware); the cache
+    may be q's dtype or float8_e4m3fn."""
+    if use_triton(q):
+        return _triton_fn("attention", "paged_attention")(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len,
+            k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
+    return reference.paged_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len,
+        k_scale, v_scale,
+    )  # fmt: skip
 
 
 def rms_norm(

@@ -25,6 +25,10 @@ so no host code inspects the batch (no `.item()`, CUDA-graph safe):
   mask; only the last few are masked. Programs map to (sequence, query block) by a binary search
   over `query_start_loc // BLOCK_Q + s`, which bounds the grid by `num_tokens // BLOCK_Q + num_seqs`.
 
+An fp8 (e4m3) cache holds K / k_scale and V / v_scale: each tile is widened to q's dtype as it is
+loaded (exactly), k_scale is folded into the score scale and v_scale into the output's normalizer,
+so the loop is the same and reads half the bytes.
+
 K/V tiles are gathered token by token through the block table (`pos // block_size` picks the
 block, `pos % block_size` the slot), so a tile may span several cache blocks and any block size
 works. Scores are kept in base 2 (`exp2`, with log2(e) folded into the scale).
@@ -83,7 +87,8 @@ def _decode_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim], written here when the context fits one split
     part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] float32, each split's acc / l
     part_lse_ptr,  # [num_seqs, num_heads, num_splits] float32, each split's m + log2(l)
-    scale_log2,
+    scale_log2,  # softmax scale x log2(e) x k_scale
+    v_scale,
     min_partition,  # the fewest context tokens per split, a multiple of TILE_N
     num_splits,  # a runtime value, not a constexpr: one compiled kernel serves every split count
     stride_qt,
@@ -134,7 +139,7 @@ def _decode_kernel(
         k = _load_kv_tile(
             k_cache_ptr, block_table_row, pos, dims, kv_head, stride_kb, stride_ks, stride_kh,
             BLOCK_SIZE, True, pos_ok,
-        )  # fmt: skip
+        ).to(q.dtype)  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(pos_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -144,11 +149,11 @@ def _decode_kernel(
         v = _load_kv_tile(
             v_cache_ptr, block_table_row, pos, dims, kv_head, stride_vb, stride_vs, stride_vh,
             BLOCK_SIZE, True, pos_ok,
-        )  # fmt: skip
+        ).to(q.dtype)  # fmt: skip
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    out = acc / l_i[:, None]
+    out = acc * (v_scale / l_i)[:, None]
     if partition >= ctx_len:  # the only split of this sequence: nothing to merge
         o_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -206,7 +211,8 @@ def _prefill_kernel(
     seq_lens_ptr,  # [num_seqs]
     query_start_loc_ptr,  # [num_seqs + 1]
     out_ptr,  # [num_tokens, num_heads, head_dim]
-    scale_log2,
+    scale_log2,  # softmax scale x log2(e) x k_scale
+    v_scale,
     num_seqs,
     stride_qt,
     stride_qh,
@@ -274,7 +280,7 @@ def _prefill_kernel(
         k = _load_kv_tile(
             k_cache_ptr, block_table_row, pos, dims, kv_head, stride_kb, stride_ks, stride_kh,
             BLOCK_SIZE, False, pos,
-        )  # fmt: skip
+        ).to(q.dtype)  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -283,7 +289,7 @@ def _prefill_kernel(
         v = _load_kv_tile(
             v_cache_ptr, block_table_row, pos, dims, kv_head, stride_vb, stride_vs, stride_vh,
             BLOCK_SIZE, False, pos,
-        )  # fmt: skip
+        ).to(q.dtype)  # fmt: skip
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     for tile_start in range(unmasked_end, kv_end, TILE_N):
@@ -292,7 +298,7 @@ def _prefill_kernel(
         k = _load_kv_tile(
             k_cache_ptr, block_table_row, pos, dims, kv_head, stride_kb, stride_ks, stride_kh,
             BLOCK_SIZE, True, pos_ok,
-        )  # fmt: skip
+        ).to(q.dtype)  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(pos[None, :] <= q_pos[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -302,11 +308,11 @@ def _prefill_kernel(
         v = _load_kv_tile(
             v_cache_ptr, block_table_row, pos, dims, kv_head, stride_vb, stride_vs, stride_vh,
             BLOCK_SIZE, True, pos_ok,
-        )  # fmt: skip
+        ).to(q.dtype)  # fmt: skip
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    out = acc / l_i[:, None]
+    out = acc * (v_scale / l_i)[:, None]
     o_ptrs = (
         out_ptr
         + (q_start + tok).to(tl.int64)[:, None] * stride_ot
@@ -362,6 +368,7 @@ class PrefillConfig:
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_CACHE = torch.float8_e4m3fn  # a cache of this dtype holds K / k_scale and V / v_scale
 # The interpreter runs a program at a time: small tiles exercise the multi-tile paths in tests.
 _INTERPRETER_DECODE = DecodeConfig(tile_n=16, num_warps=1, num_stages=1, programs_per_sm=16, min_partition=16)
 _INTERPRETER_PREFILL = PrefillConfig(block_m=16, tile_n=16, num_warps=1, num_stages=1)
@@ -433,10 +440,10 @@ def _check(
         )
     if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
         raise ValueError(f"paged_attention: head_dim {head_dim} must be a power of two in [16, 256]")
-    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    if q.dtype not in _DTYPES or k_cache.dtype not in (q.dtype, FP8_CACHE) or v_cache.dtype != k_cache.dtype:
         raise ValueError(
-            f"paged_attention: q, k_cache, v_cache must share one of {_DTYPES}; "
-            f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
+            f"paged_attention: q must be one of {_DTYPES}, k_cache and v_cache q's dtype or both "
+            f"{FP8_CACHE}; got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
         )
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
@@ -482,6 +489,8 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], written when given
     decode_config: DecodeConfig | None = None,
     prefill_config: PrefillConfig | None = None,
+    k_scale: float = 1.0,  # the cache holds K / k_scale (an fp8 cache; 1.0 otherwise)
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's query tokens over its paged context (GQA aware).
 
@@ -505,7 +514,9 @@ def paged_attention(
     default_decode, default_prefill = _default_configs(q)
     dcfg = decode_config or default_decode
     pcfg = prefill_config or default_prefill
-    scale_log2 = scale * math.log2(math.e)
+    if not (k_scale > 0 and v_scale > 0):
+        raise ValueError(f"paged_attention: k_scale {k_scale} and v_scale {v_scale} must be positive")
+    scale_log2 = scale * math.log2(math.e) * k_scale
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     strides = (
         q.stride(0), q.stride(1),
@@ -524,7 +535,7 @@ def paged_attention(
         part_out = part_lse = out  # unused
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse,
-        scale_log2, min_partition, num_splits, *strides, out.stride(0), out.stride(1),
+        scale_log2, float(v_scale), min_partition, num_splits, *strides, out.stride(0), out.stride(1),
         GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, TILE_N=dcfg.tile_n, DOT_PRECISION=precision,
         num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
@@ -540,7 +551,8 @@ def paged_attention(
         group_pad = triton.next_power_of_2(group)
         block_q = max(1, pcfg.block_m // group_pad)
         _prefill_kernel[(num_tokens // block_q + num_seqs, num_kv_heads)](
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale_log2, num_seqs,
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, scale_log2, float(v_scale),
+            num_seqs,
             *strides, out.stride(0), out.stride(1),
             GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
             TILE_N=pcfg.tile_n, DOT_PRECISION=precision,

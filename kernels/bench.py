@@ -164,6 +164,12 @@ def bench_decode(quick: bool) -> list[Row]:
         row.peer_us = _time(peer)
         row.note = f"eager {eager_us:.0f} us"
         rows.append(row)
+        # An fp8 cache (--kv-cache-dtype fp8) reads half the bytes; the row's bandwidth counts those.
+        fp8 = {k: v.to(torch.float8_e4m3fn) if k in ("k_cache", "v_cache") else v for k, v in b.items()}
+        fp8_us = _time(lambda f=fp8: paged_attention(**f))
+        shape = f"batch {batch} x ctx {ctx}"
+        rows.append(Row("paged decode, fp8 cache", shape, fp8_us, io_bytes - kv_bytes // 2))
+        del fp8
         if batch <= 8:  # what splitting the context buys when batch x kv heads cannot fill 132 SMs
             nosplit = _time(lambda b=b: paged_attention(**b, decode_config=DecodeConfig(num_splits=1)))
             rows.append(Row("paged decode, 1 split", f"batch {batch} x ctx {ctx}", nosplit, io_bytes))

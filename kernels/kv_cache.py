@@ -4,6 +4,10 @@ One program per token: it reads the token's slot (`block_id * block_size + offse
 is padding and is skipped), and copies its [num_kv_heads, head_dim] rows of K and V into
 `cache[block_id, offset]`, converting to the cache's dtype. Slot offsets are int64: a cache of
 100k blocks x 16 slots x 8 heads x 128 dims already has 1.6e9 elements.
+
+An fp8 (e4m3) cache stores `x / scale`, clamped to +-448 and rounded to the nearest e4m3 by
+`quant._round_to_e4m3` (ties to even, as PyTorch's cast; the backend's own conversion is not trusted,
+see quant.py), one per-tensor scale for K and one for V.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from pagoda.kernels.quant import _round_to_e4m3
 
 
 @triton.jit
@@ -21,6 +27,8 @@ def _write_kv_kernel(
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping_ptr,  # [num_tokens]
     num_kv_heads,
+    k_scale,  # used when QUANT
+    v_scale,
     stride_kt,
     stride_kh,
     stride_vt,
@@ -34,6 +42,7 @@ def _write_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    QUANT: tl.constexpr,  # the cache is fp8: divide by the scale, clamp, round to e4m3
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -60,11 +69,15 @@ def _write_kv_kernel(
         + heads[:, None] * stride_vch
         + dims[None, :]
     )
+    if QUANT:
+        k = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(k.to(tl.float32), k_scale), -448.0), 448.0))
+        v = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(v.to(tl.float32), v_scale), -448.0), 448.0))
     tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_CACHE = torch.float8_e4m3fn
 
 
 def write_kv(
@@ -73,6 +86,8 @@ def write_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64; a negative slot is skipped (graph padding)
+    k_scale: float = 1.0,  # an fp8 cache holds key / k_scale
+    v_scale: float = 1.0,
 ) -> None:
     """Scatter the new tokens' K and V into their cache slots."""
     if key.dim() != 3 or value.shape != key.shape:
@@ -91,9 +106,14 @@ def write_kv(
             f"write_kv: want slot_mapping int64 [{key.shape[0]}]; "
             f"got {slot_mapping.dtype} {tuple(slot_mapping.shape)}"
         )
-    for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype not in _DTYPES:
-            raise ValueError(f"write_kv: {name} dtype {t.dtype} not in {_DTYPES}")
+    for name, t, allowed in (
+        ("key", key, _DTYPES),
+        ("value", value, _DTYPES),
+        ("k_cache", k_cache, (*_DTYPES, FP8_CACHE)),
+        ("v_cache", v_cache, (k_cache.dtype,)),
+    ):
+        if t.dtype not in allowed:
+            raise ValueError(f"write_kv: {name} dtype {t.dtype} not in {allowed}")
         if t.stride(-1) != 1:
             raise ValueError(f"write_kv: {name} must be contiguous in head_dim, strides {t.stride()}")
         if t.device != key.device:
@@ -105,11 +125,13 @@ def write_kv(
         raise ValueError("write_kv: slot_mapping must be contiguous and on key's device")
     if key.shape[0] == 0:
         return
+    if not (k_scale > 0 and v_scale > 0):
+        raise ValueError(f"write_kv: k_scale {k_scale} and v_scale {v_scale} must be positive")
     _write_kv_kernel[(key.shape[0],)](
-        key, value, k_cache, v_cache, slot_mapping, key.shape[1],
+        key, value, k_cache, v_cache, slot_mapping, key.shape[1], float(k_scale), float(v_scale),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(key.shape[1]), BLOCK_SIZE=k_cache.shape[1],
-        num_warps=4,
+        QUANT=k_cache.dtype == FP8_CACHE, num_warps=4,
     )  # fmt: skip

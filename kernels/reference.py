@@ -26,12 +26,18 @@ def write_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64; a negative slot is skipped (graph padding)
+    k_scale: float = 1.0,  # an fp8 cache holds key / k_scale
+    v_scale: float = 1.0,
 ) -> None:
-    """Scatter the new tokens' K and V into their cache slots."""
+    """Scatter the new tokens' K and V into their cache slots; an fp8 (e4m3) cache gets
+    `x / scale` in float32, clamped to +-448, rounded to the nearest e4m3."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[valid].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[valid].to(v_cache.dtype)
+    for x, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        x = x[valid]
+        if cache.dtype == torch.float8_e4m3fn:
+            x = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX)
+        cache.view(-1, *cache.shape[2:])[slots] = x.to(cache.dtype)
 
 
 def _gather_context(
@@ -54,8 +60,11 @@ def paged_attention(
     scale: float,
     max_query_len: int,
     max_seq_len: int,
+    k_scale: float = 1.0,  # the cache holds K / k_scale (an fp8 cache; 1.0 otherwise)
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Causal attention of each sequence's query tokens over its paged context (GQA aware)."""
+    """Causal attention of each sequence's query tokens over its paged context (GQA aware), in
+    float32; the cache's values times k_scale and v_scale are the keys and values."""
     num_heads = q.shape[1]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -68,8 +77,8 @@ def paged_attention(
     if decode_rows:
         rows = torch.tensor(decode_rows, device=q.device)
         num_ctx = max(lens[s] for s in decode_rows)
-        k = _gather_context(k_cache, block_tables[rows], num_ctx)  # [B, T, Hkv, D]
-        v = _gather_context(v_cache, block_tables[rows], num_ctx)
+        k = _gather_context(k_cache, block_tables[rows], num_ctx).float() * k_scale  # [B, T, Hkv, D]
+        v = _gather_context(v_cache, block_tables[rows], num_ctx).float() * v_scale
         token_idx = query_start_loc[rows].long()
         positions = torch.arange(num_ctx, device=q.device).view(1, 1, 1, -1)
         mask = positions < seq_lens[rows].view(-1, 1, 1, 1)  # [B, 1, 1, T]
@@ -80,8 +89,8 @@ def paged_attention(
         v = v.masked_fill(~valid, 0.0)
         o = F.scaled_dot_product_attention(
             q[token_idx].unsqueeze(2).float(),  # [B, H, 1, D]
-            k.transpose(1, 2).float(),
-            v.transpose(1, 2).float(),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
             attn_mask=mask,
             scale=scale,
             enable_gqa=group > 1,
@@ -100,8 +109,8 @@ def paged_attention(
         mask = torch.arange(ctx, device=q.device).view(1, -1) <= q_pos  # [n, T]
         o = F.scaled_dot_product_attention(
             qs.transpose(0, 1).float(),
-            k.transpose(0, 1).float().repeat_interleave(group, dim=0),
-            v.transpose(0, 1).float().repeat_interleave(group, dim=0),
+            k.transpose(0, 1).float().repeat_interleave(group, dim=0) * k_scale,
+            v.transpose(0, 1).float().repeat_interleave(group, dim=0) * v_scale,
             attn_mask=mask,
             scale=scale,
         )

@@ -36,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     offline.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     offline.add_argument("--quantization", choices=["fp8"], default=None, help="W8A8 fp8 projections")
+    offline.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     offline.add_argument("--device", default="auto")
     offline.add_argument("--num-prompts", type=int, default=16)
     offline.add_argument("--input-len", type=int, default=128)
@@ -129,6 +130,7 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
         args.model,
         dtype=args.dtype,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         max_num_seqs=max(args.num_prompts, 1),
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -314,6 +316,7 @@ def run(args: argparse.Namespace) -> int:
         results += bench_transformers(args, runner)
     model = args.model or "SmolLM2-135M-Instruct Q4_1 GGUF (embedded)"
     precision = f"{runner.dtype}" + (f" + {args.quantization} projections" if args.quantization else "")
+    precision += " + fp8 KV cache" if args.kv_cache_dtype == "fp8" else ""
     lines = [
         f"### offline: {model}, {args.input_len} in / {args.output_len} out, {precision}",
         "",

@@ -114,6 +114,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     flag("--block-size", "Tokens per KV cache block (a power of two).", 16, int)
     flag(
+        "--kv-cache-dtype",
+        "KV cache element type: auto (the model's) or fp8 (e4m3: twice the tokens, half the reads).",
+        "auto",
+        choices=("auto", "fp8"),
+    )
+    flag(
         "--cuda-graph-max-tokens",
         "Largest step mixing prefill chunks with decodes that replays a CUDA graph; 0: decode steps only.",
         2048,
@@ -238,6 +244,7 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype,
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,

@@ -57,6 +57,7 @@ class Scheme:
     skinny_max_m: int | None  # rows up to which Fp8Linear runs W8A16; None: no fp8 (bf16)
     keep_targets: frozenset[str] = EVERYTHING  # projections left in bf16 in every layer
     keep_ends: bool = False  # the first and last layers left in bf16
+    kv_cache_dtype: str = "auto"  # fp8: the KV cache in e4m3 (scales 1.0)
 
 
 W8A8, W8A16 = 0, 1 << 30  # skinny_max_m that forces one path for every row count
@@ -67,6 +68,9 @@ SCHEMES = (
     Scheme("fp8 W8A8, down_proj bf16", W8A8, frozenset({"mlp.down_proj"})),
     Scheme("fp8 W8A8, first + last layer bf16", W8A8, keep_ends=True),
     Scheme("fp8 W8A16, down_proj bf16", W8A16, frozenset({"mlp.down_proj"})),
+    Scheme("bf16, fp8 KV cache", None, kv_cache_dtype="fp8"),
+    Scheme("fp8 W8A8, fp8 KV cache", W8A8, kv_cache_dtype="fp8"),
+    Scheme("fp8 W8A16, fp8 KV cache", W8A16, kv_cache_dtype="fp8"),
 )
 
 
@@ -113,12 +117,13 @@ def apply_scheme(model: Any, originals: dict[tuple[int, str], Any], scheme: Sche
                 setattr(parent, name, Fp8Linear(linear.weight.data, bias, skinny_max_m=scheme.skinny_max_m))
 
 
-def _engine(dtype: str, device: str) -> LLM:
+def _engine(dtype: str, device: str, kv_cache_dtype: str = "auto") -> LLM:
     # Prefix caching off: every scheme must compute every position. Eager: nothing replays a graph
     # captured before the projections were swapped.
     return LLM(
         dtype=dtype,
         device=device,
+        kv_cache_dtype=kv_cache_dtype,
         enable_prefix_caching=False,
         enforce_eager=True,
         gpu_memory_utilization=0.3,
@@ -143,10 +148,14 @@ def run(device: str, max_tokens: int) -> list[str]:
         "| precision | tokens | top-1 agreement vs fp32 | mean abs logprob error | max abs logprob error |",
         "| --- | ---: | ---: | ---: | ---: |",
     ]
-    llm = _engine("bfloat16", device)
-    model = llm.engine.runner.model
-    originals: dict[tuple[int, str], Any] = {}
+    llm = None
     for scheme in SCHEMES:
+        if llm is None or llm.engine.config.kv_cache_dtype != scheme.kv_cache_dtype:
+            if llm is not None:
+                release_llm(llm)
+            llm = _engine("bfloat16", device, scheme.kv_cache_dtype)
+            model = llm.engine.runner.model
+            originals: dict[tuple[int, str], Any] = {}
         apply_scheme(model, originals, scheme)
         ours = score(llm, sequences, prompt_lens)
         agree = sum(a == b for a, b in zip(ours.top1, truth.top1, strict=True)) / num_tokens
@@ -154,7 +163,8 @@ def run(device: str, max_tokens: int) -> list[str]:
         mean_err = math.fsum(errors) / num_tokens
         lines.append(f"| {scheme.name} | {num_tokens} | {agree:.1%} | {mean_err:.4f} | {max(errors):.3f} |")
         print(lines[-1], flush=True)
-    release_llm(llm)
+    if llm is not None:
+        release_llm(llm)
     return lines
 
 

@@ -13,7 +13,8 @@ token ids). The checks, each printed as a row of a pass/fail table:
    near-ties that bf16 rounding alone flips) at least as often as bf16 transformers' own top-1 does,
    less 2 points; the engine's log-probabilities must stay within 1.5x transformers-bf16's worst
    distance from fp32, plus 0.05 nats.
-4. The same with fp8 (W8A8) projections, reported as INFO, not judged: fp8 keeps 3 mantissa bits,
+4. The same with fp8 (W8A8) projections, and with an fp8 KV cache (whose graphs must equal eager),
+   reported as INFO, not judged: fp8 keeps 3 mantissa bits,
    and on random-weight models, whose top choices are near-ties, that flips about half the steps
    (41-51% top-1 agreement measured on the H200), so top-1 agreement here says nothing about fp8 on
    trained weights. Correctness of the fp8 path is item 5 plus the CPU tests of the emulation.
@@ -166,6 +167,7 @@ def teacher_forced(
     device: str,
     rows: list[tuple[str, str, bool | None, str]],
     tp: int = 1,
+    kv_cache_dtype: str = "auto",
 ) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, logprobs=1)
     outs = _generate(
@@ -174,6 +176,7 @@ def teacher_forced(
         params,
         dtype="bfloat16",
         quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
         device=device,
         tensor_parallel_size=tp,
     )
@@ -202,14 +205,15 @@ def teacher_forced(
         del bf16_model
     ours_agree, hf_agree = stats["ours"][0] / total, stats["hf_bf16"][0] / total
     ok: bool | None = None  # fp8: reported, not judged (item 4 above)
-    if quantization is None:
+    if quantization is None and kv_cache_dtype == "auto":
         ok = ours_agree >= min(TOP1_AGREEMENT, hf_agree - 0.02) and (
             stats["ours"][1] <= 1.5 * stats["hf_bf16"][1] + 0.05
         )
     rows.append(
         (
             kind,
-            f"{quantization or 'bf16'} teacher-forced vs fp32 transformers",
+            f"{quantization or 'bf16'}{' + fp8 KV' if kv_cache_dtype == 'fp8' else ''} teacher-forced "
+            "vs fp32 transformers",
             ok,
             f"top-1 ours {ours_agree:.1%} vs transformers-bf16 {hf_agree:.1%}; "
             f"max |dlogprob| ours {stats['ours'][1]:.3f} vs transformers-bf16 {stats['hf_bf16'][1]:.3f}",
@@ -270,8 +274,19 @@ def check(
          f"{same}/{2 * len(batch)} greedy and seeded outputs identical")
     )  # fmt: skip
 
-    for quantization in (None, "fp8"):
-        teacher_forced(kind, folder, hf, batch, quantization, device, rows, tp)
+    graphs, eager = (
+        _generate(
+            folder, batch, params, dtype="bfloat16", kv_cache_dtype="fp8", device=device, enforce_eager=e,
+            tensor_parallel_size=tp,
+        )
+        for e in (False, True)
+    )  # fmt: skip
+    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(graphs, eager, strict=True))
+    rows.append(
+        (kind, "bf16 + fp8 KV graphs == eager", same == len(batch), f"{same}/{len(batch)} prompts identical")
+    )
+    for quantization, kv_cache_dtype in ((None, "auto"), ("fp8", "auto"), (None, "fp8")):
+        teacher_forced(kind, folder, hf, batch, quantization, device, rows, tp, kv_cache_dtype)
     del hf
     gc.collect()
     if torch.cuda.is_available():

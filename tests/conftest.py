@@ -181,15 +181,15 @@ _BLOCK_SIZE = 4  # small, so a prompt spans several blocks
 class PagedRunner:
     """A minimal model runner: one block table per sequence, blocks handed out in order."""
 
-    def __init__(self, model: Any, num_blocks: int = 64) -> None:
+    def __init__(self, model: Any, num_blocks: int = 64, cache_dtype: Any = None) -> None:
         import torch
 
         self.model = model
         config = model.config
         shape = (num_blocks, _BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
         for attn in model.attention_layers():
-            attn.k_cache = torch.zeros(shape)
-            attn.v_cache = torch.zeros(shape)
+            attn.k_cache = torch.zeros(shape).to(cache_dtype or torch.float32)
+            attn.v_cache = torch.zeros(shape).to(cache_dtype or torch.float32)
         self.next_block = num_blocks - 1  # hand out from the end so block ids are not positions
         self.blocks: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}

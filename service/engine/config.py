@@ -14,6 +14,9 @@ class EngineConfig:
     served_model_name: str | None = None
     dtype: Dtype = "auto"  # auto: bf16 on GPUs that have it, else the checkpoint's; float32 on the CPU
     quantization: Literal["fp8"] | None = None  # fp8: W8A8 decoder projections (dtype stays for the rest)
+    # fp8: the KV cache holds e4m3 (half of bf16's bytes: twice the tokens, half the attention reads),
+    # with per-tensor scales of 1.0 as vLLM's default; auto: the model dtype.
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"
     device: str = "auto"  # auto: cuda if available, else cpu
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 256
@@ -63,5 +66,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
         if self.cuda_graph_max_tokens < 0:
             raise ValueError(f"cuda_graph_max_tokens must be at least 0, got {self.cuda_graph_max_tokens}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")

@@ -134,6 +134,7 @@ class ModelRunner:
             self.model, self.model_config = load_model(model_path, self.dtype, self.device, tp)
         mc = self.model_config
         self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads  # this rank's
+        self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         self.kv = self._kv_cache_layout(agree_num_blocks)
         self.kv_cache = torch.empty(
             2,
@@ -142,7 +143,7 @@ class ModelRunner:
             config.block_size,
             self.num_kv_heads,
             mc.head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
         )
         for i, layer in enumerate(self.model.attention_layers()):
@@ -170,7 +171,7 @@ class ModelRunner:
             config.block_size,
             self.kv.num_tokens,
             self.kv.num_blocks * self.kv.bytes_per_block / 2**20,
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
 
@@ -196,7 +197,7 @@ class ModelRunner:
         mc, cfg = self.model_config, self.config
         element_size = torch.empty(0, dtype=self.dtype).element_size()
         bytes_per_block = 2 * mc.num_hidden_layers * cfg.block_size * self.num_kv_heads * mc.head_dim
-        bytes_per_block *= element_size
+        bytes_per_block *= torch.empty(0, dtype=self.kv_dtype).element_size()
         if cfg.kv_cache_memory_bytes is not None:
             budget = cfg.kv_cache_memory_bytes
         elif self.device.type == "cuda":

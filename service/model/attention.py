@@ -33,6 +33,10 @@ class PagedAttention(nn.Module):
         self.scale = head_dim**-0.5
         self.k_cache = torch.empty(0)  # [num_blocks, block_size, num_kv_heads, head_dim]
         self.v_cache = torch.empty(0)
+        # An fp8 cache holds K / k_scale and V / v_scale. 1.0, as vLLM without calibrated scales: e4m3
+        # reaches 448, far above the keys and values of the models measured (README, fp8).
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self,
@@ -41,7 +45,7 @@ class PagedAttention(nn.Module):
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        kernels.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        kernels.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         return kernels.paged_attention(
             q,
             self.k_cache,
@@ -52,4 +56,6 @@ class PagedAttention(nn.Module):
             self.scale,
             meta.max_query_len,
             meta.max_seq_len,
+            self.k_scale,
+            self.v_scale,
         )

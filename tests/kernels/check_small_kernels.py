@@ -74,6 +74,32 @@ def test_write_kv_strided_inputs_and_dtype_cast() -> None:
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.05, 3.0)], ids=["unit", "scaled"])
+def test_write_kv_fp8_cache(dtype: torch.dtype, scales: tuple[float, float]) -> None:
+    """Every code as reference.write_kv (PyTorch's cast, ties to even): values that round up into the
+    next binade, subnormals, zeros and values past +-448 that saturate."""
+    num_blocks, block_size, num_kv_heads, head_dim, num_tokens = 24, 16, 2, 64, 40
+    key = randn(num_tokens, num_kv_heads, head_dim, dtype=dtype) * 4
+    value = randn(num_tokens, num_kv_heads, head_dim, dtype=dtype) / 64
+    key[0, 0, :6] = torch.tensor([1e4, -1e4, 1.9531, -1.9609, 0.0, 3e-3])
+    value[1, 1, :4] = torch.tensor([30.0, -30.0, 1e-6, -0.0])
+    fp8 = torch.float8_e4m3fn
+    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, device=DEVICE).to(fp8)
+    v_cache = k_cache.clone()
+    slots = (torch.randperm(num_blocks * block_size)[:num_tokens]).to(DEVICE)
+    slots[5] = -1
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reference.write_kv(key, value, k_ref, v_ref, slots, *scales)
+    write_kv(key, value, k_cache, v_cache, slots, *scales)
+    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+    assert k_cache.float().abs().max() == 448.0  # saturated, not NaN
+    written = k_cache.view(-1, num_kv_heads, head_dim)[slots[slots >= 0]].float() * scales[0]
+    expected = key[slots >= 0].float().clamp(-448 * scales[0], 448 * scales[0])
+    torch.testing.assert_close(written, expected, rtol=0.0625, atol=scales[0] * 2**-9)
+
+
 def test_write_kv_refuses_bad_shapes() -> None:
     key = randn(4, 2, 32)
     cache = randn(8, 16, 2, 32)
@@ -87,6 +113,11 @@ def test_write_kv_refuses_bad_shapes() -> None:
             randn(8, 16, 4, 32),
             torch.zeros(4, dtype=torch.int64, device=DEVICE),
         )
+    slots = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="v_cache"):
+        write_kv(key, key, cache.to(torch.float8_e4m3fn), cache, slots)
+    with pytest.raises(ValueError, match="must be positive"):
+        write_kv(key, key, cache, cache.clone(), slots, k_scale=0.0)
 
 
 # --- rms_norm ---------------------------------------------------------------------------------------
