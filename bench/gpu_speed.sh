@@ -6,7 +6,7 @@
 # Env: SERVE_PRECISIONS (bf16), SERVE_CONCURRENCY (1 16 64 128 256), API_SERVERS (1), GRID_PRECISIONS and
 # OFFLINE_VARIANTS (";"-separated extra arguments). Precision names: bf16, fp8 (W8A8 projections), and
 # either with "-kv8" (an fp8 KV cache).
-# `check` runs the engine's GPU checks (fp32 greedy == transformers, graphs == eager, async == in turn,
+# `attention` runs the attention microbenchmarks alone. `check` runs the engine's GPU checks (fp32 greedy == transformers, graphs == eager, async == in turn,
 # bf16/fp8 teacher-forced, the fp8 layer paths); `grid` the offline grid of issue 11.
 # Usage: bash bench/gpu_speed.sh TOKENIZER_DIR OUT_DIR [SECTIONS] (default: "kernels bs1 offline serve")
 set -uo pipefail
@@ -34,6 +34,8 @@ fi
 if has kernels; then
     timeout 200 python3 -m pagoda.kernels.bench_fp8 --sweep --markdown "$out/fp8_kernels.md" 2>&1 | tail -40
     step "fp8 kernels"
+fi
+if has kernels || has attention; then
     timeout 120 python3 -m pagoda.kernels.bench ${SPLITS_ARGS:---quick --sweep splits} --markdown "$out/attention.md" 2>&1 | tail -40
     step "attention kernels"
 fi
