@@ -25,9 +25,9 @@ so no host code inspects the batch (no `.item()`, CUDA-graph safe):
   mask; only the last few are masked. Programs map to (sequence, query block) by a binary search
   over `query_start_loc // BLOCK_Q + s`, which bounds the grid by `num_tokens // BLOCK_Q + num_seqs`.
 
-An fp8 (e4m3) cache holds K / k_scale and V / v_scale: each tile is widened to q's dtype as it is
-loaded (exactly), k_scale is folded into the score scale and v_scale into the output's normalizer,
-so the loop is the same and reads half the bytes.
+An fp8 (e4m3) cache holds K / k_scale and V / v_scale: each tile is widened as it is loaded
+(exactly) to float16, q and the probabilities with it (`_dot_dtype`); k_scale is folded into the
+score scale and v_scale into the output's normalizer, so the loop is the same and reads half the bytes.
 
 K/V tiles are gathered token by token through the block table (`pos // block_size` picks the
 block, `pos % block_size` the slot), so a tile may span several cache blocks and any block size
@@ -108,6 +108,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,  # q's dtype, or float16 over an fp8 cache (see _dot_dtype)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -126,7 +127,7 @@ def _decode_kernel(
     row_ok = rows < GROUP
     heads = kv_head * GROUP + rows
     q_ptrs = q_ptr + q_start.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)  # [BLOCK_M, HEAD_DIM]
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -232,6 +233,7 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,  # q's dtype, or float16 over an fp8 cache (see _dot_dtype)
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     # Last query blocks first: under the causal mask they see the most keys, so the long programs
@@ -264,7 +266,7 @@ def _prefill_kernel(
     q_ptrs = (
         q_ptr + (q_start + tok).to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
     )
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0).to(DOT_DTYPE)  # [BLOCK_M, HEAD_DIM]
     q_pos = ctx_len - q_len + tok  # position of each row's token in the context
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -344,6 +346,8 @@ class DecodeConfig:
     # from max_seq_len on the host. Inside CUDA graphs max_seq_len is max_model_len, so it ran a
     # batch-1 decode at 1.1k context in one split per kv head (8 programs, ~10 us per layer).
     partition_by: Literal["seq_len", "max_seq_len"] = "seq_len"
+    # Over an fp8 cache: "float16" widens the tiles (and q) to float16 for the dots, "q" to q's dtype.
+    fp8_dot: Literal["float16", "q"] = "float16"
 
     def __post_init__(self) -> None:
         if self.min_partition < 1 or (self.num_splits is not None and self.num_splits < 1):
@@ -385,6 +389,18 @@ def _default_configs(q: torch.Tensor) -> tuple[DecodeConfig, PrefillConfig]:
     if head_dim <= 64:
         return DecodeConfig(), PrefillConfig(block_m=128, tile_n=64, num_warps=4, num_stages=3)
     return DecodeConfig(), PrefillConfig()
+
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def _dot_dtype(q: torch.Tensor, k_cache: torch.Tensor, fp8_dot: str) -> tl.dtype:
+    """The dtype both dot operands are widened to: q's, except over an fp8 cache with 16-bit q, where
+    float16 is: e4m3 -> float16 is one instruction on NVIDIA GPUs (bfloat16 takes a detour through
+    float32), and float16's range (65504) holds attention queries and probabilities."""
+    if k_cache.dtype == FP8_CACHE and q.dtype != torch.float32 and fp8_dot == "float16":
+        return tl.float16
+    return _TL_DTYPES[q.dtype]
 
 
 def _num_sms(device: torch.device) -> int:
@@ -538,6 +554,7 @@ def paged_attention(
         scale_log2, float(v_scale), min_partition, num_splits, *strides, out.stride(0), out.stride(1),
         GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, TILE_N=dcfg.tile_n, DOT_PRECISION=precision,
+        DOT_DTYPE=_dot_dtype(q, k_cache, dcfg.fp8_dot),
         num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:
@@ -555,7 +572,7 @@ def paged_attention(
             num_seqs,
             *strides, out.stride(0), out.stride(1),
             GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-            TILE_N=pcfg.tile_n, DOT_PRECISION=precision,
+            TILE_N=pcfg.tile_n, DOT_PRECISION=precision, DOT_DTYPE=_dot_dtype(q, k_cache, "float16"),
             num_warps=pcfg.num_warps, num_stages=pcfg.num_stages,
         )  # fmt: skip
     return out

@@ -166,9 +166,15 @@ def bench_decode(quick: bool) -> list[Row]:
         rows.append(row)
         # An fp8 cache (--kv-cache-dtype fp8) reads half the bytes; the row's bandwidth counts those.
         fp8 = {k: v.to(torch.float8_e4m3fn) if k in ("k_cache", "v_cache") else v for k, v in b.items()}
-        fp8_us = _time(lambda f=fp8: paged_attention(**f))
         shape = f"batch {batch} x ctx {ctx}"
-        rows.append(Row("paged decode, fp8 cache", shape, fp8_us, io_bytes - kv_bytes // 2))
+        for name, cfg in (
+            ("", None),
+            (", tile 128", DecodeConfig(tile_n=128)),
+            (", tile 32", DecodeConfig(tile_n=32)),
+            (", q-dtype dots", DecodeConfig(fp8_dot="q")),
+        ):
+            fp8_us = _time(lambda f=fp8, c=cfg: paged_attention(**f, decode_config=c))
+            rows.append(Row(f"paged decode, fp8 cache{name}", shape, fp8_us, io_bytes - kv_bytes // 2))
         del fp8
         if batch <= 8:  # what splitting the context buys when batch x kv heads cannot fill 132 SMs
             nosplit = _time(lambda b=b: paged_attention(**b, decode_config=DecodeConfig(num_splits=1)))
