@@ -169,8 +169,8 @@ def bench_decode(quick: bool) -> list[Row]:
         shape = f"batch {batch} x ctx {ctx}"
         for name, cfg in (
             ("", None),
-            (", tile 128", DecodeConfig(tile_n=128)),
-            (", tile 32", DecodeConfig(tile_n=32)),
+            (", tile 64", DecodeConfig(tile_n=64)),
+            (", tile 256", DecodeConfig(tile_n=256, num_warps=8)),
             (", q-dtype dots", DecodeConfig(fp8_dot="q")),
         ):
             fp8_us = _time(lambda f=fp8, c=cfg: paged_attention(**f, decode_config=c))
