@@ -3,7 +3,8 @@
 # paths, decode attention splits), batch-1 decode at 1000/200 and offline 256 x 128/128 in bf16 and
 # fp8 (with the GPU-busy profile of a steady decode step), then `pagoda serve` loaded by `pagoda bench
 # serve` at concurrency 1..256 from several client processes. Sections past SECONDS_BUDGET are skipped.
-# Env: SERVE_PRECISIONS (bf16), SERVE_CONCURRENCY (1 16 64 128 256), API_SERVERS (1), GRID_PRECISIONS and
+# Env: SERVE_PRECISIONS (bf16), SERVE_CONCURRENCY (1 16 64 128 256), API_SERVERS (1), CLIENT_PROCESSES (auto),
+# GRID_PRECISIONS and
 # OFFLINE_VARIANTS (";"-separated extra arguments). Precision names: bf16, fp8 (W8A8 projections), and
 # either with "-kv8" (an fp8 KV cache).
 # `attention` runs the attention microbenchmarks alone. `check` runs the engine's GPU checks (fp32 greedy == transformers, graphs == eager, async == in turn,
@@ -82,7 +83,7 @@ if has serve; then
         for c in ${SERVE_CONCURRENCY:-1 16 64 128 256}; do
             n=$((c < 16 ? 16 : 4 * c))
             timeout 120 python3 -m pagoda.service.bench serve --base-url http://localhost:8000 --model m --vocab-size 128256 \
-                --num-prompts $n --input-len 128 --output-len 128 --max-concurrency $c --client-processes auto \
+                --num-prompts $n --input-len 128 --output-len 128 --max-concurrency $c --client-processes "${CLIENT_PROCESSES:-auto}" \
                 --output "$out/serve_bench.md" 2>&1 | tail -12
             # The core's step-time histogram and GC pauses, cumulative: diff consecutive dumps.
             { echo "## c=$c"; curl -s localhost:8000/metrics | grep -E "^pagoda_engine_(step_duration|gc_)"; } \

@@ -86,16 +86,22 @@ def rms_norm(
     weight: torch.Tensor,  # [hidden]
     eps: float,
     residual: torch.Tensor | None = None,  # [num_tokens, hidden]
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """RMSNorm, with the residual add fused in front; returns `(normed, x + residual)`."""
-    fn = _triton_fn("norm", "rms_norm") if use_triton(x) else reference.rms_norm
-    return fn(x, weight, eps, residual)
+    quantize: bool = False,
+) -> tuple[Any, torch.Tensor | None]:
+    """RMSNorm, with the residual add fused in front; returns `(normed, x + residual)`. With
+    `quantize`, `normed` is `(fp8 codes, float32 scale per row)`: an fp8 projection's input."""
+    if use_triton(x):
+        return _triton_fn("norm", "rms_norm")(x, weight, eps, residual, quantize=quantize)
+    normed, residual = reference.rms_norm(x, weight, eps, residual)
+    return (reference.quantize_fp8_rows(normed) if quantize else normed), residual
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * d] -> [num_tokens, d]
-    """SwiGLU's gate: `silu(x[:, :d]) * x[:, d:]`."""
-    fn = _triton_fn("activation", "silu_and_mul") if use_triton(x) else reference.silu_and_mul
-    return fn(x)
+def silu_and_mul(x: torch.Tensor, quantize: bool = False) -> Any:  # [num_tokens, 2 * d] -> [num_tokens, d]
+    """SwiGLU's gate: `silu(x[:, :d]) * x[:, d:]`; with `quantize`, as (fp8 codes, float32 scale per row)."""
+    if use_triton(x):
+        return _triton_fn("activation", "silu_and_mul")(x, quantize=quantize)
+    out = reference.silu_and_mul(x)
+    return reference.quantize_fp8_rows(out) if quantize else out
 
 
 def rotary_embedding(

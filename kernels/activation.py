@@ -3,6 +3,11 @@
 Programs tile (token, BLOCK columns of d). The gate's `silu(g) = g * sigmoid(g)` is computed in
 float32 and rounded to x's dtype before the product, as PyTorch's two-op reference rounds it, so
 bf16 results match the reference to the last bit in most elements.
+
+`silu_and_mul(x, quantize=True)` instead returns the product as fp8 (e4m3) codes with one scale per
+row, as `quant.quantize_fp8_rows` would make them from the stored product: one program per row, a
+first pass for the row's absolute maximum and a second that recomputes the product (from L2) and
+writes the codes. The input of an fp8 down projection, one launch and one bf16 round trip fewer.
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from pagoda.kernels.quant import FP8_DTYPE, _round_to_e4m3
 
 
 @triton.jit
@@ -32,6 +39,41 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _silu_mul_row(x_row, d, cols, mask):
+    gate = tl.load(x_row + cols, mask=mask, other=0.0)
+    up = tl.load(x_row + d + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    return (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+
+
+@triton.jit
+def _silu_and_mul_quant_kernel(
+    x_ptr,  # [num_tokens, 2 * d]
+    q_ptr,  # [num_tokens, d] float8_e4m3fn
+    scale_ptr,  # [num_tokens] float32
+    d,
+    stride_x,
+    stride_q,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, d, BLOCK):
+        cols = start + offs
+        amax = tl.maximum(amax, tl.abs(_silu_mul_row(x_row, d, cols, cols < d)))
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), 1e-12), 448.0)
+    tl.store(scale_ptr + row, scale)
+    for start in range(0, d, BLOCK):
+        cols = start + offs
+        mask = cols < d
+        y = tl.minimum(tl.maximum(tl.math.div_rn(_silu_mul_row(x_row, d, cols, mask), scale), -448.0), 448.0)
+        tl.store(q_ptr + row * stride_q + cols, _round_to_e4m3(y).to(tl.float8e4nv), mask=mask)
+
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -39,8 +81,10 @@ def silu_and_mul(
     x: torch.Tensor,  # [num_tokens, 2 * d]
     *,
     out: torch.Tensor | None = None,  # [num_tokens, d], written when given
-) -> torch.Tensor:  # [num_tokens, d]
-    """SwiGLU's gate: `silu(x[:, :d]) * x[:, d:]`."""
+    quantize: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, d]
+    """SwiGLU's gate: `silu(x[:, :d]) * x[:, d:]`; with `quantize`, as (fp8 codes [num_tokens, d],
+    float32 scales [num_tokens, 1])."""
     if x.dim() != 2 or x.shape[1] % 2:
         raise ValueError(f"silu_and_mul: want x [num_tokens, 2 * d]; got {tuple(x.shape)}")
     if x.dtype not in _DTYPES:
@@ -48,6 +92,17 @@ def silu_and_mul(
     if x.stride(-1) != 1:
         raise ValueError(f"silu_and_mul: x must be contiguous in its last dim, strides {x.stride()}")
     num_tokens, d = x.shape[0], x.shape[1] // 2
+    if quantize:
+        if out is not None:
+            raise ValueError("silu_and_mul: quantize writes new fp8 codes; out must not be given")
+        q = torch.empty((num_tokens, d), dtype=FP8_DTYPE, device=x.device)
+        scale = torch.empty((num_tokens, 1), dtype=torch.float32, device=x.device)
+        if num_tokens and d:
+            block = min(4096, triton.next_power_of_2(d))
+            _silu_and_mul_quant_kernel[(num_tokens,)](
+                x, q, scale, d, x.stride(0), q.stride(0), BLOCK=block, num_warps=8 if block >= 2048 else 4
+            )
+        return q, scale
     if out is None:
         out = torch.empty((num_tokens, d), dtype=x.dtype, device=x.device)
     elif (

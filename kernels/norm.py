@@ -5,6 +5,10 @@ dtype (as PyTorch does) and stores it as the new residual, then normalizes it in
 `normed = x * rsqrt(mean(x^2) + eps)`, rounds `normed` to x's dtype and multiplies by the weight
 (Hugging Face Llama's order of operations, see `reference.rms_norm`). The whole row lives in
 registers: one read of each input and one write of each output.
+
+With `quantize=True` the normalized row is not stored: the program quantizes it to fp8 (e4m3) with
+one scale for the row, exactly as `quant.quantize_fp8_rows` would from the stored row, and writes the
+codes and the scale: the input of an fp8 projection, one launch (and one bf16 round trip) fewer.
 """
 
 from __future__ import annotations
@@ -13,14 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.quant import FP8_DTYPE, _round_to_e4m3
+
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr,  # [num_tokens, hidden]
     residual_ptr,  # [num_tokens, hidden]; x_ptr when not HAS_RESIDUAL
     weight_ptr,  # [hidden]
-    out_ptr,  # [num_tokens, hidden]
+    out_ptr,  # [num_tokens, hidden]; fp8 codes when QUANT
     residual_out_ptr,  # [num_tokens, hidden]; x_ptr when not HAS_RESIDUAL
+    scale_ptr,  # [num_tokens] float32 when QUANT
     hidden,
     eps,
     stride_x,
@@ -29,6 +36,8 @@ def _rms_norm_kernel(
     stride_ro,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    QUANT: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,  # the normalized row's dtype (rounded to it before quantizing)
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -42,10 +51,17 @@ def _rms_norm_kernel(
     inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / hidden + eps)
     normed = (xf * inv_rms).to(x.dtype).to(tl.float32)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    y = (w * normed).to(OUT_DTYPE)
+    if QUANT:
+        yf = y.to(tl.float32)
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(yf), 0), 1e-12), 448.0)
+        tl.store(scale_ptr + row, scale)
+        y = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(yf, scale), -448.0), 448.0))
+    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _MAX_HIDDEN = 65536  # one row in registers: 64k float32 over 16 warps is 128 per thread
 
 
@@ -57,11 +73,14 @@ def rms_norm(
     *,
     out: torch.Tensor | None = None,  # [num_tokens, hidden], written when given
     residual_out: torch.Tensor | None = None,  # [num_tokens, hidden], written when given with residual
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    quantize: bool = False,
+) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
     """RMSNorm, with the residual add fused in front when `residual` is given.
 
     Returns `(normed, x + residual)`, by default as new tensors (inputs are not modified); `normed`
     has the dtype PyTorch gives `weight * x`. `out` and `residual_out` may alias `x` and `residual`.
+    With `quantize`, `normed` is `(fp8 codes [num_tokens, hidden], float32 scales [num_tokens, 1])`
+    (then `out` must not be given).
     """
     if x.dim() != 2 or weight.shape != (x.shape[1],):
         raise ValueError(
@@ -86,28 +105,36 @@ def rms_norm(
     if hidden > _MAX_HIDDEN:
         raise ValueError(f"rms_norm: hidden {hidden} > {_MAX_HIDDEN}")
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    if quantize and out is not None:
+        raise ValueError("rms_norm: quantize writes new fp8 codes; out must not be given")
+    scale = torch.empty((num_tokens, 1), dtype=torch.float32, device=x.device) if quantize else None
     if out is None:
-        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+        out = torch.empty(x.shape, dtype=FP8_DTYPE if quantize else out_dtype, device=x.device)
     if residual is None:
         residual_out = None
     elif residual_out is None:
         residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    for name, t, dtype in (("out", out, out_dtype), ("residual_out", residual_out, x.dtype)):
+    for name, t, dtype in (
+        ("out", out, out.dtype if quantize else out_dtype),
+        ("residual_out", residual_out, x.dtype),
+    ):
         if t is not None and (
             t.shape != x.shape or t.dtype != dtype or t.device != x.device or t.stride(-1) != 1
         ):
             raise ValueError(
                 f"rms_norm: {name} must be {dtype} {tuple(x.shape)} on {x.device}, contiguous rows"
             )
+    normed = (out, scale) if scale is not None else out
     if num_tokens == 0:
-        return out, residual_out
+        return normed, residual_out
     block = triton.next_power_of_2(hidden)
     # Without a residual, x stands in for the unused pointers.
     res_in = x if residual is None else residual
     res_out = x if residual_out is None else residual_out
     _rms_norm_kernel[(num_tokens,)](
-        x, res_in, weight, out, res_out, hidden, eps,
+        x, res_in, weight, out, res_out, x if scale is None else scale, hidden, eps,
         x.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0),
-        BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=min(16, max(1, block // 512)),
+        BLOCK=block, HAS_RESIDUAL=residual is not None, QUANT=quantize, OUT_DTYPE=_TL_DTYPES[out_dtype],
+        num_warps=min(16, max(1, block // 512)),
     )  # fmt: skip
-    return out, residual_out
+    return normed, residual_out

@@ -31,7 +31,7 @@ import torch
 
 from pagoda.service.gpu_check import release_llm
 from pagoda.service.llm import LLM
-from pagoda.service.model.fp8 import TARGETS, Fp8Linear
+from pagoda.service.model.fp8 import TARGETS, Fp8Linear, fuse_input_quantization
 from pagoda.service.sampling_params import SamplingParams
 
 QUESTIONS = (
@@ -115,6 +115,7 @@ def apply_scheme(model: Any, originals: dict[tuple[int, str], Any], scheme: Sche
             else:
                 bias = None if linear.bias is None else linear.bias.data
                 setattr(parent, name, Fp8Linear(linear.weight.data, bias, skinny_max_m=scheme.skinny_max_m))
+        fuse_input_quantization(layer)
 
 
 def _engine(dtype: str, device: str, kv_cache_dtype: str = "auto") -> LLM:

@@ -12,7 +12,13 @@ from pagoda.kernels import reference
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.llm_engine import LLMEngine
 from pagoda.service.model import load_model
-from pagoda.service.model.fp8 import FP8_DTYPE, Fp8Linear, quantize_model_fp8, quantize_rows
+from pagoda.service.model.fp8 import (
+    FP8_DTYPE,
+    Fp8Linear,
+    fuse_input_quantization,
+    quantize_model_fp8,
+    quantize_rows,
+)
 from pagoda.service.sampling_params import SamplingParams
 
 
@@ -67,6 +73,26 @@ def test_quantized_model_logits_stay_close(llama_ckpt: Path, paged_runner: type)
     cosine = torch.nn.functional.cosine_similarity(a, b, dim=-1)
     assert cosine.mean() > 0.99 and cosine.min() > 0.97
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.75  # a wrong scale gives ~0
+
+
+def test_fused_input_quantization_changes_no_logit(llama_ckpt: Path, paged_runner: type) -> None:
+    """The norms and the SiLU hand the fp8 projections quantized rows: the same numbers as each
+    projection quantizing its own input, to the bit (wiring; the kernels are in tests/kernels)."""
+    model, _ = load_model(llama_ckpt, dtype=torch.float32)
+    quantize_model_fp8(model, torch.device("cpu"))
+    layer = model.model.layers[0]
+    assert layer.input_layernorm.quantize and layer.post_attention_layernorm.quantize
+    assert layer.mlp.quantize_act
+    prompt = list(range(100, 130))
+    fused = paged_runner(model).step({0: prompt})[0]
+    for layer in model.model.layers:
+        layer.input_layernorm.quantize = layer.post_attention_layernorm.quantize = False
+        layer.mlp.quantize_act = False
+    assert torch.equal(fused, paged_runner(model).step({0: prompt})[0])
+    for layer in model.model.layers:  # a W8A16 projection takes unquantized rows: nothing fuses
+        layer.mlp.down_proj.skinny_max_m = 1 << 30
+        fuse_input_quantization(layer)
+        assert not layer.mlp.quantize_act and layer.input_layernorm.quantize
 
 
 def test_engine_serves_fp8(llama_ckpt: Path) -> None:

@@ -46,6 +46,10 @@ UNIT_SCALE_MAX_M = 128
 TARGETS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
+# Activations already quantized by the op before the projection: (fp8 codes [M, in], float32 [M, 1]).
+QuantizedRows = tuple[torch.Tensor, torch.Tensor]
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`x` [M, K] -> (fp8 [M, K], float32 scale [M, 1]) with `x ~= q * scale` row by row."""
     return reference.quantize_fp8_rows(x)
@@ -79,14 +83,24 @@ class Fp8Linear(nn.Module):
         self.unit_scale: torch.Tensor
         self.register_buffer("unit_scale", torch.ones((), dtype=torch.float32, device=weight.device))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        rows = x.reshape(-1, x.shape[-1]).contiguous()  # a no-op for the model's activations
-        out = self._w8a16(rows) if rows.shape[0] <= self.skinny_max_m else self._w8a8(rows)
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:  # [M, in] or [..., in] -> [..., out]
+        """`x`: activations in the model dtype, or already quantized rows (`fuses_input_quantization`)."""
+        if isinstance(x, tuple):
+            out, lead = self._w8a8_quantized(*x), x[0].shape[:-1]
+        else:
+            rows, lead = x.reshape(-1, x.shape[-1]).contiguous(), x.shape[:-1]  # a no-op for the model's
+            out = self._w8a16(rows) if rows.shape[0] <= self.skinny_max_m else self._w8a8(rows)
         if self.reduce is not None:
             out = self.reduce.all_reduce(out)
         if self.bias is not None:
             out = out + self.bias
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return out.view(*lead, out.shape[-1])
+
+    @property
+    def fuses_input_quantization(self) -> bool:
+        """Whether this layer takes its input as `QuantizedRows` from the op before it (the norm, the
+        activation), which quantizes in the same launch: always W8A8, never the skinny W8A16."""
+        return self.skinny_max_m == 0
 
     def _w8a16(self, rows: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
         if not self.use_kernels:
@@ -97,13 +111,18 @@ class Fp8Linear(nn.Module):
 
     def _w8a8(self, rows: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
         if not self.use_kernels:
-            xq, x_scale = reference.quantize_fp8_rows(rows)
+            return self._w8a8_quantized(*reference.quantize_fp8_rows(rows))
+        from pagoda.kernels.quant import quantize_fp8_rows
+
+        return self._w8a8_quantized(*quantize_fp8_rows(rows))
+
+    def _w8a8_quantized(self, xq: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:  # [M, out]
+        if not self.use_kernels:
             w = self.weight.float() * self.weight_scale.view(-1, 1)
             return ((xq.float() * x_scale) @ w.t()).to(self.out_dtype)
-        from pagoda.kernels.quant import quantize_fp8_rows, scale_product
+        from pagoda.kernels.quant import scale_product
 
-        xq, x_scale = quantize_fp8_rows(rows)
-        if rows.shape[0] <= UNIT_SCALE_MAX_M:
+        if xq.shape[0] <= UNIT_SCALE_MAX_M:
             one = self.unit_scale
             acc = torch._scaled_mm(xq, self.weight.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
             return scale_product(acc, x_scale, self.weight_scale, self.out_dtype)
@@ -125,5 +144,20 @@ def quantize_model_fp8(model: nn.Module, device: torch.device) -> int:
             reduce = linear.tp if isinstance(linear, RowParallelLinear) and linear.tp.size > 1 else None
             setattr(parent, name, Fp8Linear(linear.weight.data.to(device), bias, reduce))
             count += 1
+        fuse_input_quantization(layer)
     model.to(device)
     return count
+
+
+def fuse_input_quantization(layer: nn.Module) -> None:
+    """Let the ops in front of a decoder layer's fp8 projections hand them quantized rows: the two
+    norms (before qkv_proj and gate_up_proj) and the SiLU-and-mul (before down_proj). o_proj quantizes
+    its own input, the attention output. Undone where a projection is not an `Fp8Linear` that takes them."""
+    attn, mlp = layer.self_attn, layer.mlp  # type: ignore[union-attr]
+
+    def takes(linear: nn.Module) -> bool:
+        return isinstance(linear, Fp8Linear) and linear.fuses_input_quantization
+
+    layer.input_layernorm.quantize = takes(attn.qkv_proj)  # type: ignore[union-attr]
+    layer.post_attention_layernorm.quantize = takes(mlp.gate_up_proj)  # type: ignore[union-attr]
+    mlp.quantize_act = takes(mlp.down_proj)

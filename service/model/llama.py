@@ -10,6 +10,7 @@ Under tensor parallelism (`tp`) each rank holds its heads and slices (see `paral
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -67,11 +68,12 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
+        self.quantize = False  # hand the next layer fp8 rows (fp8.fuse_input_quantization)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return kernels.rms_norm(x, self.weight, self.eps, residual)
+    ) -> tuple[Any, torch.Tensor | None]:  # (normed, or its fp8 rows; x + residual)
+        return kernels.rms_norm(x, self.weight, self.eps, residual, quantize=self.quantize)
 
 
 class LlamaAttention(nn.Module):
@@ -93,7 +95,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,  # [num_tokens]
-        hidden: torch.Tensor,  # [num_tokens, hidden]
+        hidden: Any,  # [num_tokens, hidden], or its fp8 rows (fp8.QuantizedRows)
         meta: AttentionMetadata,
         cos_sin_cache: torch.Tensor,  # [max_position, head_dim]
     ) -> torch.Tensor:
@@ -114,9 +116,10 @@ class LlamaMLP(nn.Module):
         part = Shard(0, tp.rank * local, local)
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [part, part], bias=False)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, False, tp)
+        self.quantize_act = False  # hand down_proj fp8 rows (fp8.fuse_input_quantization)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: Any) -> torch.Tensor:
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x), quantize=self.quantize_act))
 
 
 class LlamaDecoderLayer(nn.Module):

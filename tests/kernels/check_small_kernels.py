@@ -24,6 +24,7 @@ import pagoda.kernels as kernels  # noqa: E402
 from pagoda.kernels.activation import silu_and_mul  # noqa: E402
 from pagoda.kernels.kv_cache import write_kv  # noqa: E402
 from pagoda.kernels.norm import rms_norm  # noqa: E402
+from pagoda.kernels.quant import quantize_fp8_rows  # noqa: E402
 from pagoda.kernels.rotary import rotary_embedding  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -142,6 +143,31 @@ def test_rms_norm(dtype: torch.dtype, hidden: int, with_residual: bool) -> None:
         assert got_res is None
 
 
+def _codes_match(got: tuple, expected: tuple) -> None:
+    assert got[0].dtype == torch.float8_e4m3fn and got[1].shape == (got[0].shape[0], 1)
+    torch.testing.assert_close(got[1], expected[1], atol=0, rtol=0)
+    assert torch.equal(got[0].view(torch.uint8), expected[0].view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_quantized(dtype: torch.dtype, with_residual: bool) -> None:
+    """The fused norm's fp8 rows are the unfused pipeline's to the bit: the norm's stored output
+    quantized by `quantize_fp8_rows` (and close to the reference's)."""
+    x = randn(9, 320, dtype=dtype) * 2
+    weight = (1 + 0.1 * randn(320)).to(dtype)
+    residual = randn(9, 320, dtype=dtype) if with_residual else None
+    got, got_res = rms_norm(x, weight, 1e-6, residual, quantize=True)
+    normed, res = rms_norm(x, weight, 1e-6, residual)
+    _codes_match(got, quantize_fp8_rows(normed))
+    if with_residual:
+        assert torch.equal(got_res, res)
+    ref_q, ref_scale = reference.quantize_fp8_rows(reference.rms_norm(x, weight, 1e-6, residual)[0])
+    torch.testing.assert_close(got[0].float() * got[1], ref_q.float() * ref_scale, rtol=0.07, atol=1e-3)
+    with pytest.raises(ValueError, match="out must not"):
+        rms_norm(x, weight, 1e-6, out=torch.empty_like(x), quantize=True)
+
+
 def test_rms_norm_float32_weight_and_strided_rows() -> None:
     x = randn(5, 256, dtype=torch.float16)[:, :128]
     weight = randn(128)
@@ -169,6 +195,15 @@ def test_silu_and_mul(dtype: torch.dtype, d: int) -> None:
     got = silu_and_mul(x, out=out)
     tol = TOL[dtype]
     torch.testing.assert_close(got, reference.silu_and_mul(x), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", [64, 1500, 5000])
+def test_silu_and_mul_quantized(dtype: torch.dtype, d: int) -> None:
+    """Rows wider than one chunk (5000 > 4096) too: the amax pass and the store pass both loop."""
+    x = randn(5, 2 * d, dtype=dtype) * 3
+    x[1, 7] = 40.0  # one large gate: the row's scale follows it
+    _codes_match(silu_and_mul(x, quantize=True), quantize_fp8_rows(silu_and_mul(x)))
 
 
 def test_silu_and_mul_refuses_odd_width() -> None:
