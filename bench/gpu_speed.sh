@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Issue 11's speed figures on one CUDA GPU, in one call: the kernel microbenchmarks (fp8 projection
-# paths, decode attention splits), batch-1 decode at 1000/200 and offline 256 x 128/128 in bf16 and
-# fp8 (with the GPU-busy profile of a steady decode step), then `pagoda serve` loaded by `pagoda bench
-# serve` at concurrency 1..256 from several client processes. Sections past SECONDS_BUDGET are skipped.
-# Env: SERVE_PRECISIONS (bf16), SERVE_CONCURRENCY (1 16 64 128 256), API_SERVERS (1), CLIENT_PROCESSES (auto),
-# GRID_PRECISIONS and
-# OFFLINE_VARIANTS (";"-separated extra arguments). Precision names: bf16, fp8 (W8A8 projections), and
-# either with "-kv8" (an fp8 KV cache).
-# `attention` runs the attention microbenchmarks alone. `check` runs the engine's GPU checks (fp32 greedy == transformers, graphs == eager, async == in turn,
-# bf16/fp8 teacher-forced, the fp8 layer paths); `grid` the offline grid of issue 11.
+# paths, decode attention), batch-1 decode at 1000/200 and offline 256 x 128/128 (with the GPU-busy
+# profile of a steady decode step), the offline grid, then `pagoda serve` loaded by `pagoda bench serve`
+# at concurrency 1..256 from several client processes.
+# Sections: check (the engine's GPU checks: fp32 greedy == transformers, graphs == eager, async == in
+# turn, bf16/fp8 teacher-forced, the fp8 layer paths), kernels (fp8 GEMM paths and attention),
+# attention (attention alone), bs1, offline, grid, serve.
+# Precision names: bf16, fp8 (W8A8 projections), either with "-kv8" (an fp8 KV cache).
+# Env: BS1_PRECISIONS (bf16 fp8), OFFLINE_VARIANTS (";"-separated extra arguments), GRID_PRECISIONS
+# (fp8-kv8 bf16), SERVE_PRECISIONS (bf16), SERVE_CONCURRENCY (1 16 64 128 256), API_SERVERS (1),
+# CLIENT_PROCESSES (auto).
 # Usage: bash bench/gpu_speed.sh TOKENIZER_DIR OUT_DIR [SECTIONS] (default: "kernels bs1 offline serve")
 set -uo pipefail
 tok=${1:?tokenizer folder}; out=${2:?output folder}; sections=${3:-kernels bs1 offline serve}
@@ -41,10 +42,11 @@ if has kernels || has attention; then
     step "attention kernels"
 fi
 if has bs1; then
-    for q in "" "--quantization fp8"; do
-        python3 -m pagoda.service.bench offline "${model[@]}" $q --num-prompts 1 --input-len 1000 --output-len 200 \
+    for q in ${BS1_PRECISIONS:-bf16 fp8}; do
+        read -ra extra <<< "$(precision_args "$q")"
+        python3 -m pagoda.service.bench offline "${model[@]}" "${extra[@]}" --num-prompts 1 --input-len 1000 --output-len 200 \
             --busy-steps 50 --busy-top 14 --output "$out/bench.md" 2>&1 | grep -v Loading | tail -24
-        step "bs1 ${q:-bf16}"
+        step "bs1 $q"
     done
 fi
 if has offline; then
