@@ -5,7 +5,7 @@
 # at concurrency 1..256 from several client processes.
 # Sections: check (the engine's GPU checks: fp32 greedy == transformers, graphs == eager, async == in
 # turn, bf16/fp8 teacher-forced, the fp8 layer paths), kernels (fp8 GEMM paths and attention),
-# attention (attention alone), bs1, offline, grid, serve.
+# attention (attention alone), kchecks (tests/kernels on the GPU; KCHECKS_ARGS), bs1, offline, grid, serve.
 # Precision names: bf16, fp8 (W8A8 projections), either with "-kv8" (an fp8 KV cache).
 # Env: BS1_PRECISIONS (bf16 fp8), OFFLINE_VARIANTS (";"-separated extra arguments), GRID_PRECISIONS
 # (fp8-kv8 bf16), SERVE_PRECISIONS (bf16), SERVE_CONCURRENCY (1 16 64 128 256), API_SERVERS (1),
@@ -32,6 +32,10 @@ if has check; then
     timeout "${CHECK_TIMEOUT:-240}" python3 -m pagoda.service.gpu_check --tokenizer "$tok" --only llama-gqa4-d64-llama3rope \
         2>&1 | tee "$out/engine_check.log" | grep -v Loading | tail -14
     step check
+fi
+if has kchecks; then  # the Triton kernels against their references, on the GPU (tests/kernels)
+    timeout 300 python3 -m pytest -q -p no:cacheprovider "$root"/tests/kernels/check_*.py ${KCHECKS_ARGS:-} 2>&1 | tail -8
+    step "kernel checks"
 fi
 if has kernels; then
     timeout 200 python3 -m pagoda.kernels.bench_fp8 --sweep --markdown "$out/fp8_kernels.md" 2>&1 | tail -40
