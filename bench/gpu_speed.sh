@@ -5,7 +5,7 @@
 # at concurrency 1..256 from several client processes.
 # Sections: check (the engine's GPU checks: fp32 greedy == transformers, graphs == eager, async == in
 # turn, bf16/fp8 teacher-forced, the fp8 layer paths), kernels (fp8 GEMM paths and attention),
-# attention (attention alone), kchecks (tests/kernels on the GPU; KCHECKS_ARGS), bs1, offline, grid, serve.
+# attention (attention alone), kchecks (tests/kernels on the GPU; KCHECKS_K: a -k expression), bs1, offline, grid, serve.
 # Precision names: bf16, fp8 (W8A8 projections), either with "-kv8" (an fp8 KV cache).
 # Env: BS1_PRECISIONS (bf16 fp8), OFFLINE_VARIANTS (";"-separated extra arguments), GRID_PRECISIONS
 # (fp8-kv8 bf16), SERVE_PRECISIONS (bf16), SERVE_CONCURRENCY (1 16 64 128 256), API_SERVERS (1),
@@ -34,7 +34,7 @@ if has check; then
     step check
 fi
 if has kchecks; then  # the Triton kernels against their references, on the GPU (tests/kernels)
-    timeout 300 python3 -m pytest -q -p no:cacheprovider "$root"/tests/kernels/check_*.py ${KCHECKS_ARGS:-} 2>&1 | tail -8
+    timeout 300 python3 -m pytest -q -p no:cacheprovider "$root"/tests/kernels/check_*.py ${KCHECKS_K:+-k "$KCHECKS_K"} 2>&1 | tail -8
     step "kernel checks"
 fi
 if has kernels; then
