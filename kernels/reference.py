@@ -35,8 +35,8 @@ def write_kv(
     slots = slot_mapping[valid]
     for x, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
         x = x[valid]
-        if cache.dtype == torch.float8_e4m3fn:
-            x = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX)
+        if cache.dtype == torch.float8_e4m3fn:  # (a tensor divisor: see quantize_fp8_rows)
+            x = (x.float() / _tensor(scale, x)).clamp(-FP8_MAX, FP8_MAX)
         cache.view(-1, *cache.shape[2:])[slots] = x.to(cache.dtype)
 
 
@@ -163,11 +163,17 @@ def rotary_embedding(
 FP8_MAX = 448.0  # e4m3's largest finite value
 
 
+def _tensor(value: float, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float32, device=like.device)
+
+
 def quantize_fp8_rows(
     x: torch.Tensor,  # [M, K]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (float8_e4m3fn [M, K], float32 [M, 1])
     """Per-row fp8 (e4m3): `x ~= q * scale` with `scale = max(amax(|x|), 1e-12) / 448`."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
+    # A tensor divisor: PyTorch on CUDA turns `/ number` into a multiplication by its reciprocal,
+    # which is not the correctly rounded quotient the kernels compute.
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / _tensor(FP8_MAX, x)
     q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
 

@@ -152,18 +152,27 @@ def _codes_match(got: tuple, expected: tuple) -> None:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_quantized(dtype: torch.dtype, with_residual: bool) -> None:
-    """The fused norm's fp8 rows are the unfused pipeline's to the bit: the norm's stored output
-    quantized by `quantize_fp8_rows` (and close to the reference's)."""
+    """The fused norm's fp8 rows are the unfused pipeline's (the norm's stored output quantized by
+    `quantize_fp8_rows`), to the bit in the interpreter, and close to the reference's."""
     x = randn(9, 320, dtype=dtype) * 2
     weight = (1 + 0.1 * randn(320)).to(dtype)
     residual = randn(9, 320, dtype=dtype) if with_residual else None
     got, got_res = rms_norm(x, weight, 1e-6, residual, quantize=True)
     normed, res = rms_norm(x, weight, 1e-6, residual)
-    _codes_match(got, quantize_fp8_rows(normed))
+    unfused = quantize_fp8_rows(normed)
+    if INTERPRET:
+        _codes_match(got, unfused)
+    else:  # compiled, the two kernels may sum a row's squares in different orders: 1 ulp of inv_rms
+        torch.testing.assert_close(got[1], unfused[1], rtol=1e-6, atol=0)
+        dequant = got[0].float() * got[1]
+        torch.testing.assert_close(
+            dequant, unfused[0].float() * unfused[1], rtol=0.13, atol=2 * 2**-9 * got[1].max()
+        )
     if with_residual:
         assert torch.equal(got_res, res)
+    # One e4m3 step (12.5% near a power of two) from the reference's codes at most.
     ref_q, ref_scale = reference.quantize_fp8_rows(reference.rms_norm(x, weight, 1e-6, residual)[0])
-    torch.testing.assert_close(got[0].float() * got[1], ref_q.float() * ref_scale, rtol=0.07, atol=1e-3)
+    torch.testing.assert_close(got[0].float() * got[1], ref_q.float() * ref_scale, rtol=0.13, atol=1e-3)
     with pytest.raises(ValueError, match="out must not"):
         rms_norm(x, weight, 1e-6, out=torch.empty_like(x), quantize=True)
 
