@@ -38,6 +38,7 @@ ERROR_KINDS = ("invalid_request", "not_found", "queue_full", "unavailable", "int
 
 # Seconds. TTFT spans a cached-prefix hit on a GPU (~10 ms) to a long prefill on the CPU (~minutes).
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0, 300.0)
+OUTPUT_STAGES = ("core_to_api", "api_process", "stream_wait")  # see AsyncEngine.observe_delay
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -228,6 +229,19 @@ class ServerMetrics:
         self.request_queue_time = histogram(
             "pagoda_request_queue_time_seconds", "From arrival to the first time the request was scheduled."
         )
+
+        self.output_delay = Histogram(
+            "pagoda_output_delay_seconds",
+            "Where generated tokens wait between the engine core and the request's handler, by stage.",
+            ["stage"],
+            buckets=_ITL_BUCKETS,
+            registry=self._request_registry,
+        )
+        for stage in OUTPUT_STAGES:
+            self.output_delay.labels(stage)
+
+    def observe_output_delay(self, stage: str, seconds: float) -> None:
+        self.output_delay.labels(stage).observe(max(seconds, 0.0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

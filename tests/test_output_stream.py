@@ -53,3 +53,21 @@ def test_an_error_ends_the_stream_whatever_comes_after() -> None:
 
     with pytest.raises(RuntimeError, match="engine failed"):
         raise asyncio.run(scenario())  # type: ignore[misc]
+
+
+def test_waited_is_from_the_oldest_pending_output() -> None:
+    """A merged item waited since the first of its parts arrived, not the last."""
+
+    async def scenario() -> tuple[float, float]:
+        stream = OutputStream()
+        stream.put_nowait(step([1], [1]))
+        await asyncio.sleep(0.05)
+        stream.put_nowait(step([1, 2], [2]))
+        await stream.get()
+        first = stream.waited
+        stream.put_nowait(step([1, 2, 3], [3]))
+        await stream.get()
+        return first, stream.waited
+
+    merged, prompt = asyncio.run(scenario())
+    assert merged >= 0.05 and prompt < 0.05

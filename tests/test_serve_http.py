@@ -397,6 +397,9 @@ def test_metrics_exports_every_documented_name_and_values_move(server: ServeProc
         'pagoda_requests_finished_total{finish_reason="length"}',
         'pagoda_request_errors_total{error="not_found"}',
         "pagoda_prefix_cache_queries_total",
+        'pagoda_output_delay_seconds_count{stage="core_to_api"}',
+        'pagoda_output_delay_seconds_count{stage="api_process"}',
+        'pagoda_output_delay_seconds_count{stage="stream_wait"}',
         'pagoda_engine_step_duration_seconds_count{kind="decode"}',
         'pagoda_engine_step_duration_seconds_count{kind="mixed"}',
     ]

@@ -111,6 +111,7 @@ class EngineClient:
         UNHEALTHY (and raise) on failure."""
         try:
             engine = await asyncio.to_thread(self._engine_factory, self.config)
+            engine.observe_delay = self.metrics.observe_output_delay
             self._engine = engine
             await engine.start()
             if also is not None:

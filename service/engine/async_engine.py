@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -104,6 +104,10 @@ class AsyncEngine:
         self.link = link or CoreLink(tempfile.mkdtemp(prefix="pagoda-engine-"))
         self._id_prefix = "" if self.link.num_api_servers == 1 else core_request_id(self.link.api_index, "")
         self._stopping = False
+        # Called with (stage, seconds) along the output path: "core_to_api" (the core's send to this
+        # process's receive), "api_process" (detokenizing one step's outputs and handing them out),
+        # "stream_wait" (an output waiting for its request's handler to take it). Set by the server.
+        self.observe_delay: Callable[[str, float], None] | None = None
         self._context = zmq.asyncio.Context()
         self._sync_context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._inputs: zmq.Socket[bytes] = self._sync_context.socket(zmq.PUSH)
@@ -249,6 +253,8 @@ class AsyncEngine:
         try:
             while True:
                 item = await stream.get()
+                if self.observe_delay is not None:
+                    self.observe_delay("stream_wait", stream.waited)
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -286,8 +292,9 @@ class AsyncEngine:
                 return
             if isinstance(message, CoreReady):
                 continue
+            received = time.monotonic()
             self._stats = message.stats
-            outputs, stops = processor.process(message.outputs, message.prompt_logprobs, time.monotonic())
+            outputs, stops = processor.process(message.outputs, message.prompt_logprobs, received)
             for request_id, index in stops:
                 self._send(Abort([self._id_prefix + request_id], index))
             for failure in message.failures:
@@ -299,6 +306,9 @@ class AsyncEngine:
                 stream = self._streams.get(output.request_id)
                 if stream is not None:
                     stream.put_nowait(output)
+            if self.observe_delay is not None and message.outputs:
+                self.observe_delay("core_to_api", received - message.sent_at)
+                self.observe_delay("api_process", time.monotonic() - received)
 
     def _on_exit(self) -> None:
         self._exited.set()

@@ -17,6 +17,7 @@ import argparse
 import logging
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable
 
@@ -104,10 +105,11 @@ def send_outputs(
 ) -> None:
     """One step's outputs to the API processes: all of them to the only one, or else each process its
     own requests' (ids back to the process's own) and the stats to every process, which serve /metrics."""
+    now = time.monotonic()
     if len(outputs) == 1:
-        outputs[0].send(encode(CoreOutputs(tokens, prompt_logprobs, stats, failures)))
+        outputs[0].send(encode(CoreOutputs(tokens, prompt_logprobs, stats, failures, now)))
         return
-    routed = [CoreOutputs([], [], stats, []) for _ in outputs]
+    routed = [CoreOutputs([], [], stats, [], now) for _ in outputs]
     for token in tokens:
         api_index, token.request_id = split_core_request_id(token.request_id)
         routed[api_index].outputs.append(token)

@@ -113,6 +113,9 @@ class CoreOutputs(msgspec.Struct, tag=True):
     prompt_logprobs: list[PromptLogprobs]
     stats: EngineStats
     failures: list[RequestFailure] = []
+    # time.monotonic() in the core as it sent this (CLOCK_MONOTONIC: one clock for every process of a
+    # host), so an API process can time the hop (`pagoda_output_delay_seconds{stage="core_to_api"}`).
+    sent_at: float = 0.0
 
 
 class CoreReady(msgspec.Struct, tag=True):

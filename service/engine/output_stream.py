@@ -10,6 +10,7 @@ replaces whatever was pending: the stream ends with it.
 from __future__ import annotations
 
 import asyncio
+import time
 
 from pagoda.service.outputs import CompletionOutput, RequestOutput
 
@@ -18,6 +19,8 @@ class OutputStream:
     def __init__(self) -> None:
         self._pending: RequestOutput | BaseException | None = None
         self._ready = asyncio.Event()
+        self._pending_since = 0.0
+        self.waited = 0.0  # how long the item `get` returned last waited for its handler, in seconds
 
     def put_nowait(self, item: RequestOutput | BaseException) -> None:
         pending = self._pending
@@ -25,6 +28,8 @@ class OutputStream:
             item = merge(pending, item)
         elif isinstance(pending, BaseException):
             return  # the stream already ended with an error
+        elif pending is None:
+            self._pending_since = time.monotonic()
         self._pending = item
         self._ready.set()
 
@@ -33,6 +38,7 @@ class OutputStream:
         self._ready.clear()
         item, self._pending = self._pending, None
         assert item is not None
+        self.waited = time.monotonic() - self._pending_since
         return item
 
 
