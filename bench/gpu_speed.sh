@@ -92,7 +92,7 @@ if has serve; then
                 --num-prompts $n --input-len 128 --output-len 128 --max-concurrency $c --client-processes "${CLIENT_PROCESSES:-auto}" \
                 --output "$out/serve_bench.md" 2>&1 | tail -12
             # The core's step-time histogram and GC pauses, cumulative: diff consecutive dumps.
-            { echo "## c=$c"; curl -s localhost:8000/metrics | grep -E "^pagoda_engine_(step_duration|gc_)"; } \
+            { echo "## c=$c"; curl -s localhost:8000/metrics | grep -E "^pagoda_(engine_(step_duration|gc_)|output_delay)"; } \
                 >> "$out/serve_metrics_$q.txt"
         done
         grep -i "captured\|error\|Traceback" "$out/serve_$q.log" | head -5
