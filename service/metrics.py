@@ -237,11 +237,11 @@ class ServerMetrics:
             buckets=_ITL_BUCKETS,
             registry=self._request_registry,
         )
-        for stage in OUTPUT_STAGES:
-            self.output_delay.labels(stage)
+        # The children, looked up once: this is observed per step and per chunk sent.
+        self._output_delay = {stage: self.output_delay.labels(stage) for stage in OUTPUT_STAGES}
 
     def observe_output_delay(self, stage: str, seconds: float) -> None:
-        self.output_delay.labels(stage).observe(max(seconds, 0.0))
+        self._output_delay[stage].observe(max(seconds, 0.0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
