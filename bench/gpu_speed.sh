@@ -9,7 +9,8 @@
 # Precision names: bf16, fp8 (W8A8 projections), either with "-kv8" (an fp8 KV cache).
 # Env: BS1_PRECISIONS (bf16 fp8), OFFLINE_VARIANTS (";"-separated extra arguments), GRID_PRECISIONS
 # (fp8-kv8 bf16), SERVE_PRECISIONS (bf16), SERVE_CONCURRENCY (1 16 64 128 256), API_SERVERS (1),
-# CLIENT_PROCESSES (auto).
+# CLIENT_PROCESSES (auto). With a py-spy wheel in the carried wheels, c >= 256 also profiles the API
+# process for 6 s (pyspy_api_*.raw).
 # Usage: bash bench/gpu_speed.sh TOKENIZER_DIR OUT_DIR [SECTIONS] (default: "kernels bs1 offline serve")
 set -uo pipefail
 tok=${1:?tokenizer folder}; out=${2:?output folder}; sections=${3:-kernels bs1 offline serve}
@@ -88,6 +89,9 @@ if has serve; then
         step "serve $q ready"
         for c in ${SERVE_CONCURRENCY:-1 16 64 128 256}; do
             n=$((c < 16 ? 16 : 4 * c))
+            if [ "$c" -ge 256 ] && [ -x /tmp/site/bin/py-spy ]; then  # where the API process spends a loaded second
+                (sleep 4; /tmp/site/bin/py-spy record -p $pid -d 6 -r 100 -f raw -o "$out/pyspy_api_$q.raw" > /dev/null 2>&1) &
+            fi
             timeout 120 python3 -m pagoda.service.bench serve --base-url http://localhost:8000 --model m --vocab-size 128256 \
                 --num-prompts $n --input-len 128 --output-len 128 --max-concurrency $c --client-processes "${CLIENT_PROCESSES:-auto}" \
                 --output "$out/serve_bench.md" 2>&1 | tail -12
