@@ -1,7 +1,8 @@
 # Sourced by the bench/gpu_*.sh scripts on the GPU machine, which has torch/triton/transformers but
 # neither this package nor some of its dependencies: installs the wheels carried in .whl (msgspec,
 # pyzmq, FastAPI, uvicorn, pydantic, newer grpc/protobuf; see /work/.library/device/README.md) and
-# puts a `pagoda` package shim on PYTHONPATH. Sets `root` to the repository.
+# puts a `pagoda` package shim on PYTHONPATH. Sets `root` to the repository. `bash bench/device_wheels.sh`
+# fills .whl.
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # PAGODA_WHL_DIR: the wheels' folder when this tree is a copy without them (default: the repo's .whl).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${PAGODA_WHL_DIR:-$root/.whl}"/*.whl || exit 1
