@@ -190,6 +190,17 @@ INVALID = [
     # argparse takes unique prefixes, and the last value wins: an abbreviation would override too.
     ({"engine": {"extraArgs": ["--seed", "1", "--tensor", "4"]}}, "engine.extraArgs cannot set a flag"),
     ({"engine": {"extraArgs": ["--no-enable-prefix"]}}, "engine.extraArgs cannot set a flag"),
+    # engine.kvCacheDtype and engine.apiServerCount render these two: extraArgs may not set them.
+    (
+        {"engine": {"extraArgs": ["--kv-cache-dtype", "fp8"]}},
+        'extraArgs[0]: Invalid value: "--kv-cache-dtype": engine.extraArgs cannot set a flag',
+    ),
+    (
+        {"engine": {"extraArgs": ["--seed", "1", "--api-server-count=2"]}},
+        'extraArgs[2]: Invalid value: "--api-server-count=2": engine.extraArgs cannot set a flag',
+    ),
+    ({"engine": {"kvCacheDtype": "int8"}}, 'spec.engine.kvCacheDtype: Unsupported value: "int8"'),
+    ({"engine": {"apiServerCount": 17}}, "should be less than or equal to 16"),
 ]
 
 

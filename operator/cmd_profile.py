@@ -10,6 +10,7 @@ from pagoda.operator.catalogue import CATALOGUE, resolve
 from pagoda.operator.gpus import KNOWN_GPUS, GpuGroup, known_group
 from pagoda.operator.profile import (
     DEFAULT_KV_CACHE_FRACTION,
+    KV_CACHE_DTYPES,
     PRECISIONS,
     TP_DEGREES,
     ProfileRequest,
@@ -43,6 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_KV_CACHE_FRACTION,
         help="share of GPU memory the server may use (--gpu-memory-utilization)",
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="fp8: an e4m3 KV cache, half the bytes per token (engine.kvCacheDtype)",
+    )
     parser.add_argument("--output", choices=("text", "json"), default="text")
 
 
@@ -68,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
             tensor_parallel_size=args.tensor_parallel_size,
             kv_cache_fraction=args.kv_cache_fraction,
             max_model_len=args.max_model_len,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         group = _group(args)
     except ValueError as err:

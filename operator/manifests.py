@@ -76,6 +76,10 @@ def server_args(spec: ServiceSpec, decision: Decision, config: OperatorConfig) -
         args += ["--max-model-len", str(engine.max_model_len)]
     if engine.max_num_seqs is not None:
         args += ["--max-num-seqs", str(engine.max_num_seqs)]
+    if engine.kv_cache_dtype is not None:
+        args += ["--kv-cache-dtype", engine.kv_cache_dtype]
+    if engine.api_server_count is not None:
+        args += ["--api-server-count", str(engine.api_server_count)]
     return args + list(engine.extra_args)
 
 

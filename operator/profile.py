@@ -5,9 +5,10 @@ The rules, in order:
   (Ampere), fp16 below; an explicit precision the GPU cannot run rejects that GPU.
 - tensor parallelism stays inside one node: the smallest degree in 1, 2, 4, 8 (at most the node's
   GPUs, dividing the attention heads) whose GPUs hold the weights, a per-GPU runtime overhead, and a
-  KV reserve: room for 32768 tokens of KV cache (or one `max_model_len` sequence if longer), and never
-  less than 10% of the weight bytes, so a model that only just fits is not chosen with a KV cache too
-  small to batch (70B bf16 on 2 x 80 GB would leave ~10 GiB).
+  KV reserve: room for 32768 tokens of KV cache (or one `max_model_len` sequence if longer; 16-bit,
+  or 8-bit with `kv_cache_dtype` fp8), and never less than 10% of the weight bytes, so a model that
+  only just fits is not chosen with a KV cache too small to batch (70B bf16 on 2 x 80 GB would leave
+  ~10 GiB).
 - with a preference list, the first entry that fits wins; without one, the fitting candidate with the
   fewest GPUs, then the newest compute capability, then the most memory.
 - capacity: where the groups carry free GPU counts, a candidate needs TP free GPUs on one node.
@@ -28,6 +29,9 @@ from pagoda.operator.gpus import GpuGroup, matches_product
 # (tests/test_operator_contract.py). int8 is not offered: the engine has no int8 kernels.
 Precision = Literal["auto", "bf16", "fp16", "fp8"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
+# What `pagoda serve --kv-cache-dtype` takes (the CRD's engine.kvCacheDtype enum): auto is the model's dtype.
+KvCacheDtype = Literal["auto", "fp8"]
+KV_CACHE_DTYPES: tuple[str, ...] = get_args(KvCacheDtype)
 TP_DEGREES = (1, 2, 4, 8)
 GIB = 1024**3
 OVERHEAD_BYTES = GIB  # per GPU: CUDA context, activations, CUDA graphs
@@ -61,6 +65,7 @@ class ProfileRequest:
     preferences: tuple[GpuPreference, ...] = ()
     kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION
     max_model_len: int | None = None
+    kv_cache_dtype: KvCacheDtype = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,8 +131,11 @@ def auto_precision(cc: tuple[int, int]) -> str:
     return "bf16" if cc >= (8, 0) else "fp16"
 
 
-def kv_cache_dtype(precision: str) -> str:
-    # `pagoda serve --precision fp8` quantizes the projections only; its KV cache stays bf16.
+def kv_cache_dtype(precision: str, requested: KvCacheDtype = "auto") -> str:
+    # `pagoda serve --precision fp8` quantizes the projections only; its KV cache stays 16-bit unless
+    # `--kv-cache-dtype fp8` (engine.kvCacheDtype) asks for e4m3, whatever the precision.
+    if requested == "fp8":
+        return "fp8"
     return "fp16" if precision == "fp16" else "bf16"
 
 
@@ -140,7 +148,7 @@ class _Need:
 def _need(request: ProfileRequest, precision: str) -> _Need:
     model = request.model
     weight_bytes = model.num_params * _WEIGHT_BYTES[precision]
-    kv_dtype_bytes = 2  # every kv_cache_dtype() is 16-bit
+    kv_dtype_bytes = 1 if kv_cache_dtype(precision, request.kv_cache_dtype) == "fp8" else 2
     tokens = max(KV_RESERVE_TOKENS, request.max_model_len or 0)
     kv = max(model.kv_bytes_per_token(kv_dtype_bytes) * tokens, KV_RESERVE_WEIGHT_FRACTION * weight_bytes)
     return _Need(weight_bytes, int(kv))
@@ -215,7 +223,7 @@ def _evaluate(request: ProfileRequest, group: GpuGroup, pref: GpuPreference | No
         gpu=group,
         precision=precision,
         tensor_parallel_size=tp,
-        kv_cache_dtype=kv_cache_dtype(precision),
+        kv_cache_dtype=kv_cache_dtype(precision, request.kv_cache_dtype),
     )
 
 

@@ -14,7 +14,13 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from pagoda.operator.catalogue import ModelShape, resolve
-from pagoda.operator.profile import DEFAULT_KV_CACHE_FRACTION, PRECISIONS, GpuPreference, ProfileRequest
+from pagoda.operator.profile import (
+    DEFAULT_KV_CACHE_FRACTION,
+    PRECISIONS,
+    GpuPreference,
+    KvCacheDtype,
+    ProfileRequest,
+)
 
 SourceKind = Literal["pvc", "hostPath", "imagePath", "uri"]
 
@@ -37,6 +43,8 @@ OPERATOR_FLAGS: tuple[str, ...] = (
     "--no-enable-prefix-caching",
     "--max-model-len",
     "--max-num-seqs",
+    "--kv-cache-dtype",
+    "--api-server-count",
     "--host",
     "--port",
     "--grpc-port",
@@ -75,6 +83,8 @@ class Autoscaling:
 class EngineSettings:
     max_model_len: int | None = None
     max_num_seqs: int | None = None
+    kv_cache_dtype: KvCacheDtype | None = None  # None: the server's default (auto)
+    api_server_count: int | None = None  # None: the server's default (1)
     kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION
     is_prefix_caching: bool = True
     extra_args: tuple[str, ...] = ()
@@ -115,6 +125,7 @@ class ServiceSpec:
             preferences=self.preferences,
             kv_cache_fraction=self.engine.kv_cache_fraction,
             max_model_len=self.engine.max_model_len,
+            kv_cache_dtype=self.engine.kv_cache_dtype or "auto",
         )
 
 
@@ -190,6 +201,8 @@ def _engine(raw: Mapping[str, Any]) -> EngineSettings:
     return EngineSettings(
         max_model_len=raw.get("maxModelLen"),
         max_num_seqs=raw.get("maxNumSeqs"),
+        kv_cache_dtype=raw.get("kvCacheDtype"),
+        api_server_count=raw.get("apiServerCount"),
         kv_cache_fraction=float(raw.get("kvCacheFraction", DEFAULT_KV_CACHE_FRACTION)),
         is_prefix_caching=bool(raw.get("prefixCaching", True)),
         extra_args=_extra_args(raw.get("extraArgs")),

@@ -163,7 +163,8 @@ def test_operator_flags_are_one_list_with_the_crd_and_what_is_rendered() -> None
     from pagoda.service import cli as serve_cli
 
     assert _crd_flags() == list(OPERATOR_FLAGS)
-    engine = {"maxModelLen": 4096, "maxNumSeqs": 8, "prefixCaching": False}
+    engine = {"maxModelLen": 4096, "maxNumSeqs": 8, "kvCacheDtype": "fp8", "apiServerCount": 2}
+    engine["prefixCaching"] = False
     full = parse_spec(
         _body({"model": {"name": "llama-3.1-8b", "source": {"imagePath": "/m"}}, "engine": engine})
     )
@@ -189,6 +190,11 @@ def test_operator_flags_are_one_list_with_the_crd_and_what_is_rendered() -> None
         ("--grpc", "--grpc-port"),
         ("--no-enable-prefix", "--no-enable-prefix-caching"),
         ("--max-model-len=100000", "--max-model-len"),
+        ("--kv-cache-dtype", "--kv-cache-dtype"),
+        ("--kv-cache-d=fp8", "--kv-cache-dtype"),
+        ("--api-server-count=2", "--api-server-count"),
+        ("--api-server", "--api-server-count"),
+        ("--kv-cache-memory-bytes=1073741824", None),
         ("--seed", None),
         ("--device=cpu", None),
         ("--max-num-batched-tokens=4096", None),
@@ -216,6 +222,10 @@ def test_extra_args_that_override_are_refused_at_parsing() -> None:
     assert ok.engine.extra_args == ("--seed", "7", "--device=cuda")
     with pytest.raises(ValueError, match=r"'--tensor-parallel-size=4' would override --tensor-parallel-size"):
         parse_spec(_body(spec | {"engine": {"extraArgs": ["--seed", "7", "--tensor-parallel-size=4"]}}))
+    with pytest.raises(ValueError, match=r"'--kv-cache-dtype' would override --kv-cache-dtype"):
+        parse_spec(_body(spec | {"engine": {"extraArgs": ["--kv-cache-dtype", "fp8"]}}))
+    with pytest.raises(ValueError, match=r"'--api-server-count=4' would override --api-server-count"):
+        parse_spec(_body(spec | {"engine": {"extraArgs": ["--api-server-count=4"]}}))
 
 
 def test_a_stored_int8_object_is_an_invalid_spec() -> None:

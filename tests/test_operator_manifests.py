@@ -214,7 +214,8 @@ def test_server_accepts_the_args() -> None:
 
     parser = argparse.ArgumentParser()
     serve_cli.add_arguments(parser)
-    spec = parse_spec(body(engine={"maxModelLen": 4096, "maxNumSeqs": 32}))
+    engine = {"maxModelLen": 4096, "maxNumSeqs": 32, "kvCacheDtype": "fp8", "apiServerCount": 4}
+    spec = parse_spec(body(engine=engine))
     args = manifests.server_args(spec, decision(1, "bf16"), CONFIG)
     parsed = parser.parse_args(args)
     assert (parsed.precision, parsed.tensor_parallel_size, parsed.port, parsed.grpc_port) == (
@@ -224,9 +225,31 @@ def test_server_accepts_the_args() -> None:
         8001,
     )
     assert parsed.enable_prefix_caching is True
+    assert (parsed.max_num_seqs, parsed.kv_cache_dtype, parsed.api_server_count) == (32, "fp8", 4)
     for precision in ("fp16", "fp8"):
         assert precision in serve_cli.PRECISIONS
     assert "int8" not in serve_cli.PRECISIONS
+
+
+def test_engine_flags_are_rendered_only_when_set() -> None:
+    """engine.kvCacheDtype and engine.apiServerCount, as engine.maxNumSeqs: unset, the server default."""
+    engine = {"kvCacheDtype": "fp8", "apiServerCount": 4, "extraArgs": ["--seed", "1"]}
+    spec = parse_spec(body(engine=engine))
+    args = manifests.server_args(spec, decision(), CONFIG)
+    assert args[args.index("--kv-cache-dtype") + 1] == "fp8"
+    assert args[args.index("--api-server-count") + 1] == "4"
+    assert args[-2:] == ["--seed", "1"]  # the user's extraArgs still come last
+    assert spec.profile_request().kv_cache_dtype == "fp8"  # the profile sizes and reports an fp8 cache
+    auto = manifests.server_args(parse_spec(body(engine={"kvCacheDtype": "auto"})), decision(), CONFIG)
+    assert auto[auto.index("--kv-cache-dtype") + 1] == "auto"
+    plain_spec = parse_spec(body())
+    plain = manifests.server_args(plain_spec, decision(), CONFIG)
+    assert (
+        "--kv-cache-dtype" not in plain
+        and "--api-server-count" not in plain
+        and "--max-num-seqs" not in plain
+    )
+    assert plain_spec.profile_request().kv_cache_dtype == "auto"
 
 
 def test_hpa_metrics_are_what_the_server_exports() -> None:

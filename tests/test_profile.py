@@ -233,6 +233,21 @@ def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert decision["precision"] == "fp8" and decision["kvCacheDtype"] == "bf16"
 
 
+def test_an_fp8_kv_cache_is_reported_and_sized_at_one_byte(capsys: pytest.CaptureFixture[str]) -> None:
+    """engine.kvCacheDtype fp8 (`--kv-cache-dtype fp8`): status.profile says so, and the KV reserve halves."""
+    assert decide("llama-3.1-8b", [node("H100")]).kv_cache_dtype == "bf16"
+    d = decide("llama-3.1-8b", [node("H100")], kv_cache_dtype="fp8")
+    assert d.to_dict()["kvCacheDtype"] == "fp8" and "2.0 GiB KV reserve" in d.reason
+    # 128k tokens of bf16 KV do not fit one L4 beside the fp8 weights; of fp8 KV they do.
+    assert not decide("llama-3.1-8b", [node("L4")], max_model_len=131072).is_selected
+    d = decide("llama-3.1-8b", [node("L4")], max_model_len=131072, kv_cache_dtype="fp8")
+    assert (d.precision, d.tensor_parallel_size, d.kv_cache_dtype) == ("fp8", 1, "fp8")
+    rc = main(
+        ["profile", "--model", "llama-3.1-8b", "--gpu", "L4", "--kv-cache-dtype", "fp8", "--output", "json"]
+    )
+    assert rc == 0 and json.loads(capsys.readouterr().out)["kvCacheDtype"] == "fp8"
+
+
 def test_nothing_fits_explains_the_preferred_gpus() -> None:
     d = decide("llama-3.1-8b", ALL, preferences=(GpuPreference("T4"),))
     assert d.reason == "8B fp16 needs 2 x 15 GiB; largest node has 1 x 15 GiB (Tesla-T4)"
