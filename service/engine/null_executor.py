@@ -7,11 +7,15 @@ served throughput. Tokens cycle through ordinary ids of the model's vocabulary (
 sequence), so detokenizing costs what it costs with real text. The model's config and tokenizer are
 read as usual; the weights are loaded (on the CPU) only for their config, and the KV cache is a
 layout with nothing behind it.
+
+`PAGODA_BENCH_NULL_STEP_MS=T` makes every step take at least T ms (a sleep), the pace of a real GPU
+step, so the API process sees the message rate of a GPU server rather than a step every ~0.5 ms.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 from pagoda.service.engine.config import EngineConfig
@@ -20,6 +24,7 @@ from pagoda.service.engine.model_runner import KVCacheLayout, StepResult
 from pagoda.service.engine.scheduler import SchedulerOutput
 
 ENV = "PAGODA_BENCH_NULL_MODEL"
+STEP_ENV = "PAGODA_BENCH_NULL_STEP_MS"
 _VIRTUAL_KV_TOKENS = 1 << 22  # room for 4M tokens of context: the cache never limits the batch
 
 
@@ -47,8 +52,11 @@ class NullExecutor:
         vocab = self.model_config.vocab_size
         self._cycle = [t for t in range(vocab // 4, vocab // 4 + 97) if t not in eos_token_ids]
         self._next = 0
+        self._step_s = float(os.environ.get(STEP_ENV, "0") or 0) / 1000
 
     def execute(self, out: SchedulerOutput) -> StepResult:
+        if self._step_s:
+            time.sleep(self._step_s)
         sampled: dict[str, SampleResult] = {}
         for i, req in enumerate(out.requests):
             if out.needs_sample(i):
