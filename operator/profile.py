@@ -183,6 +183,12 @@ def _evaluate(request: ProfileRequest, group: GpuGroup, pref: GpuPreference | No
             f"{precision} needs compute capability >= {need_cc}; {group.product} is {group.cc}",
             cause="ComputeCapability",
         )
+    if request.kv_cache_dtype == "fp8" and group.compute_capability < (8, 9):
+        return Decision(
+            False,
+            f"an fp8 KV cache needs compute capability >= 8.9; {group.product} is {group.cc}",
+            cause="ComputeCapability",
+        )
     need = _need(request, precision)
     fixed_tp = (pref.tensor_parallel_size if pref else None) or request.tensor_parallel_size
     if fixed_tp is not None:

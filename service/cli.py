@@ -220,7 +220,7 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         raise ValueError(f"--api-server-count must be at least 1, got {args.api_server_count}")
     api_keys = args.api_key or os.environ.get(env_name("--api-key"), "").split(",")
     api_keys = tuple(key.strip() for key in api_keys if key.strip())
-    check_gpu(args.precision, args.device)
+    check_gpu(args.precision, args.device, args.kv_cache_dtype)
     server = ServerConfig(
         host=args.host,
         port=args.port,
@@ -256,9 +256,10 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
     return server, engine
 
 
-def check_gpu(precision: str, device: str) -> None:
+def check_gpu(precision: str, device: str, kv_cache_dtype: str = "auto") -> None:
     """Refuse, before loading anything, what the GPU cannot run: read through NVML, no torch import."""
-    if device == "cpu" or (precision not in ("bf16", "fp8") and not device.startswith("cuda")):
+    needs_cc = precision in ("bf16", "fp8") or kv_cache_dtype == "fp8"
+    if device == "cpu" or (not needs_cc and not device.startswith("cuda")):
         return
     try:
         import pynvml
@@ -281,6 +282,12 @@ def check_gpu(precision: str, device: str) -> None:
         raise ValueError(
             f"--precision fp8 needs compute capability 8.9 (Ada, Hopper) or newer; GPU {index} ({name}) has "
             f"{major}.{minor}: use --precision bf16 or fp16"
+        )
+    if kv_cache_dtype == "fp8" and (major, minor) < (8, 9):
+        name = pynvml.nvmlDeviceGetName(handle)
+        raise ValueError(
+            f"--kv-cache-dtype fp8 needs compute capability 8.9 (Ada, Hopper) or newer; GPU {index} ({name}) "
+            f"has {major}.{minor}: use --kv-cache-dtype auto"
         )
     if precision == "bf16" and major < 8:
         name = pynvml.nvmlDeviceGetName(handle)

@@ -246,6 +246,11 @@ def test_an_fp8_kv_cache_is_reported_and_sized_at_one_byte(capsys: pytest.Captur
         ["profile", "--model", "llama-3.1-8b", "--gpu", "L4", "--kv-cache-dtype", "fp8", "--output", "json"]
     )
     assert rc == 0 and json.loads(capsys.readouterr().out)["kvCacheDtype"] == "fp8"
+    # Before Ada there is no e4m3 in hardware: the A100 is rejected with the reason, the H100 taken.
+    assert not decide("llama-3.1-8b", [node("A100-80")], kv_cache_dtype="fp8").is_selected
+    d = decide("llama-3.1-8b", [node("A100-80"), node("H100")], kv_cache_dtype="fp8")
+    assert d.gpu is not None and "H100" in d.gpu.product
+    assert any("fp8 KV cache needs compute capability" in r.reason for r in d.rejected)
 
 
 def test_nothing_fits_explains_the_preferred_gpus() -> None:

@@ -140,6 +140,24 @@ def test_fp8_refused_on_a_gpu_older_than_ada(monkeypatch: pytest.MonkeyPatch) ->
         serve_cli.build_configs(parse("--precision", "fp8", "--device", "cuda"))
 
 
+def test_fp8_kv_cache_refused_on_a_gpu_older_than_ada(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels store e4m3, which NVIDIA GPUs convert in hardware from Ada (8.9) on. (NVML is mocked:
+    no GPU here.)"""
+    import pynvml  # nvidia-ml-py, a server dependency
+
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 1)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda i: i)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCudaComputeCapability", lambda h: (8, 0))
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetName", lambda h: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype fp8 needs compute capability 8.9.*A100.*8.0"):
+        serve_cli.build_configs(parse("--precision", "bf16", "--kv-cache-dtype", "fp8", "--device", "auto"))
+    _, engine = serve_cli.build_configs(parse("--precision", "bf16", "--device", "auto"))  # auto cache: fine
+    assert engine.kv_cache_dtype == "auto"
+    _, engine = serve_cli.build_configs(parse("--kv-cache-dtype", "fp8", "--device", "cpu"))  # CPU: fine
+    assert engine.kv_cache_dtype == "fp8"
+
+
 def test_refusal_exits_2_with_the_reason() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "pagoda.cli", "serve", "--precision", "int8"], capture_output=True, text=True
