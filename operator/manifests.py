@@ -160,12 +160,16 @@ def default_requests(spec: ServiceSpec, decision: Decision) -> dict[str, str]:
     burst above the request). Memory: 2 GiB per rank (CUDA context, NCCL, pinned buffers) plus half
     the weights, read through the page cache while loading: Llama-3.1-8B fp8 at TP 1 asks 1 core and
     6 GiB, a 70B bf16 at TP 4 asks 4 cores and 74 GiB, the embedded 135M model 1 core and 3 GiB (so it
-    still fits a 2-core test node). spec.resources.requests overrides either.
+    still fits a 2-core test node). With engine.apiServerCount N > 1, at least N + 1 cores: more API
+    processes are run because one saturates its core, and the engine core keeps one. spec.resources.requests
+    overrides either.
     """
     tp = decision.tensor_parallel_size or 1
     weights = spec.model.num_params * _WEIGHT_BYTES.get(str(decision.precision), 2)
     memory_gib = 2 * tp + -(-weights // (2 * GIB))
-    return {"cpu": str(tp), "memory": f"{memory_gib}Gi"}
+    api_servers = spec.engine.api_server_count or 1
+    cpu = max(tp, api_servers + 1) if api_servers > 1 else tp
+    return {"cpu": str(cpu), "memory": f"{memory_gib}Gi"}
 
 
 def _resources(spec: ServiceSpec, decision: Decision) -> dict[str, Any]:

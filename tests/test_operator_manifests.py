@@ -284,6 +284,10 @@ def test_cpu_and_memory_requests_are_sized_from_the_model_and_overridable() -> N
         "requests"
     ]
     assert (requests["cpu"], requests["memory"]) == ("4", "74Gi")
+    for count, cpu in ((1, "1"), (4, "5")):  # N API processes and the engine core, a core each
+        multi = parse_spec(body(engine={"apiServerCount": count}))
+        container = pod(manifests.deployment(multi, decision(), CONFIG))["containers"][0]
+        assert container["resources"]["requests"]["cpu"] == cpu
     mine = body(resources={"requests": {"memory": "20Gi", "nvidia.com/gpu": "7"}, "limits": {"cpu": "16"}})
     resources = pod(manifests.deployment(parse_spec(mine), decision(), CONFIG))["containers"][0]["resources"]
     assert resources["requests"] == {"cpu": "1", "memory": "20Gi", "nvidia.com/gpu": "1"}
