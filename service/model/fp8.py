@@ -28,6 +28,8 @@ row-parallel layer keeps its all-reduce.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -153,9 +155,10 @@ def fuse_input_quantization(layer: nn.Module) -> None:
     """Let the ops in front of a decoder layer's fp8 projections hand them quantized rows: the two
     norms (before qkv_proj and gate_up_proj) and the SiLU-and-mul (before down_proj). o_proj quantizes
     its own input, the attention output. Undone where a projection is not an `Fp8Linear` that takes them."""
-    attn, mlp = layer.self_attn, layer.mlp  # type: ignore[union-attr]
+    attn: Any = layer.self_attn
+    mlp: Any = layer.mlp
 
-    def takes(linear: nn.Module) -> bool:
+    def takes(linear: object) -> bool:
         return isinstance(linear, Fp8Linear) and linear.fuses_input_quantization
 
     layer.input_layernorm.quantize = takes(attn.qkv_proj)  # type: ignore[union-attr]
