@@ -94,6 +94,7 @@ class Result:
     output_tokens: int
     decode_ms_per_token: float | None = None
     ttft_ms: float | None = None
+    preemptions: int | None = None  # requests the scheduler preempted (KV cache full) during the run
 
     @property
     def tokens_per_second(self) -> float:
@@ -155,6 +156,7 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
         for repeat, is_async in enumerate(modes[args.async_scheduling]):
             core.is_async = is_async
             _sync(runner.device)
+            preempted = core.scheduler.num_preemptions
             start = time.perf_counter()
             outs = llm.generate(prompts, params)
             _sync(runner.device)
@@ -173,7 +175,9 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
                 ttft_ms = 1000 * (m.first_token_time - m.arrival_time)
             name = "pagoda" + ("" if len(modes[args.async_scheduling]) == 1 else _mode_name(is_async))
             name += " again" if repeat == 2 else ""
-            results.append(Result(name, batch, seconds, batch * args.output_len, decode_ms, ttft_ms))
+            preempted = core.scheduler.num_preemptions - preempted
+            output_tokens = batch * args.output_len
+            results.append(Result(name, batch, seconds, output_tokens, decode_ms, ttft_ms, preempted))
         if len(modes[args.async_scheduling]) > 1:
             same = sum(a == b for a, b in zip(tokens[batch, True], tokens[batch, False], strict=True))
             print(f"batch {batch}: async == in turn for {same}/{batch} requests")
@@ -323,14 +327,16 @@ def run(args: argparse.Namespace) -> int:
         f"Device: {_device_name(runner)}. Command: `{_command(args)}`",
         "",
         "| system | requests | wall s | output tok/s | single-stream TTFT ms "
-        "| single-stream decode ms/token |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| single-stream decode ms/token | preemptions |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         decode = f"{r.decode_ms_per_token:.1f}" if r.decode_ms_per_token is not None else ""
         ttft = f"{r.ttft_ms:.0f}" if r.ttft_ms is not None else ""
+        preempted = "" if r.preemptions is None else str(r.preemptions)
         lines.append(
-            f"| {r.system} | {r.batch} | {r.seconds:.2f} | {r.tokens_per_second:.1f} | {ttft} | {decode} |"
+            f"| {r.system} | {r.batch} | {r.seconds:.2f} | {r.tokens_per_second:.1f} | {ttft} | {decode} "
+            f"| {preempted} |"
         )
     text = "\n".join(lines) + "\n"
     print(text)
