@@ -5,12 +5,13 @@ and dying together."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -33,6 +34,24 @@ def start(llama_ckpt: Path, log_path: Path, count: int, *extra: str) -> ServePro
     args = ["--model", str(llama_ckpt), "--device", "cpu", "--kv-cache-memory-bytes", str(8 << 20)]
     args += ["--max-model-len", "128", "--api-server-count", str(count), *extra]
     return ServeProcess(args, log_path=log_path, new_session=True).start()
+
+
+@pytest.fixture
+def launch(llama_ckpt: Path, tmp_path: Path) -> Iterator[Callable[..., ServeProcess]]:
+    """`launch(count, *extra)` starts a test's own server. Afterwards its process group is killed if a
+    failed assertion left any of it running: it would outlive pytest (found orphaned after a CI run)."""
+    servers: list[ServeProcess] = []
+
+    def launch_one(count: int, *extra: str) -> ServeProcess:
+        servers.append(start(llama_ckpt, tmp_path / f"serve-{len(servers)}.log", count, *extra))
+        return servers[-1]
+
+    yield launch_one
+    for server in servers:
+        if server.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.proc.pid, signal.SIGKILL)
+            server.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -122,8 +141,10 @@ def _plain_completion(server: ServeProcess, prompt: str) -> tuple[str, None]:
 
 
 @pytest.mark.parametrize("stop", ["SIGTERM to process 0", "Ctrl-C to the process group"])
-def test_a_stop_signal_drains_every_process_and_exits_0(llama_ckpt: Path, tmp_path: Path, stop: str) -> None:
-    server = start(llama_ckpt, tmp_path / "serve.log", 2)
+def test_a_stop_signal_drains_every_process_and_exits_0(
+    launch: Callable[..., ServeProcess], stop: str
+) -> None:
+    server = launch(2)
     assert server.proc is not None
     pgid = server.proc.pid
     started = threading.Barrier(9)
@@ -161,11 +182,11 @@ def test_a_stop_signal_drains_every_process_and_exits_0(llama_ckpt: Path, tmp_pa
 
 @pytest.mark.parametrize("victim", ["api server 1", "core"])
 def test_sigkill_of_an_api_server_process_or_the_core_fails_health(
-    llama_ckpt: Path, tmp_path: Path, victim: str
+    launch: Callable[..., ServeProcess], victim: str
 ) -> None:
     """Process 0 kills the API processes left, so only it answers: 503 to both probes, and SIGTERM
     still leaves nothing."""
-    server = start(llama_ckpt, tmp_path / "serve.log", 3)
+    server = launch(3)
     assert server.proc is not None
     pgid = server.proc.pid
     others = [p for p in children(pgid) if "pagoda.service.api_server_process" in cmdline(p)]
@@ -180,8 +201,8 @@ def test_sigkill_of_an_api_server_process_or_the_core_fails_health(
     assert wait_for(lambda: not group_members(pgid), 10), group_members(pgid)
 
 
-def test_sigkill_of_process_0_takes_every_process_with_it(llama_ckpt: Path, tmp_path: Path) -> None:
-    server = start(llama_ckpt, tmp_path / "serve.log", 2, "--api-key", "secret-key")
+def test_sigkill_of_process_0_takes_every_process_with_it(launch: Callable[..., ServeProcess]) -> None:
+    server = launch(2, "--api-key", "secret-key")
     assert server.proc is not None
     pgid = server.proc.pid
     assert len(children(pgid)) >= 2  # the core and API process 1
