@@ -23,10 +23,8 @@ PAGODA_E2E_KEEP=1 leaves the work directory (logs, etcd data) of the local clust
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
-import sys
 import tempfile
 import time
 import uuid
@@ -35,23 +33,13 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from by_path import load_by_path
 
 E2E = Path(__file__).resolve().parent
 
 
-def _load_harness() -> ModuleType:
-    # pytest runs with --import-mode=importlib and e2e/ is not a package: import the launcher by path.
-    name = "pagoda_e2e_harness_cluster"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, E2E / "harness" / "cluster.py")
-        assert spec and spec.loader
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-harness = _load_harness()
+# pytest runs with --import-mode=importlib and e2e/ is not a package: import the launcher by path.
+harness = load_by_path("pagoda_e2e_harness_cluster", E2E / "harness" / "cluster.py")
 
 
 def _reap_stale_clusters() -> None:

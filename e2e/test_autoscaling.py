@@ -10,11 +10,9 @@ requests wait) serves the module; the node's two GPUs bound it to two replicas.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import socket
-import sys
 import threading
 import time
 import urllib.parse
@@ -22,26 +20,14 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
-
-
-def _load(name: str, path: Path) -> ModuleType:
-    # e2e/ is not a package (importlib mode): share modules by path.
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec and spec.loader
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
+from by_path import load_by_path
 
 HERE = Path(__file__).resolve().parent
-base = _load("pagoda_e2e_test_real_pods_base", HERE / "test_real_pods.py")
-dcgm = _load("pagoda_e2e_harness_dcgm_double", HERE / "harness" / "dcgm_double.py")
+base = load_by_path("pagoda_e2e_test_real_pods_base", HERE / "test_real_pods.py")
+dcgm = load_by_path("pagoda_e2e_harness_dcgm_double", HERE / "harness" / "dcgm_double.py")
 
 # The first test's setup may bear the session's cold costs (real node build, images ~5-10 min, the
 # metrics build ~4 min) on top of its own ~2 min: past pytest-timeout's default of 600 s.

@@ -5,29 +5,15 @@ the API server's message, and no Service or PDB left behind.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from by_path import load_by_path
 
-
-def _load_base() -> ModuleType:
-    # e2e/ is not a package (importlib mode): share test_operator.py's helpers and fixture by path.
-    name = "pagoda_e2e_test_operator_base"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("test_operator.py"))
-        assert spec and spec.loader
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-base = _load_base()
+base = load_by_path("pagoda_e2e_test_operator_base", Path(__file__).with_name("test_operator.py"))
 operator = base.operator  # the module-scoped fixture: chart installed, `pagoda operator` running
 ROOT = base.ROOT
 

@@ -4,30 +4,15 @@ is 10 minutes away, and a new GPU node is still used within seconds.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from by_path import load_by_path
 
-
-def _load_base() -> ModuleType:
-    # e2e/ is not a package (importlib mode): share test_operator.py's helpers by path.
-    name = "pagoda_e2e_test_operator_base"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("test_operator.py"))
-        assert spec and spec.loader
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-base = _load_base()
+base = load_by_path("pagoda_e2e_test_operator_base", Path(__file__).with_name("test_operator.py"))
 RESYNC_SECONDS = 600  # far beyond this test: only the watch can be what noticed the node
 
 
