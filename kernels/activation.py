@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.quant import FP8_DTYPE, _round_to_e4m3
+from pagoda.kernels.quant import FP8_DTYPE, _e4m3, _row_scale
 
 
 @triton.jit
@@ -66,22 +66,20 @@ def _silu_and_mul_quant_kernel(
     if ONE_PASS:
         mask = offs < d
         y = _silu_mul_row(x_row, d, offs, mask)
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(y), 0), 1e-12), 448.0)
+        scale = _row_scale(tl.max(tl.abs(y), 0))
         tl.store(scale_ptr + row, scale)
-        y = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -448.0), 448.0)
-        tl.store(q_ptr + row * stride_q + offs, _round_to_e4m3(y).to(tl.float8e4nv), mask=mask)
+        tl.store(q_ptr + row * stride_q + offs, _e4m3(y, scale), mask=mask)
         return
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, d, BLOCK):
         cols = start + offs
         amax = tl.maximum(amax, tl.abs(_silu_mul_row(x_row, d, cols, cols < d)))
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), 1e-12), 448.0)
+    scale = _row_scale(tl.max(amax, 0))
     tl.store(scale_ptr + row, scale)
     for start in range(0, d, BLOCK):
         cols = start + offs
         mask = cols < d
-        y = tl.minimum(tl.maximum(tl.math.div_rn(_silu_mul_row(x_row, d, cols, mask), scale), -448.0), 448.0)
-        tl.store(q_ptr + row * stride_q + cols, _round_to_e4m3(y).to(tl.float8e4nv), mask=mask)
+        tl.store(q_ptr + row * stride_q + cols, _e4m3(_silu_mul_row(x_row, d, cols, mask), scale), mask=mask)
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)

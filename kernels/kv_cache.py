@@ -6,7 +6,7 @@ is padding and is skipped), and copies its [num_kv_heads, head_dim] rows of K an
 100k blocks x 16 slots x 8 heads x 128 dims already has 1.6e9 elements.
 
 An fp8 (e4m3) cache stores `x / scale`, clamped to +-448 and rounded to the nearest e4m3 by
-`quant._round_to_e4m3` (ties to even, as PyTorch's cast; the backend's own conversion is not trusted,
+`quant._e4m3` (ties to even, as PyTorch's cast; the backend's own conversion is not trusted,
 see quant.py), one per-tensor scale for K and one for V.
 """
 
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.quant import _round_to_e4m3
+from pagoda.kernels.quant import _e4m3
 
 
 @triton.jit
@@ -70,8 +70,8 @@ def _write_kv_kernel(
         + dims[None, :]
     )
     if QUANT:
-        k = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(k.to(tl.float32), k_scale), -448.0), 448.0))
-        v = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(v.to(tl.float32), v_scale), -448.0), 448.0))
+        k = _e4m3(k, k_scale)
+        v = _e4m3(v, v_scale)
     tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagoda.kernels.quant import FP8_DTYPE, _round_to_e4m3
+from pagoda.kernels.quant import FP8_DTYPE, _e4m3, _row_scale
 
 
 @triton.jit
@@ -53,10 +53,9 @@ def _rms_norm_kernel(
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = (w * normed).to(OUT_DTYPE)
     if QUANT:
-        yf = y.to(tl.float32)
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(yf), 0), 1e-12), 448.0)
+        scale = _row_scale(tl.max(tl.abs(y.to(tl.float32)), 0))
         tl.store(scale_ptr + row, scale)
-        y = _round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(yf, scale), -448.0), 448.0))
+        y = _e4m3(y, scale)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

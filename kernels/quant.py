@@ -40,6 +40,17 @@ def _round_to_e4m3(v):  # float32 with |v| <= 448 -> the nearest e4m3 value (tie
 
 
 @triton.jit
+def _e4m3(x, scale):  # x / scale, clamped to +-448 and rounded to e4m3 (float32 in, e4m3 out)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x.to(tl.float32), scale), -448.0), 448.0)
+    return _round_to_e4m3(q).to(tl.float8e4nv)
+
+
+@triton.jit
+def _row_scale(amax):  # a row's scale from its absolute maximum: max(amax, 1e-12) / 448, rounded once
+    return tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+
+
+@triton.jit
 def _quantize_fp8_rows_kernel(
     x_ptr,  # [M, K]
     q_ptr,  # [M, K] float8_e4m3fn
@@ -57,13 +68,12 @@ def _quantize_fp8_rows_kernel(
     for start in range(0, K, BLOCK):
         x = tl.load(x_row + start + cols, mask=start + cols < K, other=0.0)
         amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), 1e-12), 448.0)
+    scale = _row_scale(tl.max(amax, 0))
     tl.store(scale_ptr + row, scale)
     for start in range(0, K, BLOCK):
         mask = start + cols < K
-        x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
-        tl.store(q_row + start + cols, _round_to_e4m3(q).to(tl.float8e4nv), mask=mask)
+        x = tl.load(x_row + start + cols, mask=mask, other=0.0)
+        tl.store(q_row + start + cols, _e4m3(x, scale), mask=mask)
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
