@@ -276,25 +276,19 @@ def check_gpu(precision: str, device: str, kv_cache_dtype: str = "auto") -> None
     if index >= num_gpus:
         raise ValueError(f"--device {device}: only {num_gpus} GPU(s) visible")
     handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-    major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
-    if precision == "fp8" and (major, minor) < (8, 9):
-        name = pynvml.nvmlDeviceGetName(handle)
-        raise ValueError(
-            f"--precision fp8 needs compute capability 8.9 (Ada, Hopper) or newer; GPU {index} ({name}) has "
-            f"{major}.{minor}: use --precision bf16 or fp16"
-        )
-    if kv_cache_dtype == "fp8" and (major, minor) < (8, 9):
-        name = pynvml.nvmlDeviceGetName(handle)
-        raise ValueError(
-            f"--kv-cache-dtype fp8 needs compute capability 8.9 (Ada, Hopper) or newer; GPU {index} ({name}) "
-            f"has {major}.{minor}: use --kv-cache-dtype auto"
-        )
-    if precision == "bf16" and major < 8:
-        name = pynvml.nvmlDeviceGetName(handle)
-        raise ValueError(
-            f"--precision bf16 needs compute capability 8.0 (Ampere) or newer; GPU {index} ({name}) has "
-            f"{major}.{minor}: use --precision fp16"
-        )
+    cc = tuple(pynvml.nvmlDeviceGetCudaComputeCapability(handle))
+    needs = [  # (the flag, the compute capability it needs, its generation, the way out, whether asked)
+        ("--precision fp8", (8, 9), "Ada, Hopper", "use --precision bf16 or fp16", precision == "fp8"),
+        ("--kv-cache-dtype fp8", (8, 9), "Ada, Hopper", "use --kv-cache-dtype auto", kv_cache_dtype == "fp8"),
+        ("--precision bf16", (8, 0), "Ampere", "use --precision fp16", precision == "bf16"),
+    ]
+    for flag, need, generation, instead, asked in needs:
+        if asked and cc < need:
+            name = pynvml.nvmlDeviceGetName(handle)
+            raise ValueError(
+                f"{flag} needs compute capability {need[0]}.{need[1]} ({generation}) or newer; GPU {index} "
+                f"({name}) has {cc[0]}.{cc[1]}: {instead}"
+            )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -111,14 +111,19 @@ def test_cuda_device_without_gpu_is_refused(monkeypatch: pytest.MonkeyPatch) -> 
         serve_cli.build_configs(parse("--device", "cuda"))
 
 
-def test_bf16_refused_on_a_gpu_older_than_ampere(monkeypatch: pytest.MonkeyPatch) -> None:
+def mock_nvml_gpu(monkeypatch: pytest.MonkeyPatch, cc: tuple[int, int], name: str) -> None:
+    """A mock of NVML (no GPU on this machine): one GPU of this compute capability and name."""
     import pynvml  # nvidia-ml-py, a server dependency
 
     monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
     monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 1)
     monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda i: i)
-    monkeypatch.setattr(pynvml, "nvmlDeviceGetCudaComputeCapability", lambda h: (7, 5))
-    monkeypatch.setattr(pynvml, "nvmlDeviceGetName", lambda h: "Tesla T4")
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCudaComputeCapability", lambda h: cc)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetName", lambda h: name)
+
+
+def test_bf16_refused_on_a_gpu_older_than_ampere(monkeypatch: pytest.MonkeyPatch) -> None:
+    mock_nvml_gpu(monkeypatch, (7, 5), "Tesla T4")
     with pytest.raises(ValueError, match=r"bf16 needs compute capability 8.0.*Tesla T4.*7.5"):
         serve_cli.build_configs(parse("--precision", "bf16", "--device", "cuda"))
 
@@ -129,27 +134,14 @@ def test_fp8_maps_to_quantized_projections() -> None:
 
 
 def test_fp8_refused_on_a_gpu_older_than_ada(monkeypatch: pytest.MonkeyPatch) -> None:
-    import pynvml  # nvidia-ml-py, a server dependency
-
-    monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
-    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 1)
-    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda i: i)
-    monkeypatch.setattr(pynvml, "nvmlDeviceGetCudaComputeCapability", lambda h: (8, 0))
-    monkeypatch.setattr(pynvml, "nvmlDeviceGetName", lambda h: "NVIDIA A100-SXM4-80GB")
+    mock_nvml_gpu(monkeypatch, (8, 0), "NVIDIA A100-SXM4-80GB")
     with pytest.raises(ValueError, match=r"fp8 needs compute capability 8.9.*A100.*8.0"):
         serve_cli.build_configs(parse("--precision", "fp8", "--device", "cuda"))
 
 
 def test_fp8_kv_cache_refused_on_a_gpu_older_than_ada(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernels store e4m3, which NVIDIA GPUs convert in hardware from Ada (8.9) on. (NVML is mocked:
-    no GPU here.)"""
-    import pynvml  # nvidia-ml-py, a server dependency
-
-    monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
-    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: 1)
-    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda i: i)
-    monkeypatch.setattr(pynvml, "nvmlDeviceGetCudaComputeCapability", lambda h: (8, 0))
-    monkeypatch.setattr(pynvml, "nvmlDeviceGetName", lambda h: "NVIDIA A100-SXM4-80GB")
+    """The kernels store e4m3, which NVIDIA GPUs convert in hardware from Ada (8.9) on."""
+    mock_nvml_gpu(monkeypatch, (8, 0), "NVIDIA A100-SXM4-80GB")
     with pytest.raises(ValueError, match=r"--kv-cache-dtype fp8 needs compute capability 8.9.*A100.*8.0"):
         serve_cli.build_configs(parse("--precision", "bf16", "--kv-cache-dtype", "fp8", "--device", "auto"))
     _, engine = serve_cli.build_configs(parse("--precision", "bf16", "--device", "auto"))  # auto cache: fine
