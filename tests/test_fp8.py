@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from pagoda.kernels import reference
@@ -75,7 +76,9 @@ def test_quantized_model_logits_stay_close(llama_ckpt: Path, paged_runner: type)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.75  # a wrong scale gives ~0
 
 
-def test_fused_input_quantization_changes_no_logit(llama_ckpt: Path, paged_runner: type) -> None:
+def test_fused_input_quantization_changes_no_logit(
+    llama_ckpt: Path, paged_runner: type, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The norms and the SiLU hand the fp8 projections quantized rows: the same numbers as each
     projection quantizing its own input, to the bit (wiring; the kernels are in tests/kernels)."""
     model, _ = load_model(llama_ckpt, dtype=torch.float32)
@@ -84,11 +87,24 @@ def test_fused_input_quantization_changes_no_logit(llama_ckpt: Path, paged_runne
     assert layer.input_layernorm.quantize and layer.post_attention_layernorm.quantize
     assert layer.mlp.quantize_act
     prompt = list(range(100, 130))
+    # Which projections quantize their own input (a tensor arrives) and which take fused rows (a tuple).
+    own_inputs: list[bool] = []
+    forward = Fp8Linear.forward
+
+    def counting(self: Fp8Linear, x: object) -> torch.Tensor:
+        own_inputs.append(not isinstance(x, tuple))
+        return forward(self, x)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Fp8Linear, "forward", counting)
     fused = paged_runner(model).step({0: prompt})[0]
+    num_layers = len(model.model.layers)
+    assert sum(own_inputs) == num_layers and len(own_inputs) == 4 * num_layers  # o_proj alone
     for layer in model.model.layers:
         layer.input_layernorm.quantize = layer.post_attention_layernorm.quantize = False
         layer.mlp.quantize_act = False
+    own_inputs.clear()
     assert torch.equal(fused, paged_runner(model).step({0: prompt})[0])
+    assert all(own_inputs) and len(own_inputs) == 4 * num_layers
     for layer in model.model.layers:  # a W8A16 projection takes unquantized rows: nothing fuses
         layer.mlp.down_proj.skinny_max_m = 1 << 30
         fuse_input_quantization(layer)
