@@ -195,9 +195,9 @@ class ModelRunner:
 
     def _kv_cache_layout(self, agree_num_blocks: Callable[[int], int] | None) -> KVCacheLayout:
         mc, cfg = self.model_config, self.config
-        element_size = torch.empty(0, dtype=self.dtype).element_size()
+        element_size = self.dtype.itemsize
         bytes_per_block = 2 * mc.num_hidden_layers * cfg.block_size * self.num_kv_heads * mc.head_dim
-        bytes_per_block *= torch.empty(0, dtype=self.kv_dtype).element_size()
+        bytes_per_block *= self.kv_dtype.itemsize
         if cfg.kv_cache_memory_bytes is not None:
             budget = cfg.kv_cache_memory_bytes
         elif self.device.type == "cuda":
