@@ -36,7 +36,9 @@ def _round_to_e4m3(v):  # float32 with |v| <= 448 -> the nearest e4m3 value (tie
     shift = tl.minimum(14 - (((bits >> 23) & 0xFF) - 127), 31)  # >= 21 below 2^-6
     ticks = (mantissa + (1 << (shift - 1)) - 1 + ((mantissa >> shift) & 1)) >> shift
     sub = ticks.to(tl.float32) * 0.001953125  # a zero (read as 2^-127 here) gives 0 ticks
-    return tl.where(tl.abs(v) < 0.015625, tl.where(bits < 0, -sub, sub), normal)  # keeps -0.0
+    # The sign goes back as a bit: compiled, Triton's `-sub` is `0 - sub`, which turns -0.0 into +0.0.
+    signed_sub = (sub.to(tl.int32, bitcast=True) | (bits & -0x80000000)).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(v) < 0.015625, signed_sub, normal)
 
 
 @triton.jit
