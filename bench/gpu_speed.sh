@@ -9,7 +9,7 @@
 # Precision names: bf16, fp8 (W8A8 projections), either with "-kv8" (an fp8 KV cache).
 # Env: BS1_PRECISIONS (bf16 fp8), OFFLINE_VARIANTS (";"-separated extra arguments), GRID_PRECISIONS
 # (fp8-kv8 bf16), SERVE_PRECISIONS (bf16), SERVE_CONCURRENCY (1 16 64 128 256), API_SERVERS (1),
-# CLIENT_PROCESSES (auto). With a py-spy wheel in the carried wheels, c >= 256 also profiles the API
+# CLIENT_PROCESSES (auto), SERVE_VARIANTS (";"-separated extra `pagoda serve` arguments, a server each). With a py-spy wheel in the carried wheels, c >= 256 also profiles the API
 # process for 6 s (pyspy_api_*.raw).
 # Usage: bash bench/gpu_speed.sh TOKENIZER_DIR OUT_DIR [SECTIONS] (default: "kernels bs1 offline serve")
 set -uo pipefail
@@ -76,10 +76,13 @@ if has grid; then  # issue 11's grid: in / out lengths, enough requests for a st
     done
 fi
 if has serve; then
-    for q in ${SERVE_PRECISIONS:-bf16}; do
+    IFS=';' read -ra serve_variants <<< "${SERVE_VARIANTS:- }"
+    for q in ${SERVE_PRECISIONS:-bf16}; do for sv in "${serve_variants[@]}"; do
         extra=(); [ "$q" = fp8 ] && extra=(--precision fp8)
+        read -ra sv_args <<< "$sv"
+        echo "== serve $q ${sv}"; echo "## serve $q ${sv}" >> "$out/serve_metrics_$q.txt"
         python3 -m pagoda.cli serve --model /tmp/llama-8b-random --served-model-name m --port 8000 --grpc-port 8001 \
-            --max-num-seqs 256 --api-server-count "${API_SERVERS:-1}" "${extra[@]}" > "$out/serve_$q.log" 2>&1 &
+            --max-num-seqs 256 --api-server-count "${API_SERVERS:-1}" "${extra[@]}" "${sv_args[@]}" > "$out/serve_$q.log" 2>&1 &
         pid=$!
         for _ in $(seq 300); do
             curl -sf localhost:8000/v1/health/ready > /dev/null && break
@@ -94,14 +97,14 @@ if has serve; then
             fi
             timeout 120 python3 -m pagoda.service.bench serve --base-url http://localhost:8000 --model m --vocab-size 128256 \
                 --num-prompts $n --input-len 128 --output-len 128 --max-concurrency $c --client-processes "${CLIENT_PROCESSES:-auto}" \
-                --output "$out/serve_bench.md" 2>&1 | tail -12
+                --output "$out/serve_bench.md" 2>&1 | tail -14
             # The core's step-time histogram and GC pauses, cumulative: diff consecutive dumps.
             { echo "## c=$c"; curl -s localhost:8000/metrics | grep -E "^pagoda_(engine_(step_duration|gc_)|output_delay)"; } \
                 >> "$out/serve_metrics_$q.txt"
         done
         grep -i "captured\|error\|Traceback" "$out/serve_$q.log" | head -5
         kill -TERM $pid; wait $pid
-        step "serve $q"
-    done
+        step "serve $q $sv"
+    done; done
 fi
 step "all done"

@@ -39,6 +39,7 @@ class RequestResult:
     latency_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     output_tokens: int = 0
+    text_chunks: int = 0  # streamed chunks that carried text; fewer than the tokens when deltas bunch
     error: str = ""
 
 
@@ -53,6 +54,7 @@ class Summary:
     itl_ms: dict[str, float]
     tpot_ms: dict[str, float]  # per request: (latency - TTFT) / (output tokens - 1)
     latency_ms: dict[str, float]
+    tokens_per_chunk: float = 1.0  # output tokens / chunks with text: above 1, the ITL gaps span several tokens
     errors: dict[str, int] = field(default_factory=dict)  # why requests failed -> how many, most first
 
     @property
@@ -115,6 +117,7 @@ async def _stream(client: httpx.AsyncClient, body: dict[str, object], result: Re
             if not chunk.get("choices") or not chunk["choices"][0].get("text"):
                 continue
             now = time.monotonic()
+            result.text_chunks += 1
             if result.ttft_s == 0.0:
                 result.ttft_s = now - result.start_s
             else:
@@ -170,6 +173,7 @@ def summarize(results: list[RequestResult], input_len: int) -> Summary:
             [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
         ),
         latency_ms=_stats_ms([r.latency_s for r in ok]),
+        tokens_per_chunk=sum(r.output_tokens for r in ok) / max(1, sum(r.text_chunks for r in ok)),
         errors=dict(Counter(r.error or "no tokens" for r in results if not r.ok).most_common()),
     )
 
@@ -247,6 +251,8 @@ def format_summary(args: argparse.Namespace, summary: Summary, num_processes: in
             row("time per output token", summary.tpot_ms),
             row("inter-token latency", summary.itl_ms),
             row("end to end", summary.latency_ms),
+            "",
+            f"Output tokens per streamed text chunk: {summary.tokens_per_chunk:.2f}.",
             "",
             *(f"- failed {n}x: {error}" for error, n in list(summary.errors.items())[:5]),
             *([""] if summary.errors else []),

@@ -54,6 +54,7 @@ def test_all_at_once_under_a_concurrency_cap(server: ServeProcess) -> None:
     assert summary.output_tokens == 8 * 6 and summary.input_tokens == 8 * 16
     assert 0 < summary.ttft_ms["median"] <= summary.latency_ms["median"]
     assert summary.itl_ms["mean"] > 0 and summary.tpot_ms["mean"] > 0
+    assert 1.0 <= summary.tokens_per_chunk <= 3.0  # each chunk carries a token's text, a few at most
     assert summary.output_throughput > 0
 
 

@@ -161,3 +161,28 @@ def test_a_long_text_is_encoded_without_holding_the_gil(gguf_pair) -> None:
     assert longest_stall < 0.5, f"the GIL was held for {longest_stall:.2f} s"
     assert ids == ours.backend.encode(text).ids
     assert ours.max_token_chars >= max(len(ours.decode([t])) for t in ids[:50])
+
+
+def test_widened_vocab_gives_every_id_text_and_encodes_as_before(tokenizer_files: Path) -> None:
+    """The 8B bench checkpoint's tokenizer (Llama-3's 128256 ids): ids past SmolLM2's 49152 decode to text, so a random model's
+    stream carries text on (nearly) every token, and encoding is SmolLM2's."""
+    import random
+
+    from pagoda.service.gpu_check import widen_vocab
+
+    original = json.loads((tokenizer_files / "tokenizer.json").read_text())
+    folder = tokenizer_files.parent / "widened"
+    folder.mkdir(exist_ok=True)
+    (folder / "tokenizer.json").write_text(json.dumps(widen_vocab(original, 128256)))
+    (folder / "tokenizer_config.json").write_text((tokenizer_files / "tokenizer_config.json").read_text())
+    base, wide = Tokenizer.from_path(tokenizer_files), Tokenizer.from_path(folder)
+    assert wide.backend.get_vocab_size() == 128256
+    new_ids = range(49152, 128256)
+    assert all(wide.decode([i]) and "\ufffd" not in wide.decode([i]) for i in new_ids)
+    text = "Paged attention keeps the KV cache in blocks; ünïcödé 東京 too."
+    assert wide.encode(text) == base.encode(text)
+
+    rng = random.Random(0)
+    detokenizer = wide.detokenizer()
+    pushes = [detokenizer.push([rng.randrange(128256)]) for _ in range(2000)]
+    assert sum(bool(p) for p in pushes) >= 0.95 * len(pushes)
