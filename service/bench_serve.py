@@ -54,7 +54,8 @@ class Summary:
     itl_ms: dict[str, float]
     tpot_ms: dict[str, float]  # per request: (latency - TTFT) / (output tokens - 1)
     latency_ms: dict[str, float]
-    tokens_per_chunk: float = 1.0  # output tokens / chunks with text: above 1, the ITL gaps span several tokens
+    # Output tokens / chunks with text: above 1, an ITL gap spans several tokens.
+    tokens_per_chunk: float = 1.0
     errors: dict[str, int] = field(default_factory=dict)  # why requests failed -> how many, most first
 
     @property

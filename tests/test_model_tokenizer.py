@@ -164,8 +164,8 @@ def test_a_long_text_is_encoded_without_holding_the_gil(gguf_pair) -> None:
 
 
 def test_widened_vocab_gives_every_id_text_and_encodes_as_before(tokenizer_files: Path) -> None:
-    """The 8B bench checkpoint's tokenizer (Llama-3's 128256 ids): ids past SmolLM2's 49152 decode to text, so a random model's
-    stream carries text on (nearly) every token, and encoding is SmolLM2's."""
+    """The 8B bench checkpoint's tokenizer (Llama-3's 128256 ids): ids past SmolLM2's 49152 decode to
+    text, so a random model's stream carries text on (nearly) every token; encoding is SmolLM2's."""
     import random
 
     from pagoda.service.gpu_check import widen_vocab
