@@ -112,6 +112,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         2048,
         int,
     )
+    flag(
+        "--max-mixed-prefill-tokens",
+        "Prefill tokens one step may add while requests decode (0: up to the step budget); lower keeps "
+        "the streams' inter-token latency even when prompts arrive, at some cost in time to first token.",
+        0,
+        int,
+    )
     flag("--block-size", "Tokens per KV cache block (a power of two).", 16, int)
     flag(
         "--kv-cache-dtype",
@@ -243,6 +250,7 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_mixed_prefill_tokens=args.max_mixed_prefill_tokens,
         block_size=args.block_size,
         kv_cache_dtype=args.kv_cache_dtype,
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,

@@ -65,6 +65,7 @@ def test_batch_invariance_under_preemption_and_chunking(llama_ckpt: Path, is_asy
         model=str(llama_ckpt),
         dtype="float32",
         max_num_batched_tokens=48,
+        max_mixed_prefill_tokens=24 if is_async else 0,  # one run with prompts held to 24 beside decodes
         max_num_seqs=64,
         kv_cache_memory_bytes=40 * alone_engine.runner.kv.bytes_per_block,
         async_scheduling=is_async,

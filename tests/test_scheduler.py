@@ -29,6 +29,23 @@ def test_one_rule_prefill_chunks_then_decode() -> None:
     assert run_step(sched) == {"long": 1}  # decode
 
 
+def test_mixed_prefill_cap_applies_only_beside_decodes() -> None:
+    sched = Scheduler(BlockManager(64, 4), 8, max_num_batched_tokens=16, max_mixed_prefill_tokens=3)
+    sched.add(make(6, "first"))
+    sched.add(make(9, "second", start=100))
+    assert run_step(sched) == {"first": 6, "second": 9}  # nothing decodes yet: the whole budget
+    sched.add(make(8, "late", start=200))
+    assert run_step(sched) == {"first": 1, "second": 1, "late": 3}  # beside decodes: 3 prompt tokens
+    assert run_step(sched) == {"first": 1, "second": 1, "late": 3}  # a running chunk is held to it too
+    assert run_step(sched) == {"first": 1, "second": 1, "late": 2}
+    sched.finish(sched.running[0])
+    sched.finish(sched.running[0])
+    sched.add(make(12, "alone", start=300))
+    assert run_step(sched) == {"late": 1, "alone": 3}
+    sched.finish(sched.running[0])
+    assert run_step(sched) == {"alone": 9}  # no decodes left: the cap lifts
+
+
 def test_budget_and_sequence_cap() -> None:
     sched = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=100)
     for i in range(3):

@@ -21,6 +21,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048  # the per-step token budget (chunked prefill beyond it)
+    # Prefill tokens a step may add while requests decode (0: up to the step budget): bounds the gap that
+    # arriving prompts open in every running stream (inter-token latency), at some cost in TTFT.
+    max_mixed_prefill_tokens: int = 0
     block_size: int = 16
     gpu_memory_utilization: float = 0.9  # fraction of free device memory after the weights for the KV cache
     kv_cache_memory_bytes: int | None = None  # overrides the fraction; the CPU default is 512 MiB

@@ -156,7 +156,12 @@ class EngineCore:
         self.block_manager = BlockManager(
             executor.kv.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            config.max_mixed_prefill_tokens,
+        )
         self._requests: dict[str, list[Request]] = {}  # client request id -> its n sequences
         self._scheduled_time: dict[str, float] = {}  # sequence id -> first scheduled, until its first token
         self.prompt_tokens_total = 0

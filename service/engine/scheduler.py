@@ -42,10 +42,19 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_mixed_prefill_tokens: int = 0,
+    ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # Prefill tokens a step may add beside running decodes (0: the whole step budget). Every stream
+        # waits for the step, so this bounds the gap new prompts open in the others' token streams.
+        self.max_mixed_prefill_tokens = max_mixed_prefill_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -83,6 +92,10 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         bm = self.block_manager
         preempted = False
+        prefill_budget = budget
+        decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
+        if self.max_mixed_prefill_tokens and decoding:
+            prefill_budget = self.max_mixed_prefill_tokens
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -90,6 +103,12 @@ class Scheduler:
             if req.pending_forks and req.num_computed_tokens == req.fork_point:
                 self._fork(req, i)
             num_new = self._budget_for(req, budget)
+            if num_new > 1:  # a prompt chunk (or a recompute), not a decode
+                num_new = min(num_new, prefill_budget)
+                if num_new == 0:
+                    i += 1
+                    continue
+                prefill_budget -= num_new
             while not bm.can_allocate(req, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -105,11 +124,13 @@ class Scheduler:
                 continue
             break  # `req` itself was preempted: nothing newer is left to schedule
 
-        # Admit waiting requests unless this step had to preempt (memory is tight).
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+        # Admit waiting requests unless this step had to preempt.
+        while self.waiting and min(budget, prefill_budget) > 0 and len(self.running) < self.max_num_seqs:
+            if preempted:
+                break  # memory is tight
             req = self.waiting[0]
             num_cached = bm.num_cached_prefix_tokens(req)
-            num_new = min(req.num_tokens - num_cached, budget)
+            num_new = min(req.num_tokens - num_cached, budget, prefill_budget)
             if req.pending_forks:
                 num_new = min(num_new, req.fork_point - num_cached)
             if not bm.can_allocate(req, num_new):
@@ -124,6 +145,7 @@ class Scheduler:
             out.requests.append(req)
             out.num_scheduled_tokens.append(num_new)
             budget -= num_new
+            prefill_budget -= num_new
         return out
 
     def advance(self, out: SchedulerOutput) -> list[Request]:
