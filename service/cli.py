@@ -116,7 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-mixed-prefill-tokens",
         "Prefill tokens one step may add while requests decode (0: up to the step budget); lower keeps "
         "the streams' inter-token latency even when prompts arrive, at some cost in time to first token.",
-        0,
+        256,
         int,
     )
     flag("--block-size", "Tokens per KV cache block (a power of two).", 16, int)

@@ -11,6 +11,7 @@ import pytest
 
 from pagoda.cli import build_parser
 from pagoda.service import cli as serve_cli
+from pagoda.service.engine.config import EngineConfig
 
 FLAGS = [
     "--model",
@@ -56,6 +57,9 @@ def test_defaults() -> None:
     assert (server.port, server.grpc_port) == (8000, 8001)
     assert engine.model is None and engine.dtype == "auto" and engine.enable_prefix_caching
     assert server.api_server_count == 1
+    # Serving holds prompt chunks beside decodes to 256 tokens; the offline engine takes the whole budget.
+    assert engine.max_mixed_prefill_tokens == 256
+    assert EngineConfig().max_mixed_prefill_tokens == 0
 
 
 def test_environment_sets_flags_and_command_line_wins(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -83,6 +87,7 @@ def test_environment_sets_flags_and_command_line_wins(monkeypatch: pytest.Monkey
         (["--model", "/no/such/model"], "no such checkpoint"),
         (["--block-size", "12"], "block_size must be a power of two"),
         (["--cuda-graph-max-tokens", "-5"], "cuda_graph_max_tokens must be at least 0"),
+        (["--max-mixed-prefill-tokens", "-1"], "max_mixed_prefill_tokens must be at least 0, got -1"),
         (["--max-waiting-requests", "-1"], "--max-waiting-requests"),
         (["--api-server-count", "0"], "--api-server-count must be at least 1, got 0"),
     ],
