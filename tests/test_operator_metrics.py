@@ -14,6 +14,7 @@ from typing import Any
 
 import kopf
 import pytest
+from fake_kube import FakeKube
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -37,57 +38,6 @@ H100 = {
     },
     "status": {"allocatable": {"nvidia.com/gpu": "8"}},
 }
-
-
-class FakeKube:
-    """The calls Reconciler makes, over a dict of objects; `fail` makes one call raise."""
-
-    def __init__(self, nodes: list[dict]) -> None:
-        self.nodes = nodes
-        self.objects: dict[tuple[str, str, str], dict] = {}
-        self.statuses: dict[str, dict] = {}
-        self.refuse: dict[tuple[str, bool], KubeError] = {}  # (kind, dry_run) -> the API server's answer
-        self.fail: dict[str, Exception] = {}  # method name -> what it raises
-
-    def _call(self, method: str) -> None:
-        if method in self.fail:
-            raise self.fail[method]
-
-    def list_nodes(self) -> list[dict]:
-        self._call("list_nodes")
-        return copy.deepcopy(self.nodes)
-
-    def list_pods(self, namespace: str | None = None, selector: str = "") -> list[dict]:
-        return []
-
-    def list_objects(self, api_version: str, kind: str, namespace: str, selector: str) -> list[dict]:
-        return []
-
-    def exists(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
-        return True
-
-    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
-        return copy.deepcopy(self.objects.get((kind, namespace, name)))
-
-    def apply(self, obj: dict, dry_run: bool = False) -> dict:
-        if (error := self.refuse.get((obj["kind"], dry_run))) is not None:
-            raise error
-        if dry_run:
-            return copy.deepcopy(obj)
-        key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
-        stored = copy.deepcopy(obj)
-        stored["metadata"]["generation"] = 1
-        if "status" in self.objects.get(key, {}):  # apply never touches status
-            stored["status"] = self.objects[key]["status"]
-        self.objects[key] = stored
-        return copy.deepcopy(stored)
-
-    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
-        self.objects.pop((kind, namespace, name), None)
-
-    def patch_status(self, namespace: str, name: str, status: dict) -> None:
-        self._call("patch_status")
-        self.statuses[name] = status
 
 
 def inference_service(name: str, **spec: Any) -> dict:

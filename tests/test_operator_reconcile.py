@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
 import yaml
+from fake_kube import FakeKube
 
 from pagoda.operator import status as status_mod
 from pagoda.operator.kube import KubeError
@@ -34,63 +34,6 @@ def gpu_node(name: str, product: str, cc: str, memory: int, count: int) -> dict:
 
 H100 = gpu_node("h100", "NVIDIA-H100-80GB-HBM3", "9.0", 81559, 8)
 T4 = gpu_node("t4", "Tesla-T4", "7.5", 15360, 1)
-
-
-class FakeKube:
-    def __init__(self, nodes: list[dict]) -> None:
-        self.nodes = nodes
-        self.objects: dict[tuple[str, str, str], dict] = {}
-        self.writes: list[str] = []
-        self.refuse: dict[tuple[str, bool], KubeError] = {}  # (kind, dry_run) -> the API server's answer
-        self.pods: list[dict] = []
-        self.present: set[tuple[str, str]] = set()  # (kind, name) of PVCs and Secrets that exist
-
-    def list_nodes(self) -> list[dict]:
-        return copy.deepcopy(self.nodes)
-
-    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict | None:
-        obj = self.objects.get((kind, namespace, name))
-        return copy.deepcopy(obj) if obj else None
-
-    def apply(self, obj: dict, dry_run: bool = False) -> dict:
-        if (error := self.refuse.get((obj["kind"], dry_run))) is not None:
-            raise error
-        if dry_run:
-            return copy.deepcopy(obj)
-        key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
-        before = self.objects.get(key)
-        stored = copy.deepcopy(obj)
-        generation = (before or {}).get("metadata", {}).get("generation", 0)
-        if before is None or before.get("spec") != obj.get("spec"):
-            generation += 1
-            self.writes.append(f"apply {obj['kind']}")
-        stored["metadata"]["generation"] = generation
-        if before is not None and "status" in before:  # apply never touches status
-            stored["status"] = before["status"]
-        self.objects[key] = stored
-        return copy.deepcopy(stored)
-
-    def exists(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
-        return (kind, name) in self.present
-
-    def list_objects(self, api_version: str, kind: str, namespace: str, selector: str) -> list[dict]:
-        wanted = dict(s.split("=", 1) for s in selector.split(","))
-        return [
-            copy.deepcopy(o)
-            for (k, ns, _), o in self.objects.items()
-            if k == kind and ns == namespace and wanted.items() <= (o["metadata"].get("labels") or {}).items()
-        ] + [
-            copy.deepcopy(p)
-            for p in self.pods
-            if kind == "Pod" and wanted.items() <= p["metadata"].get("labels", {}).items()
-        ]
-
-    def list_pods(self, namespace: str | None = None, selector: str = "") -> list[dict]:
-        return copy.deepcopy(self.pods)
-
-    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
-        self.writes.append(f"delete {kind}")
-        self.objects.pop((kind, namespace, name), None)
 
 
 def inference_service(**spec: Any) -> dict:
