@@ -96,10 +96,19 @@ def rms_norm(
     return (reference.quantize_fp8_rows(normed) if quantize else normed), residual
 
 
-def silu_and_mul(x: torch.Tensor, quantize: bool = False) -> Any:  # [num_tokens, 2 * d] -> [num_tokens, d]
-    """SwiGLU's gate: `silu(x[:, :d]) * x[:, d:]`; with `quantize`, as (fp8 codes, float32 scale per row)."""
+def silu_and_mul(
+    x: torch.Tensor,  # [num_tokens, 2 * d]
+    quantize: bool = False,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scaled_dtype: torch.dtype | None = None,
+) -> Any:  # [num_tokens, d]
+    """SwiGLU's gate: `silu(x[:, :d]) * x[:, d:]`; with `quantize`, as (fp8 codes, float32 scale per row).
+    `scales` (row, column): `x` is an fp8 product still to be scaled into `scaled_dtype` first."""
     if use_triton(x):
-        return _triton_fn("activation", "silu_and_mul")(x, quantize=quantize)
+        fn = _triton_fn("activation", "silu_and_mul")
+        return fn(x, quantize=quantize, scales=scales, scaled_dtype=scaled_dtype)
+    if scales is not None:
+        x = reference.scale_product(x, *scales, scaled_dtype or x.dtype)
     out = reference.silu_and_mul(x)
     return reference.quantize_fp8_rows(out) if quantize else out
 

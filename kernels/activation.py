@@ -8,7 +8,8 @@ bf16 results match the reference to the last bit in most elements.
 row, as `quant.quantize_fp8_rows` would make them from the stored product: one program per row, which
 holds a row of up to 16k columns in registers; a wider row takes a first pass for its absolute maximum
 and a second that recomputes the product (from L2) and writes the codes. The input of an fp8 down
-projection, one launch and one bf16 round trip fewer.
+projection, one launch and one bf16 round trip fewer. With `scales` it also applies the fp8 gate-up
+projection's scales (what `quant.scale_product` would do in a launch of its own before it).
 """
 
 from __future__ import annotations
@@ -41,12 +42,20 @@ def _silu_and_mul_kernel(
 
 
 @triton.jit
-def _silu_mul_row(x_row, d, cols, mask):
+def _silu_mul_row(x_row, d, cols, mask, row_scale, col_scale_ptr, SCALED: tl.constexpr, DTYPE: tl.constexpr):
     gate = tl.load(x_row + cols, mask=mask, other=0.0)
     up = tl.load(x_row + d + cols, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    return (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+    if SCALED:  # an fp8 product before its scales: scale as `quant.scale_product`, rounding to DTYPE
+        g_col = tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
+        u_col = tl.load(col_scale_ptr + d + cols, mask=mask, other=0.0)
+        g = ((gate.to(tl.float32) * row_scale) * g_col).to(DTYPE)
+        u = ((up.to(tl.float32) * row_scale) * u_col).to(DTYPE)
+    else:
+        g = gate.to(DTYPE)
+        u = up.to(DTYPE)
+    g32 = g.to(tl.float32)
+    silu = (g32 / (1.0 + tl.exp(-g32))).to(DTYPE)
+    return (silu.to(tl.float32) * u.to(tl.float32)).to(DTYPE).to(tl.float32)
 
 
 @triton.jit
@@ -54,18 +63,23 @@ def _silu_and_mul_quant_kernel(
     x_ptr,  # [num_tokens, 2 * d]
     q_ptr,  # [num_tokens, d] float8_e4m3fn
     scale_ptr,  # [num_tokens] float32
+    row_scale_ptr,  # [num_tokens] float32 (SCALED)
+    col_scale_ptr,  # [2 * d] float32 (SCALED)
     d,
     stride_x,
     stride_q,
     BLOCK: tl.constexpr,
     ONE_PASS: tl.constexpr,  # the row fits one BLOCK: keep it in registers, read it once
+    SCALED: tl.constexpr,  # x is an fp8 product whose row and column scales are applied here
+    DTYPE: tl.constexpr,  # the activations' dtype (x's, or the scaled product's)
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     offs = tl.arange(0, BLOCK)
+    row_scale = tl.load(row_scale_ptr + row) if SCALED else 1.0
     if ONE_PASS:
         mask = offs < d
-        y = _silu_mul_row(x_row, d, offs, mask)
+        y = _silu_mul_row(x_row, d, offs, mask, row_scale, col_scale_ptr, SCALED, DTYPE)
         scale = _row_scale(tl.max(tl.abs(y), 0))
         tl.store(scale_ptr + row, scale)
         tl.store(q_ptr + row * stride_q + offs, _e4m3(y, scale), mask=mask)
@@ -73,16 +87,19 @@ def _silu_and_mul_quant_kernel(
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, d, BLOCK):
         cols = start + offs
-        amax = tl.maximum(amax, tl.abs(_silu_mul_row(x_row, d, cols, cols < d)))
+        y = _silu_mul_row(x_row, d, cols, cols < d, row_scale, col_scale_ptr, SCALED, DTYPE)
+        amax = tl.maximum(amax, tl.abs(y))
     scale = _row_scale(tl.max(amax, 0))
     tl.store(scale_ptr + row, scale)
     for start in range(0, d, BLOCK):
         cols = start + offs
         mask = cols < d
-        tl.store(q_ptr + row * stride_q + cols, _e4m3(_silu_mul_row(x_row, d, cols, mask), scale), mask=mask)
+        y = _silu_mul_row(x_row, d, cols, mask, row_scale, col_scale_ptr, SCALED, DTYPE)
+        tl.store(q_ptr + row * stride_q + cols, _e4m3(y, scale), mask=mask)
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _ONE_PASS_MAX = 16384
 
 
@@ -91,9 +108,15 @@ def silu_and_mul(
     *,
     out: torch.Tensor | None = None,  # [num_tokens, d], written when given
     quantize: bool = False,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # (row [num_tokens, 1], column [1, 2d])
+    scaled_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [num_tokens, d]
     """SwiGLU's gate: `silu(x[:, :d]) * x[:, d:]`; with `quantize`, as (fp8 codes [num_tokens, d],
-    float32 scales [num_tokens, 1])."""
+    float32 scales [num_tokens, 1]).
+
+    With `scales` (and `quantize`), `x` is an fp8 gate-up product that `torch._scaled_mm` ran with unit
+    scales: the kernel applies them as `quant.scale_product(x, *scales, scaled_dtype)` would, so the
+    codes are the same as that launch followed by this one, without the product's round trip."""
     if x.dim() != 2 or x.shape[1] % 2:
         raise ValueError(f"silu_and_mul: want x [num_tokens, 2 * d]; got {tuple(x.shape)}")
     if x.dtype not in _DTYPES:
@@ -101,11 +124,25 @@ def silu_and_mul(
     if x.stride(-1) != 1:
         raise ValueError(f"silu_and_mul: x must be contiguous in its last dim, strides {x.stride()}")
     num_tokens, d = x.shape[0], x.shape[1] // 2
+    if scales is not None and not (
+        quantize
+        and scales[0].numel() == num_tokens
+        and scales[1].numel() == 2 * d
+        and scales[0].dtype == scales[1].dtype == torch.float32
+    ):
+        raise ValueError(
+            f"silu_and_mul: scales apply with quantize=True as float32 [{num_tokens}, 1] and [1, {2 * d}]; "
+            f"got {[(tuple(s.shape), s.dtype) for s in scales]}"
+        )
     if quantize:
         if out is not None:
             raise ValueError("silu_and_mul: quantize writes new fp8 codes; out must not be given")
         q = torch.empty((num_tokens, d), dtype=FP8_DTYPE, device=x.device)
         scale = torch.empty((num_tokens, 1), dtype=torch.float32, device=x.device)
+        row_scale, col_scale = (s.contiguous() for s in scales) if scales is not None else (scale, scale)
+        dtype = (scaled_dtype or x.dtype) if scales is not None else x.dtype
+        if dtype not in _TL_DTYPES:
+            raise ValueError(f"silu_and_mul: scaled_dtype {dtype} not in {_DTYPES}")
         if num_tokens and d:
             # Up to 16k columns (Llama-3-8B's 14336) the row stays in registers, 32 per thread at 16
             # warps; a two-pass loop over 4096-column chunks reads it twice. At batch 1 on an H200 the
@@ -113,7 +150,8 @@ def silu_and_mul(
             one_pass = d <= _ONE_PASS_MAX
             block = triton.next_power_of_2(d) if one_pass else 4096
             _silu_and_mul_quant_kernel[(num_tokens,)](
-                x, q, scale, d, x.stride(0), q.stride(0), BLOCK=block, ONE_PASS=one_pass,
+                x, q, scale, row_scale, col_scale, d, x.stride(0), q.stride(0), BLOCK=block,
+                ONE_PASS=one_pass, SCALED=scales is not None, DTYPE=_TL_DTYPES[dtype],
                 num_warps=max(4, min(16, block // 1024)),
             )  # fmt: skip
         return q, scale

@@ -340,7 +340,23 @@ def fp8_layer_check() -> tuple[str, str, bool | None, str]:
     detail = ", ".join(
         f"{name} ({n} rows) rel. L2 {e:.2e}" for (name, n), e in zip(paths.items(), errors, strict=True)
     )
-    return ("Fp8Linear 4096x4096", "GPU kernels == float32 emulation", max(errors) < 1e-2, detail)
+    # gate_up's product with its scales deferred to the SiLU-and-mul that quantizes for down_proj.
+    from pagoda import kernels
+    from pagoda.kernels.quant import quantize_fp8_rows
+
+    layer.use_kernels = True
+    rows = quantize_fp8_rows(torch.randn(37, 4096, device="cuda", dtype=torch.bfloat16))
+    product, scales = layer.product_with_scales(rows)
+    fused = kernels.silu_and_mul(product, True, scales, layer.out_dtype)
+    unfused = kernels.silu_and_mul(layer(rows), True)
+    fused_ok = scales is not None and torch.equal(fused[0].view(torch.uint8), unfused[0].view(torch.uint8))
+    detail += f"; SiLU applying the deferred scales == scale_product then SiLU: {fused_ok}"
+    return (
+        "Fp8Linear 4096x4096",
+        "GPU kernels == float32 emulation",
+        max(errors) < 1e-2 and fused_ok,
+        detail,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -85,7 +85,7 @@ def test_fused_input_quantization_changes_no_logit(
     quantize_model_fp8(model, torch.device("cpu"))
     layer = model.model.layers[0]
     assert layer.input_layernorm.quantize and layer.post_attention_layernorm.quantize
-    assert layer.mlp.quantize_act
+    assert layer.mlp.quantize_act and layer.mlp.scale_in_activation
     prompt = list(range(100, 130))
     # Which projections quantize their own input (a tensor arrives) and which take fused rows (a tuple).
     own_inputs: list[bool] = []
@@ -101,7 +101,7 @@ def test_fused_input_quantization_changes_no_logit(
     assert sum(own_inputs) == num_layers and len(own_inputs) == 4 * num_layers  # o_proj alone
     for layer in model.model.layers:
         layer.input_layernorm.quantize = layer.post_attention_layernorm.quantize = False
-        layer.mlp.quantize_act = False
+        layer.mlp.quantize_act = layer.mlp.scale_in_activation = False
     own_inputs.clear()
     assert torch.equal(fused, paged_runner(model).step({0: prompt})[0])
     assert all(own_inputs) and len(own_inputs) == 4 * num_layers
@@ -109,6 +109,32 @@ def test_fused_input_quantization_changes_no_logit(
         layer.mlp.down_proj.skinny_max_m = 1 << 30
         fuse_input_quantization(layer)
         assert not layer.mlp.quantize_act and layer.input_layernorm.quantize
+        assert not layer.mlp.scale_in_activation
+
+
+def test_the_silu_applies_gate_up_scales_the_product_defers(
+    llama_ckpt: Path, paged_runner: type, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU, up to UNIT_SCALE_MAX_M rows, gate_up_proj's product comes back unscaled with its
+    scales, and the SiLU-and-mul that quantizes for down_proj applies them. That product is
+    `torch._scaled_mm`'s, which needs a GPU: a stand-in (the float32 product of the codes) holds the
+    wiring here; the kernel is checked in tests/kernels, the GPU path by `gpu_check`."""
+    model, _ = load_model(llama_ckpt, dtype=torch.float32)
+    quantize_model_fp8(model, torch.device("cpu"))
+    prompt = list(range(100, 130))
+    scaled = paged_runner(model).step({0: prompt})[0]
+    deferred_by: list[Fp8Linear] = []
+
+    def unscaled_product_gpu_stand_in(
+        self: Fp8Linear, x: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        deferred_by.append(self)
+        return x[0].float() @ self.weight.float().t(), (x[1], self.weight_scale)
+
+    monkeypatch.setattr(Fp8Linear, "product_with_scales", unscaled_product_gpu_stand_in)
+    deferred = paged_runner(model).step({0: prompt})[0]
+    assert deferred_by == [layer.mlp.gate_up_proj for layer in model.model.layers]
+    torch.testing.assert_close(deferred, scaled, rtol=1e-4, atol=1e-4)  # float32, other order
 
 
 def test_engine_serves_fp8(llama_ckpt: Path) -> None:

@@ -28,6 +28,7 @@ row-parallel layer keeps its all-reduce.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -43,7 +44,9 @@ SKINNY_MAX_M = 0
 # Rows up to which `_scaled_mm` runs with unit scales and `scale_product` applies them. On an H200
 # (kernels/bench_fp8.py, 8B projections, per step) unit scales take 2.1-2.5 ms up to M=128 against
 # row-wise 3.9-4.4 ms; at M=256, 3.7 ms plus ~0.8 ms of scaling against row-wise 4.95 ms in all.
-UNIT_SCALE_MAX_M = 128
+# PAGODA_FP8_UNIT_SCALE_MAX_M overrides it (a benchmark knob): at M=256 the unit-scale path pays the
+# scaling of qkv, o and down only, now that the SiLU-and-mul scales gate_up's product.
+UNIT_SCALE_MAX_M = int(os.environ.get("PAGODA_FP8_UNIT_SCALE_MAX_M", "128"))
 # The projections of each decoder layer; their sizes are multiples of 16, as _scaled_mm needs.
 TARGETS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
@@ -104,6 +107,25 @@ class Fp8Linear(nn.Module):
         activation), which quantizes in the same launch: always W8A8, never the skinny W8A16."""
         return self.skinny_max_m == 0
 
+    def product_with_scales(
+        self, x: QuantizedRows
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:  # [M, out], scales
+        """The product of already quantized rows, with its scales left to the caller where the
+        unit-scale path runs: (the unscaled product, (row scales [M, 1], column scales [1, out])), which
+        `kernels.silu_and_mul(..., scales=)` applies in its own launch. Elsewhere (more rows, the
+        float32 reference, a shard that reduces or a bias): (the scaled output, None)."""
+        xq, x_scale = x
+        if (
+            not self.use_kernels
+            or xq.shape[0] > UNIT_SCALE_MAX_M
+            or self.reduce is not None
+            or self.bias is not None
+        ):
+            return self.forward(x), None
+        one = self.unit_scale
+        acc = torch._scaled_mm(xq, self.weight.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        return acc, (x_scale, self.weight_scale)
+
     def _w8a16(self, rows: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
         if not self.use_kernels:
             return reference.fp8_matmul_w8a16(rows, self.weight, self.weight_scale)
@@ -153,8 +175,9 @@ def quantize_model_fp8(model: nn.Module, device: torch.device) -> int:
 
 def fuse_input_quantization(layer: nn.Module) -> None:
     """Let the ops in front of a decoder layer's fp8 projections hand them quantized rows: the two
-    norms (before qkv_proj and gate_up_proj) and the SiLU-and-mul (before down_proj). o_proj quantizes
-    its own input, the attention output. Undone where a projection is not an `Fp8Linear` that takes them."""
+    norms (before qkv_proj and gate_up_proj) and the SiLU-and-mul (before down_proj), which also applies
+    gate_up_proj's scales (`Fp8Linear.product_with_scales`). o_proj quantizes its own input, the
+    attention output. Undone where a projection is not an `Fp8Linear` that takes them."""
     attn: Any = layer.self_attn
     mlp: Any = layer.mlp
 
@@ -164,3 +187,5 @@ def fuse_input_quantization(layer: nn.Module) -> None:
     layer.input_layernorm.quantize = takes(attn.qkv_proj)  # type: ignore[union-attr]
     layer.post_attention_layernorm.quantize = takes(mlp.gate_up_proj)  # type: ignore[union-attr]
     mlp.quantize_act = takes(mlp.down_proj)
+    # The SiLU-and-mul that quantizes for down_proj also scales gate_up_proj's product.
+    mlp.scale_in_activation = takes(mlp.gate_up_proj) and mlp.quantize_act

@@ -117,8 +117,13 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [part, part], bias=False)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, False, tp)
         self.quantize_act = False  # hand down_proj fp8 rows (fp8.fuse_input_quantization)
+        self.scale_in_activation = False  # the SiLU applies gate_up_proj's fp8 scales (the same)
 
     def forward(self, x: Any) -> torch.Tensor:
+        if self.scale_in_activation:
+            product, scales = self.gate_up_proj.product_with_scales(x)
+            dtype = self.gate_up_proj.out_dtype
+            return self.down_proj(kernels.silu_and_mul(product, True, scales, dtype))
         return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x), quantize=self.quantize_act))
 
 

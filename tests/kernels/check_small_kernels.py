@@ -24,7 +24,7 @@ import pagoda.kernels as kernels  # noqa: E402
 from pagoda.kernels.activation import silu_and_mul  # noqa: E402
 from pagoda.kernels.kv_cache import write_kv  # noqa: E402
 from pagoda.kernels.norm import rms_norm  # noqa: E402
-from pagoda.kernels.quant import quantize_fp8_rows  # noqa: E402
+from pagoda.kernels.quant import quantize_fp8_rows, scale_product  # noqa: E402
 from pagoda.kernels.rotary import rotary_embedding  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -213,6 +213,29 @@ def test_silu_and_mul_quantized(dtype: torch.dtype, d: int) -> None:
     x = randn(5, 2 * d, dtype=dtype) * 3
     x[1, 7] = 40.0  # one large gate: the row's scale follows it
     _codes_match(silu_and_mul(x, quantize=True), quantize_fp8_rows(silu_and_mul(x)))
+
+
+@pytest.mark.parametrize("scaled_dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", [64, 17000])
+def test_silu_and_mul_applies_fp8_product_scales(scaled_dtype: torch.dtype, d: int) -> None:
+    """An unscaled fp8 gate-up product (bf16 on the GPU, float32 in the interpreter) with its row and
+    column scales: the same codes as `scale_product` into `scaled_dtype` followed by the fused kernel."""
+    acc_dtype = torch.float32 if INTERPRET else torch.bfloat16
+    acc = (randn(4, 2 * d) * 300).to(acc_dtype)  # |acc| up to ~448^2 x K in the model
+    row_scale = (torch.rand(4, 1, device=DEVICE) + 0.5) * 1e-3
+    col_scale = (torch.rand(1, 2 * d, device=DEVICE) + 0.5) * 1e-2
+    col_scale[0, 3] = 0.5  # one large gate column
+    got = silu_and_mul(acc, quantize=True, scales=(row_scale, col_scale), scaled_dtype=scaled_dtype)
+    scaled = scale_product(acc, row_scale, col_scale, scaled_dtype)
+    _codes_match(got, silu_and_mul(scaled, quantize=True))
+    ref = reference.quantize_fp8_rows(
+        reference.silu_and_mul(reference.scale_product(acc, row_scale, col_scale, scaled_dtype))
+    )
+    torch.testing.assert_close(got[0].float() * got[1], ref[0].float() * ref[1], rtol=0.13, atol=1e-3)
+    with pytest.raises(ValueError, match="scales apply with quantize=True"):
+        silu_and_mul(acc, scales=(row_scale, col_scale))
+    with pytest.raises(ValueError, match="scales apply with quantize=True"):
+        silu_and_mul(acc, quantize=True, scales=(row_scale, col_scale[:, :d]))
 
 
 def test_silu_and_mul_refuses_odd_width() -> None:
