@@ -342,6 +342,34 @@ def small_service(name: str, **spec: Any) -> dict:
     }
 
 
+def deletion_stuck(cluster, namespace: str, name: str, stderr: str, op: Operator, grace: float = 30.0) -> str:
+    """Why a `kubectl delete --wait` timed out: the object's finalizers and deletionTimestamp then, whether
+    it went within `grace` seconds more (kopf looks again at a timer still in its pass only every
+    settings.background.cancellation_polling seconds: 60 by default, 1 as handlers.configure sets it), and
+    the operator's log."""
+    isvc = get(cluster, namespace, "inferenceservice", name)
+    meta = (isvc or {}).get("metadata") or {}
+    # kopf's progress and touch annotations; not the two copies of the spec (last-handled, last-applied).
+    annotations = {k: v for k, v in (meta.get("annotations") or {}).items() if "/last-" not in k}
+    start = time.monotonic()
+    gone = wait_for_quietly(lambda: get(cluster, namespace, "inferenceservice", name) is None, grace)
+    later = f"gone {time.monotonic() - start:.1f}s later" if gone else f"still there {grace:.0f}s later"
+    return (
+        f"{stderr}\nat the timeout: finalizers={meta.get('finalizers')} "
+        f"deletionTimestamp={meta.get('deletionTimestamp')} resourceVersion={meta.get('resourceVersion')} "
+        f"annotations={annotations}; {later}\noperator log:\n{op.tail(120)}"
+    )
+
+
+def wait_for_quietly(check: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
 def test_scale_roll_repair_and_delete(cluster, namespace, operator) -> None:
     apply(cluster, namespace, small_service("life", replicas=1))
     ready_service(cluster, namespace, "life", operator)
@@ -397,8 +425,8 @@ def test_scale_roll_repair_and_delete(cluster, namespace, operator) -> None:
     deleted = cluster.kubectl(
         "delete", "pis/life", "-n", namespace, "--wait=true", "--timeout=60s", check=False
     )
-    # This has timed out now and then (kopf holding the finalizer): the operator's log says why.
-    assert deleted.returncode == 0, f"{deleted.stderr}\noperator log:\n{operator.tail(120)}"
+    # This has timed out now and then (kopf holding the finalizer): say what the object still holds.
+    assert deleted.returncode == 0, deletion_stuck(cluster, namespace, "life", deleted.stderr, operator)
     for kind in ("deployment", "service", "poddisruptionbudget"):
         wait_for(
             f"the {kind} to be collected", lambda kind=kind: get(cluster, namespace, kind, "life") is None

@@ -28,6 +28,8 @@ def test_settings() -> None:
     configure(settings)
     assert settings.persistence.finalizer == "serving.pagoda.dev/finalizer"
     assert settings.scanning.disabled is True
+    # A deletion during a resync pass is released at kopf's next look, not 60 s later (handlers.configure).
+    assert settings.background.cancellation_polling <= 2
 
 
 def test_node_fingerprint_ignores_heartbeats_and_sees_what_selection_reads() -> None:
