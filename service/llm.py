@@ -55,9 +55,8 @@ class LLM:
             self.engine.add_request(rid, prompt, sp, validated_token_ids=toks)  # type: ignore[arg-type]
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished:
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
+            for out in self.engine.step(final_only=True):
+                final[out.request_id] = out
         return [final[rid] for rid in ids]
 
     def chat(

@@ -51,6 +51,25 @@ def test_prefix_cache_shares_full_blocks_and_leaves_one_token() -> None:
     assert bm.num_cached_prefix_tokens(third) == 8
 
 
+def test_decode_registers_each_block_once_it_fills_and_again_after_preemption() -> None:
+    """Blocks are registered as they fill, one step at a time, and a request freed (preempted) and
+    computed again registers its blocks anew."""
+    bm = BlockManager(num_blocks=8, block_size=4)
+    req = make(list(range(6)), "a")
+    compute(bm, req, 6)
+    assert bm.num_cached_prefix_tokens(make(list(range(9)), "probe1")) == 4  # one full block so far
+    for token in (6, 7, 8):  # decode: position 7 fills the second block
+        req.token_ids.append(token)
+        compute(bm, req, 1)
+    assert bm.num_cached_prefix_tokens(make(list(range(9)), "probe2")) == 8
+    bm.free(req)  # preempted: its blocks are free but findable; it recomputes with new blocks
+    for block in bm.blocks:  # forget them, as if other requests had taken those blocks
+        block.block_hash = None
+    bm._hash_to_block.clear()
+    compute(bm, req, len(req.token_ids))
+    assert bm.num_cached_prefix_tokens(make([*range(9), 100], "probe3")) == 8
+
+
 def test_freed_blocks_stay_findable_until_reused() -> None:
     bm = BlockManager(num_blocks=4, block_size=4)
     a = make(list(range(9)), "a")

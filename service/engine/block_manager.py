@@ -33,6 +33,7 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._hash_to_block: dict[int, int] = {}
         self._block_hashes: dict[str, list[int]] = {}  # request id -> chained hashes of its full blocks
+        self._num_registered: dict[str, int] = {}  # request id -> its leading blocks seen by the cache
         # Counters for metrics and tests (tokens, not blocks).
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
@@ -143,9 +144,13 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+        start = self._num_registered.get(req.request_id, 0)
+        if start >= num_full:
+            return  # called every step: only a block that just filled is new (once in block_size steps)
+        self._num_registered[req.request_id] = num_full
         hashes = self._hashes(req, num_full)
         bs = self.block_size
-        for i in range(num_full):
+        for i in range(start, num_full):
             block = self.blocks[req.block_ids[i]]
             if block.block_hash is not None:
                 continue
@@ -175,3 +180,4 @@ class BlockManager:
         req.block_ids = []
         req.num_computed_tokens = 0
         self._block_hashes.pop(req.request_id, None)
+        self._num_registered.pop(req.request_id, None)

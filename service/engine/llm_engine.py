@@ -94,11 +94,12 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.output_processor.requests)
 
-    def step(self) -> list[RequestOutput]:
-        """Run one batch; return an output for every client request that changed."""
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Run one batch; return an output for every client request that changed (`final_only`: that
+        finished)."""
         step = self.core.step()
         now = time.monotonic()
-        outputs, stops = self.output_processor.process(step.tokens, step.prompt_logprobs, now)
+        outputs, stops = self.output_processor.process(step.tokens, step.prompt_logprobs, now, final_only)
         for request_id, index in stops:
             self.core.abort(request_id, index)
         for failure in step.failures:  # ended by the core: their final outputs say why

@@ -91,10 +91,16 @@ class OutputProcessor:
         self.requests[request_id] = client
 
     def process(
-        self, outputs: list[TokenOutput], prompt_logprobs: list[PromptLogprobs], now: float
+        self,
+        outputs: list[TokenOutput],
+        prompt_logprobs: list[PromptLogprobs],
+        now: float,
+        final_only: bool = False,
     ) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
         """One core step's outputs -> an output for every request that changed (in batch order), and the
-        (request id, index) sequences the core must stop because their text hit a stop string."""
+        (request id, index) sequences the core must stop because their text hit a stop string.
+        `final_only`: outputs for the requests that finished only (`LLM.generate`, which keeps no other:
+        building 256 outputs a step is host time the GPU waits for)."""
         for scored in prompt_logprobs:
             client = self.requests.get(scored.request_id)
             if client is not None:
@@ -112,7 +118,8 @@ class OutputProcessor:
             if c.finish_reason is not None and token.finish_reason is None:
                 stops.append((client.request_id, c.index))
             touched[client.request_id] = client
-        return [self._output(client, now) for client in touched.values()], stops
+        changed = [c for c in touched.values() if c.is_finished] if final_only else touched.values()
+        return [self._output(client, now) for client in changed], stops
 
     def abort(self, request_id: str, now: float) -> RequestOutput | None:
         """The final output of an aborted request (`finish_reason="abort"` for every completion still
