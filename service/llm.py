@@ -52,10 +52,10 @@ class LLM:
         token_ids = [self.engine.validate(p, sp) for p, sp in zip(prompts, param_list, strict=True)]
         ids = [f"offline-{i}" for i in range(len(prompts))]
         for rid, prompt, sp, toks in zip(ids, prompts, param_list, token_ids, strict=True):
-            self.engine.add_request(rid, prompt, sp, validated_token_ids=toks)  # type: ignore[arg-type]
+            self.engine.add_request(rid, prompt, sp, validated_token_ids=toks, final_only=True)  # type: ignore[arg-type]
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished:
-            for out in self.engine.step(final_only=True):
+            for out in self.engine.step():  # final-only requests: each output is a finished one
                 final[out.request_id] = out
         return [final[rid] for rid in ids]
 

@@ -73,14 +73,16 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         validated_token_ids: list[int] | None = None,
+        final_only: bool = False,
     ) -> None:
-        """Queue a request. `validated_token_ids`: the result of an earlier `validate(prompt, params)`."""
+        """Queue a request. `validated_token_ids`: the result of an earlier `validate(prompt, params)`.
+        `final_only`: `step` returns its output once, when it finishes (`LLM.generate`)."""
         if request_id in self.output_processor.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         token_ids = validated_token_ids if validated_token_ids is not None else self.validate(prompt, params)
         now = time.monotonic() if arrival_time is None else arrival_time
         self.output_processor.add_request(
-            request_id, prompt if isinstance(prompt, str) else None, token_ids, params, now
+            request_id, prompt if isinstance(prompt, str) else None, token_ids, params, now, final_only
         )
         self.core.add_request(AddRequest(request_id, token_ids, params, now))
 
@@ -94,12 +96,12 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.output_processor.requests)
 
-    def step(self, final_only: bool = False) -> list[RequestOutput]:
-        """Run one batch; return an output for every client request that changed (`final_only`: that
-        finished)."""
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; return an output for every client request that changed (a final-only one's
+        when it finishes)."""
         step = self.core.step()
         now = time.monotonic()
-        outputs, stops = self.output_processor.process(step.tokens, step.prompt_logprobs, now, final_only)
+        outputs, stops = self.output_processor.process(step.tokens, step.prompt_logprobs, now)
         for request_id, index in stops:
             self.core.abort(request_id, index)
         for failure in step.failures:  # ended by the core: their final outputs say why

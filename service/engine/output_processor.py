@@ -28,6 +28,7 @@ class CompletionState:
     num_emitted_logprobs: int = 0
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    undecoded: list[int] = field(default_factory=list)  # final-only: detokenized once, at the end
 
 
 @dataclass
@@ -39,6 +40,9 @@ class ClientRequest:
     completions: list[CompletionState]
     metrics: RequestMetrics
     prompt_logprobs: list[Logprob | None] | None = None
+    # Only the last output is wanted (`LLM.generate`): none is built before it, and without stop
+    # strings the text is decoded once at the end. Host time per step is time the GPU waits for.
+    final_only: bool = False
 
     @property
     def is_finished(self) -> bool:
@@ -71,6 +75,7 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float,
+        final_only: bool = False,
     ) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -84,23 +89,24 @@ class OutputProcessor:
             for c in completions:
                 c.logprobs = []
         client = ClientRequest(
-            request_id, prompt, list(prompt_token_ids), params, completions, RequestMetrics(arrival_time)
+            request_id,
+            prompt,
+            list(prompt_token_ids),
+            params,
+            completions,
+            RequestMetrics(arrival_time),
+            final_only=final_only,
         )
         if params.prompt_logprobs is not None:
             client.prompt_logprobs = [None]  # nothing scores the first prompt token
         self.requests[request_id] = client
 
     def process(
-        self,
-        outputs: list[TokenOutput],
-        prompt_logprobs: list[PromptLogprobs],
-        now: float,
-        final_only: bool = False,
+        self, outputs: list[TokenOutput], prompt_logprobs: list[PromptLogprobs], now: float
     ) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
-        """One core step's outputs -> an output for every request that changed (in batch order), and the
-        (request id, index) sequences the core must stop because their text hit a stop string.
-        `final_only`: outputs for the requests that finished only (`LLM.generate`, which keeps no other:
-        building 256 outputs a step is host time the GPU waits for)."""
+        """One core step's outputs -> an output for every request that changed (in batch order; for a
+        final-only request, once it finishes), and the (request id, index) sequences the core must stop
+        because their text hit a stop string."""
         for scored in prompt_logprobs:
             client = self.requests.get(scored.request_id)
             if client is not None:
@@ -118,7 +124,7 @@ class OutputProcessor:
             if c.finish_reason is not None and token.finish_reason is None:
                 stops.append((client.request_id, c.index))
             touched[client.request_id] = client
-        changed = [c for c in touched.values() if c.is_finished] if final_only else touched.values()
+        changed = [c for c in touched.values() if not c.final_only or c.is_finished]
         return [self._output(client, now) for client in changed], stops
 
     def abort(self, request_id: str, now: float) -> RequestOutput | None:
@@ -130,6 +136,7 @@ class OutputProcessor:
         for c in client.completions:
             if c.finish_reason is None:
                 c.finish_reason = "abort"
+            self._decode_undecoded(c)
         return self._output(client, now)
 
     def fail(self, request_id: str, message: str, now: float) -> RequestOutput | None:
@@ -141,6 +148,7 @@ class OutputProcessor:
         for c in client.completions:
             if c.finish_reason is None:
                 c.finish_reason = "error"
+            self._decode_undecoded(c)
         output = self._output(client, now)
         output.error = message
         return output
@@ -175,6 +183,9 @@ class OutputProcessor:
 
         if token.finish_reason == "stop":  # EOS or a stop token id: neither shows in the text
             c.finish_reason, c.stop_reason = "stop", token.stop_reason
+        elif client.final_only and not params.stop:
+            c.undecoded.append(sample.token_id)
+            c.finish_reason = token.finish_reason
         else:
             c.text += c.detokenizer.push([sample.token_id])
             if params.stop:
@@ -187,7 +198,14 @@ class OutputProcessor:
             if c.finish_reason is None and token.finish_reason is not None:
                 c.finish_reason = token.finish_reason
         if c.finish_reason is not None and not isinstance(c.stop_reason, str):
+            self._decode_undecoded(c)
             c.text += c.detokenizer.flush()  # a held-back partial character, if the stream ends in one
+
+    @staticmethod
+    def _decode_undecoded(c: CompletionState) -> None:
+        if c.undecoded:
+            c.text += c.detokenizer.push(c.undecoded)
+            c.undecoded = []
 
     def _output(self, client: ClientRequest, now: float) -> RequestOutput:
         """What changed since the last output (deltas) and everything so far (cumulative); a finished
