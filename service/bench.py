@@ -217,7 +217,7 @@ def _decode_busy(llm: Any, prompts: list[list[int]], steps: int, top: int = 0) -
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"busy-{i}", prompt, params)
+        engine.add_request(f"busy-{i}", prompt, params, final_only=True)  # as LLM.generate does
     for _ in range(32):  # prefills, and the ramp to a steady batch
         engine.step()
     torch.cuda.synchronize()
