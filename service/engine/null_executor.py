@@ -18,6 +18,8 @@ import os
 import time
 from dataclasses import dataclass
 
+import torch
+
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.messages import SampleResult
 from pagoda.service.engine.model_runner import KVCacheLayout, StepResult
@@ -45,6 +47,8 @@ class NullExecutor:
         from pagoda.service.model import load_model
 
         _, self.model_config = load_model(config.model_path, "auto", "cpu")
+        self.device = torch.device("cpu")  # what `pagoda bench offline` reads off a runner
+        self.dtype = "no model (null executor)"
         block_size = config.block_size
         self.kv = KVCacheLayout(_VIRTUAL_KV_TOKENS // block_size, block_size, 1)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
