@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagoda.service.engine.block_tables import BlockTables
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.cuda_graphs import StepGraphs
 from pagoda.service.engine.request import PLACEHOLDER
@@ -150,6 +151,8 @@ class ModelRunner:
             layer.k_cache = self.kv_cache[0, i]
             layer.v_cache = self.kv_cache[1, i]
         self.max_model_len = self._max_model_len()
+        max_blocks = -(-self.max_model_len // config.block_size) + 1  # +1: a fork's copy-on-write slack
+        self.block_tables = BlockTables(config.max_num_seqs + 64, max_blocks)
         self.sampler = Sampler(mc.vocab_size, eos_token_ids)
         self.graphs: StepGraphs | None = None
         if self.device.type == "cuda":
@@ -235,10 +238,7 @@ class ModelRunner:
         )
         row = np.repeat(np.arange(len(reqs)), counts)
         positions = np.arange(total) - query_start_loc[:-1][row] + starts[row]
-        width = max(len(r.block_ids) for r in reqs)
-        block_tables = np.zeros((len(reqs), width), dtype=np.int32)
-        for i, r in enumerate(reqs):
-            block_tables[i, : len(r.block_ids)] = r.block_ids
+        block_tables = self.block_tables.gather(reqs)
         bs = self.kv.block_size
         slot_mapping = block_tables[row, positions // bs].astype(np.int64) * bs + positions % bs
         batch = {
