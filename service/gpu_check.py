@@ -55,7 +55,7 @@ def widen_vocab(tokenizer_json: dict[str, Any], vocab_size: int) -> dict[str, An
     made the served inter-token latency look 2.6x longer than the server's."""
     from tokenizers import Tokenizer as Backend
 
-    widened = json.loads(json.dumps(tokenizer_json))
+    widened = copy.deepcopy(tokenizer_json)
     vocab: dict[str, int] = widened["model"]["vocab"]
     decode = Backend.from_str(json.dumps(tokenizer_json)).decode
     whole = [p for p, i in vocab.items() if len(p) > 1 and (text := decode([i])) and "\ufffd" not in text]

@@ -51,9 +51,7 @@ class BlockTables:
             self.table[row, : self._filled[row]] = 0  # a preempted request's old blocks
             filled = start = 0
         end = len(ids)
-        self.table[row, start:end] = ids[start:end]
-        if end < filled:  # fewer blocks than before: not done by the block manager, but stay exact
-            self.table[row, end:filled] = 0
+        self.table[row, start:end] = ids[start:end]  # a running request's list never shrinks
         self._filled[row] = end
         self._last[row] = ids[-1] if ids else -1
         return row

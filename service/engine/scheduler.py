@@ -93,9 +93,9 @@ class Scheduler:
         bm = self.block_manager
         preempted = False
         prefill_budget = budget
-        decoding = any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running)
-        if self.max_mixed_prefill_tokens and decoding:
-            prefill_budget = self.max_mixed_prefill_tokens
+        cap = self.max_mixed_prefill_tokens  # (the scan for decodes runs only when a cap is set)
+        if cap and any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
+            prefill_budget = cap
 
         i = 0
         while i < len(self.running) and budget > 0:
