@@ -5,11 +5,13 @@ float32 and rounded to x's dtype before the product, as PyTorch's two-op referen
 bf16 results match the reference to the last bit in most elements.
 
 `silu_and_mul(x, quantize=True)` instead returns the product as fp8 (e4m3) codes with one scale per
-row, as `quant.quantize_fp8_rows` would make them from the stored product: one program per row, which
-holds a row of up to 16k columns in registers; a wider row takes a first pass for its absolute maximum
-and a second that recomputes the product (from L2) and writes the codes. The input of an fp8 down
-projection, one launch and one bf16 round trip fewer. With `scales` it also applies the fp8 gate-up
-projection's scales (what `quant.scale_product` would do in a launch of its own before it).
+row, as `quant.quantize_fp8_rows` would make them from the stored product. Small batches (decode at
+low load) spread each row over 1024-column tiles: one launch takes each tile's absolute maximum, a
+second recomputes the product (from L2) and writes the codes with the row's scale. Larger batches take
+one program per row, which holds a row of up to 16k columns in registers; a wider row loops twice.
+The input of an fp8 down projection, one launch and one bf16 round trip fewer. With `scales` it also
+applies the fp8 gate-up projection's scales (what `quant.scale_product` would do in a launch of its own
+before it).
 """
 
 from __future__ import annotations
@@ -98,9 +100,67 @@ def _silu_and_mul_quant_kernel(
         tl.store(q_ptr + row * stride_q + cols, _e4m3(y, scale), mask=mask)
 
 
+@triton.jit
+def _silu_mul_tile_amax_kernel(
+    x_ptr,  # [num_tokens, 2 * d]
+    amax_ptr,  # [num_tokens, num_tiles] float32: each tile's absolute maximum
+    row_scale_ptr,  # [num_tokens] float32 (SCALED)
+    col_scale_ptr,  # [2 * d] float32 (SCALED)
+    d,
+    stride_x,
+    num_tiles,
+    TILE: tl.constexpr,
+    SCALED: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    cols = tile * TILE + tl.arange(0, TILE)
+    row_scale = tl.load(row_scale_ptr + row) if SCALED else 1.0
+    y = _silu_mul_row(x_ptr + row * stride_x, d, cols, cols < d, row_scale, col_scale_ptr, SCALED, DTYPE)
+    tl.store(amax_ptr + row * num_tiles + tile, tl.max(tl.abs(y), 0))
+
+
+@triton.jit
+def _silu_mul_tile_quant_kernel(
+    x_ptr,  # [num_tokens, 2 * d]
+    amax_ptr,  # [num_tokens, num_tiles] float32, from _silu_mul_tile_amax_kernel
+    q_ptr,  # [num_tokens, d] float8_e4m3fn
+    scale_ptr,  # [num_tokens] float32
+    row_scale_ptr,
+    col_scale_ptr,
+    d,
+    stride_x,
+    stride_q,
+    num_tiles,
+    TILE: tl.constexpr,
+    TILES_POW2: tl.constexpr,
+    SCALED: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    tiles = tl.arange(0, TILES_POW2)
+    amax = tl.load(amax_ptr + row * num_tiles + tiles, mask=tiles < num_tiles, other=0.0)
+    scale = _row_scale(tl.max(amax, 0))
+    if tile == 0:
+        tl.store(scale_ptr + row, scale)
+    cols = tile * TILE + tl.arange(0, TILE)
+    mask = cols < d
+    row_scale = tl.load(row_scale_ptr + row) if SCALED else 1.0
+    y = _silu_mul_row(x_ptr + row * stride_x, d, cols, mask, row_scale, col_scale_ptr, SCALED, DTYPE)
+    tl.store(q_ptr + row * stride_q + cols, _e4m3(y, scale), mask=mask)
+
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _ONE_PASS_MAX = 16384
+# Batches of up to this many rows are quantized in 1024-column tiles spread over the GPU (two launches,
+# the second reading x again, from L2) instead of one program per row: on an H200 at 14336 columns,
+# 3.4 against 7.5 us at 1 row, 7.2 against 8.3 at 64, and 10.2 against 8.9 at 128
+# (`python -m pagoda.kernels.bench_fp8 --activation`, BENCHMARKS.md).
+TILED_MAX_ROWS = 64
+_TILE = 1024
 
 
 def silu_and_mul(
@@ -143,7 +203,19 @@ def silu_and_mul(
         dtype = (scaled_dtype or x.dtype) if scales is not None else x.dtype
         if dtype not in _TL_DTYPES:
             raise ValueError(f"silu_and_mul: scaled_dtype {dtype} not in {_DTYPES}")
-        if num_tokens and d:
+        if num_tokens and d and num_tokens <= TILED_MAX_ROWS:
+            num_tiles = triton.cdiv(d, _TILE)
+            amax = torch.empty((num_tokens, num_tiles), dtype=torch.float32, device=x.device)
+            args = (d, x.stride(0))
+            flags = {"SCALED": scales is not None, "DTYPE": _TL_DTYPES[dtype], "num_warps": 4}
+            _silu_mul_tile_amax_kernel[(num_tokens, num_tiles)](
+                x, amax, row_scale, col_scale, *args, num_tiles, TILE=_TILE, **flags
+            )
+            _silu_mul_tile_quant_kernel[(num_tokens, num_tiles)](
+                x, amax, q, scale, row_scale, col_scale, *args, q.stride(0), num_tiles, TILE=_TILE,
+                TILES_POW2=triton.next_power_of_2(num_tiles), **flags,
+            )  # fmt: skip
+        elif num_tokens and d:
             # Up to 16k columns (Llama-3-8B's 14336) the row stays in registers, 32 per thread at 16
             # warps; a two-pass loop over 4096-column chunks reads it twice. At batch 1 on an H200 the
             # two-pass kernel took 10.7 us per call for 14336 columns.

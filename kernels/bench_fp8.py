@@ -1,6 +1,6 @@
 """fp8 projection benchmark at Llama-3-8B shapes: every way to run `Fp8Linear` against bf16, per row count.
 
-    python -m pagoda.kernels.bench_fp8 [--quick] [--sweep] [--markdown PATH]
+    python -m pagoda.kernels.bench_fp8 [--quick] [--sweep] [--activation] [--markdown PATH]
 
 For M in 1..256 rows and the four projections of a decoder layer (qkv 4096->6144, o 4096->4096,
 gate_up 4096->28672, down 14336->4096) it times, in microseconds of CUDA-graph replay (the engine's
@@ -46,6 +46,7 @@ REP_MS = 20  # graph replay per timing (bench.py's 50 would take this run past t
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help=f"rows {QUICK_ROWS} only")
     parser.add_argument("--sweep", action="store_true", help="also time skinny kernel tile variants")
+    parser.add_argument("--activation", action="store_true", help="time only the quantizing SiLU-and-mul")
     parser.add_argument("--markdown", help="write the tables to this file")
 
 
@@ -260,6 +261,63 @@ def sweep() -> list[str]:
     return lines
 
 
+def _activation_row(m: int, d: int) -> list[float | str]:
+    """One row count's cells of `activation_table`: bf16 out, then per row / tiled, unscaled / scaled."""
+    import torch
+
+    from pagoda.kernels import activation
+
+    copies = [
+        torch.randn(m, 2 * d, device=DEVICE, dtype=torch.bfloat16) for _ in range(_num_copies(4 * m * d))
+    ]
+    row_scale = torch.rand(m, 1, device=DEVICE) * 1e-3
+    col_scale = torch.rand(1, 2 * d, device=DEVICE) * 1e-2
+    turn = [0]
+
+    def nxt() -> Any:
+        turn[0] += 1
+        return copies[turn[0] % len(copies)]
+
+    def call(tiled: bool | None, scaled: bool) -> Callable[[], object]:
+        def fn() -> object:
+            if tiled is None:
+                return activation.silu_and_mul(nxt())
+            activation.TILED_MAX_ROWS = 1 << 30 if tiled else -1
+            scales = (row_scale, col_scale) if scaled else None
+            return activation.silu_and_mul(nxt(), quantize=True, scales=scales, scaled_dtype=torch.bfloat16)
+
+        return fn
+
+    default = activation.TILED_MAX_ROWS
+    try:
+        return [_cell(call(None, False))] + [
+            _cell(call(t, sc)) for sc in (False, True) for t in (False, True)
+        ]
+    finally:
+        activation.TILED_MAX_ROWS = default
+
+
+def _num_copies(nbytes: int) -> int:
+    return max(2, int(ROTATE_BYTES // nbytes))
+
+
+def activation_table(d: int = 14336) -> list[str]:
+    """The quantizing SiLU-and-mul (down_proj's input) per row count, one program per row against
+    column tiles, unscaled (row-wise path) and applying the gate-up product's scales (unit-scale path);
+    inputs rotate through copies that overflow L2, as a step's 32 layers do."""
+    lines = [
+        f"SiLU-and-mul quantized to fp8, d = {d}: us per call (input GB/s)",
+        "",
+        "| rows | bf16 out | per row | tiled | per row, scaled | tiled, scaled |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for m in (1, 4, 16, 64, 128, 256, 512):
+        cells = _activation_row(m, d)
+        lines.append(f"| {m} | " + " | ".join(_fmt(c, 4 * m * d) for c in cells) + " |")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     import triton
@@ -273,6 +331,12 @@ def run(args: argparse.Namespace) -> int:
         "us of CUDA-graph replay (weight-read GB/s: bf16 2 bytes, fp8 1 byte a weight)"
     )
     print(header, flush=True)
+    if args.activation:
+        out = [header, "", *activation_table()]
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write("\n".join(out) + "\n")
+        return 0
     out = [header, "", *checks()]
     print("\n".join(out[2:]), flush=True)
     table, per_layer = bench(QUICK_ROWS if args.quick else ROWS)

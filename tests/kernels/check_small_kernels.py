@@ -21,6 +21,7 @@ if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("needs TRITON_INTERPRET=1 or a CUDA GPU", allow_module_level=True)
 
 import pagoda.kernels as kernels  # noqa: E402
+from pagoda.kernels import activation  # noqa: E402
 from pagoda.kernels.activation import silu_and_mul  # noqa: E402
 from pagoda.kernels.kv_cache import write_kv  # noqa: E402
 from pagoda.kernels.norm import rms_norm  # noqa: E402
@@ -206,10 +207,18 @@ def test_silu_and_mul(dtype: torch.dtype, d: int) -> None:
     torch.testing.assert_close(got, reference.silu_and_mul(x), atol=tol, rtol=tol)
 
 
+@pytest.fixture(params=["per row", "tiled"])
+def silu_layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The quantizing SiLU both ways: one program per row, or column tiles over the GPU."""
+    monkeypatch.setattr(activation, "TILED_MAX_ROWS", 1 << 30 if request.param == "tiled" else -1)
+    return str(request.param)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("d", [64, 1500, 17000])
-def test_silu_and_mul_quantized(dtype: torch.dtype, d: int) -> None:
-    """Rows held in registers, and rows past 16k columns, whose amax and store passes loop."""
+def test_silu_and_mul_quantized(dtype: torch.dtype, d: int, silu_layout: str) -> None:
+    """Rows held in registers, rows past 16k columns (whose amax and store passes loop), and the same
+    rows in 1024-column tiles (a partial last tile at 1500 and 17000)."""
     x = randn(5, 2 * d, dtype=dtype) * 3
     x[1, 7] = 40.0  # one large gate: the row's scale follows it
     _codes_match(silu_and_mul(x, quantize=True), quantize_fp8_rows(silu_and_mul(x)))
@@ -217,7 +226,7 @@ def test_silu_and_mul_quantized(dtype: torch.dtype, d: int) -> None:
 
 @pytest.mark.parametrize("scaled_dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("d", [64, 17000])
-def test_silu_and_mul_applies_fp8_product_scales(scaled_dtype: torch.dtype, d: int) -> None:
+def test_silu_and_mul_applies_fp8_product_scales(scaled_dtype: torch.dtype, d: int, silu_layout: str) -> None:
     """An unscaled fp8 gate-up product (bf16 on the GPU, float32 in the interpreter) with its row and
     column scales: the same codes as `scale_product` into `scaled_dtype` followed by the fused kernel."""
     acc_dtype = torch.float32 if INTERPRET else torch.bfloat16
