@@ -87,11 +87,17 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,  # [num_tokens, hidden]
     quantize: bool = False,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scaled_dtype: torch.dtype | None = None,
 ) -> tuple[Any, torch.Tensor | None]:
     """RMSNorm, with the residual add fused in front; returns `(normed, x + residual)`. With
-    `quantize`, `normed` is `(fp8 codes, float32 scale per row)`: an fp8 projection's input."""
+    `quantize`, `normed` is `(fp8 codes, float32 scale per row)`: an fp8 projection's input.
+    `scales` (row, column): `x` is an fp8 product still to be scaled into `scaled_dtype` first."""
     if use_triton(x):
-        return _triton_fn("norm", "rms_norm")(x, weight, eps, residual, quantize=quantize)
+        fn = _triton_fn("norm", "rms_norm")
+        return fn(x, weight, eps, residual, quantize=quantize, scales=scales, scaled_dtype=scaled_dtype)
+    if scales is not None:
+        x = reference.scale_product(x, *scales, scaled_dtype or x.dtype)
     normed, residual = reference.rms_norm(x, weight, eps, residual)
     return (reference.quantize_fp8_rows(normed) if quantize else normed), residual
 

@@ -9,6 +9,10 @@ registers: one read of each input and one write of each output.
 With `quantize=True` the normalized row is not stored: the program quantizes it to fp8 (e4m3) with
 one scale for the row, exactly as `quant.quantize_fp8_rows` would from the stored row, and writes the
 codes and the scale: the input of an fp8 projection, one launch (and one bf16 round trip) fewer.
+
+With `scales=(row, column)`, `x` is an fp8 projection's product that `torch._scaled_mm` ran with unit
+scales (o_proj's, down_proj's): the program first scales it as `quant.scale_product` would, into
+`scaled_dtype`, and that is the x of the rest. The projection's own scaling launch goes.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ def _rms_norm_kernel(
     out_ptr,  # [num_tokens, hidden]; fp8 codes when QUANT
     residual_out_ptr,  # [num_tokens, hidden]; x_ptr when not HAS_RESIDUAL
     scale_ptr,  # [num_tokens] float32 when QUANT
+    row_scale_ptr,  # [num_tokens] float32 when SCALED
+    col_scale_ptr,  # [hidden] float32 when SCALED
     hidden,
     eps,
     stride_x,
@@ -38,11 +44,16 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     QUANT: tl.constexpr,
     OUT_DTYPE: tl.constexpr,  # the normalized row's dtype (rounded to it before quantizing)
+    SCALED: tl.constexpr,  # x is an unscaled fp8 product: scale it into X_DTYPE first
+    X_DTYPE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if SCALED:  # as `quant.scale_product`: (acc * row scale) * column scale in float32, rounded once
+        col_scale = tl.load(col_scale_ptr + cols, mask=mask, other=0.0)
+        x = ((x.to(tl.float32) * tl.load(row_scale_ptr + row)) * col_scale).to(X_DTYPE)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
@@ -73,6 +84,8 @@ def rms_norm(
     out: torch.Tensor | None = None,  # [num_tokens, hidden], written when given
     residual_out: torch.Tensor | None = None,  # [num_tokens, hidden], written when given with residual
     quantize: bool = False,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # (row [num_tokens, 1], column [1, hidden])
+    scaled_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor | None]:
     """RMSNorm, with the residual add fused in front when `residual` is given.
 
@@ -80,6 +93,10 @@ def rms_norm(
     has the dtype PyTorch gives `weight * x`. `out` and `residual_out` may alias `x` and `residual`.
     With `quantize`, `normed` is `(fp8 codes [num_tokens, hidden], float32 scales [num_tokens, 1])`
     (then `out` must not be given).
+
+    With `scales`, `x` is an fp8 product still to be scaled (float32 row and column scales) into
+    `scaled_dtype`: the result is `rms_norm(scale_product(x, *scales, scaled_dtype), ...)` in one launch,
+    and `residual` (and the new residual) are in `scaled_dtype`.
     """
     if x.dim() != 2 or weight.shape != (x.shape[1],):
         raise ValueError(
@@ -88,10 +105,22 @@ def rms_norm(
         )
     if x.dtype not in _DTYPES or weight.dtype not in _DTYPES:
         raise ValueError(f"rms_norm: x {x.dtype} and weight {weight.dtype} must be in {_DTYPES}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+    x_dtype = x.dtype if scales is None else scaled_dtype
+    if scales is not None and not (
+        x_dtype in _DTYPES
+        and scales[0].numel() == x.shape[0]
+        and scales[1].numel() == x.shape[1]
+        and scales[0].dtype == scales[1].dtype == torch.float32
+        and scales[0].device == scales[1].device == x.device
+    ):
+        raise ValueError(
+            f"rms_norm: scales are float32 [{x.shape[0]}, 1] and [1, {x.shape[1]}] on {x.device} with a "
+            f"scaled_dtype in {_DTYPES}; got {[(tuple(t.shape), t.dtype) for t in scales]}, {scaled_dtype}"
+        )
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x_dtype):
         raise ValueError(
             f"rms_norm: residual {residual.dtype} {tuple(residual.shape)} "
-            f"must match x {x.dtype} {tuple(x.shape)}"
+            f"must match x {x_dtype} {tuple(x.shape)}"
         )
     for name, t in (("x", x), ("weight", weight), ("residual", residual)):
         if t is None:
@@ -103,7 +132,8 @@ def rms_norm(
     num_tokens, hidden = x.shape
     if hidden > _MAX_HIDDEN:
         raise ValueError(f"rms_norm: hidden {hidden} > {_MAX_HIDDEN}")
-    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    assert x_dtype is not None
+    out_dtype = torch.promote_types(weight.dtype, x_dtype)
     if quantize and out is not None:
         raise ValueError("rms_norm: quantize writes new fp8 codes; out must not be given")
     scale = torch.empty((num_tokens, 1), dtype=torch.float32, device=x.device) if quantize else None
@@ -112,10 +142,10 @@ def rms_norm(
     if residual is None:
         residual_out = None
     elif residual_out is None:
-        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        residual_out = torch.empty(x.shape, dtype=x_dtype, device=x.device)
     for name, t, dtype in (
         ("out", out, out.dtype if quantize else out_dtype),
-        ("residual_out", residual_out, x.dtype),
+        ("residual_out", residual_out, x_dtype),
     ):
         if t is not None and (
             t.shape != x.shape or t.dtype != dtype or t.device != x.device or t.stride(-1) != 1
@@ -130,10 +160,11 @@ def rms_norm(
     # Without a residual, x stands in for the unused pointers.
     res_in = x if residual is None else residual
     res_out = x if residual_out is None else residual_out
+    row_scale, col_scale = (t.contiguous() for t in scales) if scales is not None else (x, x)
     _rms_norm_kernel[(num_tokens,)](
-        x, res_in, weight, out, res_out, x if scale is None else scale, hidden, eps,
+        x, res_in, weight, out, res_out, x if scale is None else scale, row_scale, col_scale, hidden, eps,
         x.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0),
         BLOCK=block, HAS_RESIDUAL=residual is not None, QUANT=quantize, OUT_DTYPE=_TL_DTYPES[out_dtype],
-        num_warps=min(16, max(1, block // 512)),
+        SCALED=scales is not None, X_DTYPE=_TL_DTYPES[x_dtype], num_warps=min(16, max(1, block // 512)),
     )  # fmt: skip
     return normed, residual_out

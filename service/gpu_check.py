@@ -340,21 +340,36 @@ def fp8_layer_check() -> tuple[str, str, bool | None, str]:
     detail = ", ".join(
         f"{name} ({n} rows) rel. L2 {e:.2e}" for (name, n), e in zip(paths.items(), errors, strict=True)
     )
-    # gate_up's product with its scales deferred to the SiLU-and-mul that quantizes for down_proj.
+    # A product with its scales deferred: to the SiLU-and-mul that quantizes for down_proj (gate_up's),
+    # and to the add + RMSNorm after o_proj and down_proj.
     from pagoda import kernels
     from pagoda.kernels.quant import quantize_fp8_rows
+    from pagoda.service.model.fp8 import ScaledProduct
+
+    def same_codes(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        return torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
 
     layer.use_kernels = True
     rows = quantize_fp8_rows(torch.randn(37, 4096, device="cuda", dtype=torch.bfloat16))
-    product, scales = layer.product_with_scales(rows)
-    fused = kernels.silu_and_mul(product, True, scales, layer.out_dtype)
-    unfused = kernels.silu_and_mul(layer(rows), True)
-    fused_ok = scales is not None and torch.equal(fused[0].view(torch.uint8), unfused[0].view(torch.uint8))
-    detail += f"; SiLU applying the deferred scales == scale_product then SiLU: {fused_ok}"
+    deferred = layer.product_with_scales(rows)
+    silu_ok = norm_ok = False
+    if isinstance(deferred, ScaledProduct):
+        fused = kernels.silu_and_mul(deferred.acc, True, deferred.scales, deferred.dtype)
+        silu_ok = same_codes(fused, kernels.silu_and_mul(layer(rows), True))
+        residual = torch.randn(37, 4096, device="cuda", dtype=torch.bfloat16)
+        weight = (1 + 0.1 * torch.randn(4096, device="cuda")).to(torch.bfloat16)
+        normed, new_residual = kernels.rms_norm(
+            deferred.acc, weight, 1e-5, residual, True, scales=deferred.scales, scaled_dtype=deferred.dtype
+        )
+        expected, expected_residual = kernels.rms_norm(layer(rows), weight, 1e-5, residual, True)
+        norm_ok = same_codes(normed, expected) and torch.equal(new_residual, expected_residual)
+    detail += (
+        f"; deferred scales == scale_product first: in the SiLU {silu_ok}, in the add + RMSNorm {norm_ok}"
+    )
     return (
         "Fp8Linear 4096x4096",
         "GPU kernels == float32 emulation",
-        max(errors) < 1e-2 and fused_ok,
+        max(errors) < 1e-2 and silu_ok and norm_ok,
         detail,
     )
 

@@ -16,6 +16,7 @@ from pagoda.service.model import load_model
 from pagoda.service.model.fp8 import (
     FP8_DTYPE,
     Fp8Linear,
+    ScaledProduct,
     fuse_input_quantization,
     quantize_model_fp8,
     quantize_rows,
@@ -112,29 +113,41 @@ def test_fused_input_quantization_changes_no_logit(
         assert not layer.mlp.scale_in_activation
 
 
-def test_the_silu_applies_gate_up_scales_the_product_defers(
+def test_deferred_scales_reach_the_silu_and_the_norms(
     llama_ckpt: Path, paged_runner: type, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On a GPU, up to UNIT_SCALE_MAX_M rows, gate_up_proj's product comes back unscaled with its
-    scales, and the SiLU-and-mul that quantizes for down_proj applies them. That product is
+    """On a GPU, up to UNIT_SCALE_MAX_M rows, three projections return their product unscaled with its
+    scales: gate_up_proj's to the SiLU-and-mul that quantizes for down_proj, o_proj's and down_proj's to
+    the add + RMSNorm after them (the next layer's, or the final norm). That product is
     `torch._scaled_mm`'s, which needs a GPU: a stand-in (the float32 product of the codes) holds the
-    wiring here; the kernel is checked in tests/kernels, the GPU path by `gpu_check`."""
+    wiring here; the kernels are checked in tests/kernels, the GPU path by `gpu_check`."""
     model, _ = load_model(llama_ckpt, dtype=torch.float32)
     quantize_model_fp8(model, torch.device("cpu"))
+    layers = model.model.layers
+    assert all(layer.self_attn.defer_o_scales and layer.mlp.defer_down_scales for layer in layers)
     prompt = list(range(100, 130))
     scaled = paged_runner(model).step({0: prompt})[0]
     deferred_by: list[Fp8Linear] = []
 
-    def unscaled_product_gpu_stand_in(
-        self: Fp8Linear, x: tuple[torch.Tensor, torch.Tensor]
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    def unscaled_product_gpu_stand_in(self: Fp8Linear, x: object) -> ScaledProduct:
         deferred_by.append(self)
-        return x[0].float() @ self.weight.float().t(), (x[1], self.weight_scale)
+        xq, x_scale = x if isinstance(x, tuple) else reference.quantize_fp8_rows(x)  # type: ignore[arg-type]
+        return ScaledProduct(xq.float() @ self.weight.float().t(), x_scale, self.weight_scale, self.out_dtype)
 
     monkeypatch.setattr(Fp8Linear, "product_with_scales", unscaled_product_gpu_stand_in)
     deferred = paged_runner(model).step({0: prompt})[0]
-    assert deferred_by == [layer.mlp.gate_up_proj for layer in model.model.layers]
+    expected = [
+        p for layer in layers for p in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    ]
+    assert deferred_by == expected
     torch.testing.assert_close(deferred, scaled, rtol=1e-4, atol=1e-4)  # float32, other order
+    # A shard that all-reduces (or adds a bias) after the product scales it itself.
+    down = layers[0].mlp.down_proj
+    monkeypatch.setattr(
+        down, "bias", torch.nn.Parameter(torch.zeros(down.weight.shape[0]), requires_grad=False)
+    )
+    fuse_input_quantization(layers[0])
+    assert not layers[0].mlp.defer_down_scales and layers[0].self_attn.defer_o_scales
 
 
 def test_engine_serves_fp8(llama_ckpt: Path) -> None:

@@ -29,7 +29,7 @@ row-parallel layer keeps its all-reduce.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -53,6 +53,20 @@ TARGETS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.do
 
 # Activations already quantized by the op before the projection: (fp8 codes [M, in], float32 [M, 1]).
 QuantizedRows = tuple[torch.Tensor, torch.Tensor]
+
+
+class ScaledProduct(NamedTuple):
+    """An fp8 projection's product that `torch._scaled_mm` ran with unit scales, its scales left to the
+    op after it, which applies them in its own launch (as `kernels.quant.scale_product` would)."""
+
+    acc: torch.Tensor  # [M, out] bfloat16
+    row_scale: torch.Tensor  # [M, 1] float32, the activations'
+    col_scale: torch.Tensor  # [1, out] float32, the weight rows'
+    dtype: torch.dtype  # what the scaled product is rounded to: the layer's output dtype
+
+    @property
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.row_scale, self.col_scale
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,24 +121,29 @@ class Fp8Linear(nn.Module):
         activation), which quantizes in the same launch: always W8A8, never the skinny W8A16."""
         return self.skinny_max_m == 0
 
-    def product_with_scales(
-        self, x: QuantizedRows
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:  # [M, out], scales
-        """The product of already quantized rows, with its scales left to the caller where the
-        unit-scale path runs: (the unscaled product, (row scales [M, 1], column scales [1, out])), which
-        `kernels.silu_and_mul(..., scales=)` applies in its own launch. Elsewhere (more rows, the
-        float32 reference, a shard that reduces or a bias): (the scaled output, None)."""
-        xq, x_scale = x
-        if (
-            not self.use_kernels
-            or xq.shape[0] > UNIT_SCALE_MAX_M
-            or self.reduce is not None
-            or self.bias is not None
-        ):
-            return self.forward(x), None
+    @property
+    def defers_scales(self) -> bool:
+        """Whether `product_with_scales` may leave the scales to the next op (on a GPU, W8A8, no
+        all-reduce or bias between the product and that op)."""
+        return self.fuses_input_quantization and self.reduce is None and self.bias is None
+
+    def product_with_scales(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor | ScaledProduct:
+        """The product with its scales left to the caller where the unit-scale path runs: the SiLU-and-mul
+        after gate_up_proj and the add + RMSNorm after o_proj and down_proj apply them in their own
+        launch (`kernels.silu_and_mul` / `kernels.rms_norm`, `scales=`). Elsewhere (more rows, the
+        float32 reference, a shard that reduces or a bias) the scaled output, as `forward`."""
+        rows = x[0] if isinstance(x, tuple) else x
+        if not self.use_kernels or not self.defers_scales or rows.shape[0] > UNIT_SCALE_MAX_M:
+            return self.forward(x)
+        if isinstance(x, tuple):
+            xq, x_scale = x
+        else:
+            from pagoda.kernels.quant import quantize_fp8_rows
+
+            xq, x_scale = quantize_fp8_rows(x.reshape(-1, x.shape[-1]).contiguous())
         one = self.unit_scale
         acc = torch._scaled_mm(xq, self.weight.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-        return acc, (x_scale, self.weight_scale)
+        return ScaledProduct(acc, x_scale, self.weight_scale, self.out_dtype)
 
     def _w8a16(self, rows: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
         if not self.use_kernels:
@@ -177,7 +196,8 @@ def fuse_input_quantization(layer: nn.Module) -> None:
     """Let the ops in front of a decoder layer's fp8 projections hand them quantized rows: the two
     norms (before qkv_proj and gate_up_proj) and the SiLU-and-mul (before down_proj), which also applies
     gate_up_proj's scales (`Fp8Linear.product_with_scales`). o_proj quantizes its own input, the
-    attention output. Undone where a projection is not an `Fp8Linear` that takes them."""
+    attention output; its scales and down_proj's go to the add + RMSNorm after each (the next layer's
+    for down_proj, or the final norm). Undone where a projection is not an `Fp8Linear` that takes them."""
     attn: Any = layer.self_attn
     mlp: Any = layer.mlp
 
@@ -189,3 +209,6 @@ def fuse_input_quantization(layer: nn.Module) -> None:
     mlp.quantize_act = takes(mlp.down_proj)
     # The SiLU-and-mul that quantizes for down_proj also scales gate_up_proj's product.
     mlp.scale_in_activation = takes(mlp.gate_up_proj) and mlp.quantize_act
+    # o_proj's and down_proj's products go to an add + RMSNorm, which scales them.
+    attn.defer_o_scales = isinstance(attn.o_proj, Fp8Linear) and attn.o_proj.defers_scales
+    mlp.defer_down_scales = isinstance(mlp.down_proj, Fp8Linear) and mlp.down_proj.defers_scales

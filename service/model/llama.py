@@ -18,6 +18,7 @@ from torch import nn
 from pagoda import kernels
 from pagoda.service.model.attention import AttentionMetadata, PagedAttention
 from pagoda.service.model.config import ModelConfig
+from pagoda.service.model.fp8 import ScaledProduct
 from pagoda.service.model.parallel import (
     SINGLE_RANK,
     ColumnParallelLinear,
@@ -71,8 +72,13 @@ class RMSNorm(nn.Module):
         self.quantize = False  # hand the next layer fp8 rows (fp8.fuse_input_quantization)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor | ScaledProduct, residual: torch.Tensor | None = None
     ) -> tuple[Any, torch.Tensor | None]:  # (normed, or its fp8 rows; x + residual)
+        """`x`: hidden states, or an fp8 projection's product whose scales the norm applies first."""
+        if isinstance(x, ScaledProduct):
+            return kernels.rms_norm(
+                x.acc, self.weight, self.eps, residual, self.quantize, scales=x.scales, scaled_dtype=x.dtype
+            )
         return kernels.rms_norm(x, self.weight, self.eps, residual, quantize=self.quantize)
 
 
@@ -91,6 +97,9 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q, kv, kv], bias=config.attention_bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size, False, tp)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.defer_o_scales = (
+            False  # o_proj's fp8 scales go to the norm after it (fp8.fuse_input_quantization)
+        )
 
     def forward(
         self,
@@ -98,15 +107,15 @@ class LlamaAttention(nn.Module):
         hidden: Any,  # [num_tokens, hidden], or its fp8 rows (fp8.QuantizedRows)
         meta: AttentionMetadata,
         cos_sin_cache: torch.Tensor,  # [max_position, head_dim]
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | ScaledProduct:
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         kernels.rotary_embedding(positions, q, k, cos_sin_cache)
-        out = self.attn(q, k, v, meta)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = self.attn(q, k, v, meta).reshape(-1, self.q_size)
+        return self.o_proj.product_with_scales(out) if self.defer_o_scales else self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
@@ -118,13 +127,18 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, False, tp)
         self.quantize_act = False  # hand down_proj fp8 rows (fp8.fuse_input_quantization)
         self.scale_in_activation = False  # the SiLU applies gate_up_proj's fp8 scales (the same)
+        self.defer_down_scales = False  # down_proj's fp8 scales go to the next norm (the same)
 
-    def forward(self, x: Any) -> torch.Tensor:
+    def forward(self, x: Any) -> torch.Tensor | ScaledProduct:
         if self.scale_in_activation:
-            product, scales = self.gate_up_proj.product_with_scales(x)
-            dtype = self.gate_up_proj.out_dtype
-            return self.down_proj(kernels.silu_and_mul(product, True, scales, dtype))
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x), quantize=self.quantize_act))
+            h = self.gate_up_proj.product_with_scales(x)
+            if isinstance(h, ScaledProduct):
+                act = kernels.silu_and_mul(h.acc, True, h.scales, h.dtype)
+            else:
+                act = kernels.silu_and_mul(h, quantize=True)
+        else:
+            act = kernels.silu_and_mul(self.gate_up_proj(x), quantize=self.quantize_act)
+        return self.down_proj.product_with_scales(act) if self.defer_down_scales else self.down_proj(act)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -138,12 +152,13 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | ScaledProduct,  # the layer before's output (a `ScaledProduct` from fp8)
         residual: torch.Tensor | None,
         meta: AttentionMetadata,
         cos_sin_cache: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
+    ) -> tuple[torch.Tensor | ScaledProduct, torch.Tensor]:
+        if residual is None:  # the first layer: the embeddings
+            assert isinstance(hidden, torch.Tensor)
             residual = hidden
             hidden, _ = self.input_layernorm(hidden)
         else:

@@ -178,6 +178,46 @@ def test_rms_norm_quantized(dtype: torch.dtype, with_residual: bool) -> None:
         rms_norm(x, weight, 1e-6, out=torch.empty_like(x), quantize=True)
 
 
+@pytest.mark.parametrize("scaled_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("quantize", [False, True])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_applies_fp8_product_scales(
+    scaled_dtype: torch.dtype, quantize: bool, with_residual: bool
+) -> None:
+    """An unscaled fp8 product (o_proj's, down_proj's; bf16 on the GPU, float32 in the interpreter) with
+    its row and column scales: the same bits as `scale_product` into `scaled_dtype` and then the norm."""
+    acc_dtype = torch.float32 if INTERPRET else torch.bfloat16
+    acc = (randn(6, 320) * 300).to(acc_dtype)
+    row_scale = (torch.rand(6, 1, device=DEVICE) + 0.5) * 1e-3
+    col_scale = (torch.rand(1, 320, device=DEVICE) + 0.5) * 1e-2
+    weight = (1 + 0.1 * randn(320)).to(scaled_dtype)
+    residual = randn(6, 320, dtype=scaled_dtype) if with_residual else None
+    got, got_res = rms_norm(
+        acc,
+        weight,
+        1e-6,
+        residual,
+        quantize=quantize,
+        scales=(row_scale, col_scale),
+        scaled_dtype=scaled_dtype,
+    )
+    scaled = scale_product(acc, row_scale, col_scale, scaled_dtype)
+    expected, expected_res = rms_norm(scaled, weight, 1e-6, residual, quantize=quantize)
+    if quantize:
+        _codes_match(got, expected)
+    else:
+        assert got.dtype == scaled_dtype
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    if with_residual:
+        assert got_res is not None and got_res.dtype == scaled_dtype
+        torch.testing.assert_close(got_res, expected_res, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="scales are float32"):
+        rms_norm(acc, weight, 1e-6, residual, scales=(row_scale, col_scale[:, :7]), scaled_dtype=scaled_dtype)
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm(acc, weight, 1e-6, randn(6, 320, dtype=torch.float32), scales=(row_scale, col_scale),
+                 scaled_dtype=scaled_dtype)  # fmt: skip
+
+
 def test_rms_norm_float32_weight_and_strided_rows() -> None:
     x = randn(5, 256, dtype=torch.float16)[:, :128]
     weight = randn(128)
