@@ -124,7 +124,14 @@ def rotary_embedding(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated in place
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place
     cos_sin_cache: torch.Tensor,  # [max_position, head_dim] float32: cos in the first half, sin in the second
+    kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float] | None = None,
 ) -> None:
-    """Rotary position embedding in the rotate-half (GPT-NeoX / Hugging Face Llama) layout."""
-    fn = _triton_fn("rotary", "rotary_embedding") if use_triton(q) else reference.rotary_embedding
-    fn(positions, q, k, cos_sin_cache)
+    """Rotary position embedding in the rotate-half (GPT-NeoX / Hugging Face Llama) layout. `kv_write`:
+    (value, k_cache, v_cache, slot_mapping, k_scale, v_scale): then write the rotated K and the V into
+    the cache too, as `write_kv(k, *kv_write)` after it (one launch on the GPU)."""
+    if use_triton(q):
+        _triton_fn("rotary", "rotary_embedding")(positions, q, k, cos_sin_cache, kv_write)
+        return
+    reference.rotary_embedding(positions, q, k, cos_sin_cache)
+    if kv_write is not None:
+        reference.write_kv(k, *kv_write)

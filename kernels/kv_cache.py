@@ -90,6 +90,29 @@ def write_kv(
     v_scale: float = 1.0,
 ) -> None:
     """Scatter the new tokens' K and V into their cache slots."""
+    check_write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    if key.shape[0] == 0:
+        return
+    _write_kv_kernel[(key.shape[0],)](
+        key, value, k_cache, v_cache, slot_mapping, key.shape[1], float(k_scale), float(v_scale),
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        HEAD_DIM=key.shape[2], BLOCK_H=triton.next_power_of_2(key.shape[1]), BLOCK_SIZE=k_cache.shape[1],
+        QUANT=k_cache.dtype == FP8_CACHE, num_warps=4,
+    )  # fmt: skip
+
+
+def check_write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float,
+    v_scale: float,
+) -> None:
+    """`write_kv`'s arguments, or a ValueError that says which is wrong."""
     if key.dim() != 3 or value.shape != key.shape:
         raise ValueError(
             f"write_kv: want key == value shapes [num_tokens, num_kv_heads, head_dim]; "
@@ -123,15 +146,5 @@ def write_kv(
         raise ValueError(f"write_kv: head_dim {head_dim} must be a power of two")
     if slot_mapping.device != key.device or slot_mapping.stride(0) != 1:
         raise ValueError("write_kv: slot_mapping must be contiguous and on key's device")
-    if key.shape[0] == 0:
-        return
-    if not (k_scale > 0 and v_scale > 0):
+    if key.shape[0] and not (k_scale > 0 and v_scale > 0):
         raise ValueError(f"write_kv: k_scale {k_scale} and v_scale {v_scale} must be positive")
-    _write_kv_kernel[(key.shape[0],)](
-        key, value, k_cache, v_cache, slot_mapping, key.shape[1], float(k_scale), float(v_scale),
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(key.shape[1]), BLOCK_SIZE=k_cache.shape[1],
-        QUANT=k_cache.dtype == FP8_CACHE, num_warps=4,
-    )  # fmt: skip

@@ -12,6 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.kv_cache import FP8_CACHE, check_write_kv
+from pagoda.kernels.quant import _e4m3
+
+# What `rotary_embedding(..., kv_write=)` stores into the cache beside the rotated K: (value, k_cache,
+# v_cache, slot_mapping, k_scale, v_scale), `kv_cache.write_kv`'s arguments after the key.
+KVWrite = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float]
+
 
 @triton.jit
 def _rotate(
@@ -34,8 +41,44 @@ def _rotate(
     x2 = tl.load(ptrs + HALF, mask=mask, other=0.0)
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
-    tl.store(ptrs, (x1f * cos[None, :] - x2f * sin[None, :]).to(x1.dtype), mask=mask)
-    tl.store(ptrs + HALF, (x2f * cos[None, :] + x1f * sin[None, :]).to(x1.dtype), mask=mask)
+    o1 = (x1f * cos[None, :] - x2f * sin[None, :]).to(x1.dtype)
+    o2 = (x2f * cos[None, :] + x1f * sin[None, :]).to(x1.dtype)
+    tl.store(ptrs, o1, mask=mask)
+    tl.store(ptrs + HALF, o2, mask=mask)
+    return o1, o2
+
+
+@triton.jit
+def _store_slot(
+    cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot,
+    first,  # [BLOCK_H, BLOCK_HALF] in the activations' dtype: the first half of head_dim
+    second,
+    scale,  # an fp8 cache holds x / scale (QUANT)
+    num_kv_heads,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    QUANT: tl.constexpr,
+):
+    heads = tl.arange(0, BLOCK_H)
+    offs = tl.arange(0, BLOCK_HALF)
+    if slot >= 0:  # a negative slot (graph padding) is not written
+        mask = (heads < num_kv_heads)[:, None] & (offs < HALF)[None, :]
+        row = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+        dst = row + heads[:, None] * stride_ch + offs[None, :]
+        # (No name from before this runtime `if` is reassigned in it: compiled, it would have to keep
+        # its type across both branches.)
+        if QUANT:
+            tl.store(dst, _e4m3(first, scale), mask=mask)
+            tl.store(dst + HALF, _e4m3(second, scale), mask=mask)
+        else:
+            tl.store(dst, first.to(cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst + HALF, second.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -44,6 +87,12 @@ def _rotary_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim], rotated in place
     k_ptr,  # [num_tokens, num_kv_heads, head_dim], rotated in place
     cos_sin_ptr,  # [max_position, head_dim] float32: cos in the first half, sin in the second
+    v_ptr,  # [num_tokens, num_kv_heads, head_dim] (WRITE_KV)
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] (WRITE_KV)
+    v_cache_ptr,
+    slot_mapping_ptr,  # [num_tokens] (WRITE_KV); a negative slot is not written
+    k_scale,
+    v_scale,
     num_heads,
     num_kv_heads,
     stride_qt,
@@ -51,10 +100,21 @@ def _rotary_kernel(
     stride_kt,
     stride_kh,
     stride_cs,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
+    WRITE_KV: tl.constexpr,  # also store the rotated K and V into their cache slots (`write_kv`)
+    BLOCK_SIZE: tl.constexpr,
+    QUANT: tl.constexpr,  # the cache is fp8
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -63,7 +123,18 @@ def _rotary_kernel(
     cos = tl.load(row, mask=offs < HALF, other=0.0)
     sin = tl.load(row + HALF, mask=offs < HALF, other=0.0)
     _rotate(q_ptr, token, num_heads, stride_qt, stride_qh, cos, sin, HALF, BLOCK_HALF, BLOCK_HQ)
-    _rotate(k_ptr, token, num_kv_heads, stride_kt, stride_kh, cos, sin, HALF, BLOCK_HALF, BLOCK_HK)
+    k1, k2 = _rotate(k_ptr, token, num_kv_heads, stride_kt, stride_kh, cos, sin, HALF, BLOCK_HALF, BLOCK_HK)
+    if WRITE_KV:
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        heads = tl.arange(0, BLOCK_HK)
+        mask = (heads < num_kv_heads)[:, None] & (offs < HALF)[None, :]
+        v_row = v_ptr + token * stride_vt + heads[:, None] * stride_vh + offs[None, :]
+        v1 = tl.load(v_row, mask=mask, other=0.0)
+        v2 = tl.load(v_row + HALF, mask=mask, other=0.0)
+        _store_slot(k_cache_ptr, slot, k1, k2, k_scale, num_kv_heads, stride_kcb, stride_kcs, stride_kch,
+                    HALF, BLOCK_HALF, BLOCK_HK, BLOCK_SIZE, QUANT)  # fmt: skip
+        _store_slot(v_cache_ptr, slot, v1, v2, v_scale, num_kv_heads, stride_vcb, stride_vcs, stride_vch,
+                    HALF, BLOCK_HALF, BLOCK_HK, BLOCK_SIZE, QUANT)  # fmt: skip
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -74,8 +145,11 @@ def rotary_embedding(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated in place
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place
     cos_sin_cache: torch.Tensor,  # [max_position, head_dim] float32: cos in the first half, sin in the second
+    kv_write: KVWrite | None = None,
 ) -> None:
-    """Rotary position embedding in the rotate-half (GPT-NeoX / Hugging Face Llama) layout."""
+    """Rotary position embedding in the rotate-half (GPT-NeoX / Hugging Face Llama) layout. With
+    `kv_write`, the same launch then stores the rotated K and the V into their cache slots, as
+    `kv_cache.write_kv(k, *kv_write)` would after it."""
     if q.dim() != 3 or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise ValueError(
             "rotary_embedding: want q [num_tokens, num_heads, head_dim], "
@@ -103,13 +177,24 @@ def rotary_embedding(
     for name, t in (("k", k), ("positions", positions), ("cos_sin_cache", cos_sin_cache)):
         if t.device != q.device:
             raise ValueError(f"rotary_embedding: {name} on {t.device}, q on {q.device}")
+    if kv_write is not None:
+        check_write_kv(k, *kv_write)
     if num_tokens == 0:
         return
     half = head_dim // 2
+    v, k_cache, v_cache, slots, k_scale, v_scale = (
+        kv_write if kv_write is not None else (k, k, k, positions, 1.0, 1.0)
+    )
     _rotary_kernel[(num_tokens,)](
-        positions, q, k, cos_sin_cache, num_heads, k.shape[1],
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+        positions, q, k, cos_sin_cache, v, k_cache, v_cache, slots, float(k_scale), float(v_scale),
+        num_heads, k.shape[1], q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+        v.stride(0), v.stride(1), *_cache_strides(k_cache), *_cache_strides(v_cache),
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
-        num_warps=4,
+        WRITE_KV=kv_write is not None, BLOCK_SIZE=k_cache.shape[1] if kv_write is not None else 1,
+        QUANT=k_cache.dtype == FP8_CACHE, num_warps=4,
     )  # fmt: skip
+
+
+def _cache_strides(cache: torch.Tensor) -> tuple[int, int, int]:  # (block, slot, head); 0s for a stand-in
+    return (cache.stride(0), cache.stride(1), cache.stride(2)) if cache.dim() == 4 else (0, 0, 0)

@@ -1,4 +1,5 @@
-"""Paged attention as a model layer: writes this step's K/V into the cache, then attends."""
+"""Paged attention as a model layer: writes this step's K/V into the cache (rotating q and k in the
+same launch when asked), then attends."""
 
 from __future__ import annotations
 
@@ -44,8 +45,14 @@ class PagedAttention(nn.Module):
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         meta: AttentionMetadata,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,  # (positions, cos_sin_cache)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        kernels.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        """With `rotary`, q and k are rotated first (in place), in the launch that writes the cache."""
+        kv_write = (v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        if rotary is not None:
+            kernels.rotary_embedding(rotary[0], q, k, rotary[1], kv_write)
+        else:
+            kernels.write_kv(k, *kv_write)
         return kernels.paged_attention(
             q,
             self.k_cache,

@@ -113,8 +113,7 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        kernels.rotary_embedding(positions, q, k, cos_sin_cache)
-        out = self.attn(q, k, v, meta).reshape(-1, self.q_size)
+        out = self.attn(q, k, v, meta, rotary=(positions, cos_sin_cache)).reshape(-1, self.q_size)
         return self.o_proj.product_with_scales(out) if self.defer_o_scales else self.o_proj(out)
 
 

@@ -322,6 +322,38 @@ def test_rotary_embedding(dtype: torch.dtype, num_heads: int, num_kv_heads: int,
     assert math.isfinite(q.float().abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fp8_cache", [False, True], ids=["cache in dtype", "fp8 cache"])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 1, 64), (8, 8, 32), (6, 3, 128)])
+def test_rotary_embedding_writes_kv(
+    dtype: torch.dtype, fp8_cache: bool, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    """Rotary with `kv_write`: q, k and both caches exactly as rotary_embedding then write_kv, in the
+    engine's layout (q, k, v views into one projection; the caches views into one tensor)."""
+    num_tokens, num_blocks, block_size = 13, 6, 16
+    cache = cos_sin_cache(512, head_dim)
+    positions = torch.randint(0, 512, (num_tokens,), device=DEVICE)
+    qkv = randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype) * 3
+    q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    kv = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, device=DEVICE)
+    kv = kv.to(torch.float8_e4m3fn if fp8_cache else dtype)
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens].to(DEVICE)
+    slots[4] = -1  # graph padding: rotated, not written
+    scales = (0.5, 2.0) if fp8_cache else (1.0, 1.0)
+    qkv_ref, kv_ref = qkv.clone(), kv.clone()
+    q_ref, k_ref, v_ref = qkv_ref.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    rotary_embedding(positions, q_ref, k_ref, cache)
+    write_kv(k_ref, v_ref, kv_ref[0], kv_ref[1], slots, *scales)
+    rotary_embedding(positions, q, k, cache, (v, kv[0], kv[1], slots, *scales))
+    assert torch.equal(qkv, qkv_ref)
+    assert torch.equal(
+        kv.view(torch.uint8) if fp8_cache else kv, kv_ref.view(torch.uint8) if fp8_cache else kv_ref
+    )
+    assert kv.float().abs().sum() > 0  # something was written
+    with pytest.raises(ValueError, match="slot_mapping"):
+        rotary_embedding(positions, q, k, cache, (v, kv[0], kv[1], slots[:3], *scales))
+
+
 def test_rotary_refuses_wrong_cache_width() -> None:
     q, k = randn(2, 4, 64), randn(2, 1, 64)
     with pytest.raises(ValueError, match="cos_sin_cache"):
