@@ -68,7 +68,11 @@ def _existing_cluster(kubeconfig: str) -> object:
 def cluster() -> Iterator[object]:
     existing = os.environ.get("PAGODA_E2E_KUBECONFIG")
     if existing:
-        yield _existing_cluster(existing)
+        ours = _existing_cluster(existing)
+        try:
+            yield ours
+        finally:
+            ours.remove_scratch()  # type: ignore[attr-defined]
         return
     _reap_stale_clusters()
     bin_dir = harness.ensure_binaries()

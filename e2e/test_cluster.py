@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -138,6 +139,13 @@ def test_serviceaccount_tokens_and_rbac(cluster, namespace):
                     f"--serviceaccount={namespace}:robot")  # fmt: skip
     wait_for("RBAC to allow the robot", lambda: as_robot("get", "pods").returncode == 0)
     assert as_robot("get", "pods", "-n", "kube-system").returncode != 0
+    # Reached as an existing cluster (no workdir), the kubeconfig lands in the temp folder, and goes
+    # when the session's fixture calls remove_scratch.
+    existing = type(cluster)(kubeconfig=cluster.kubeconfig, bin_dir=cluster.bin_dir)
+    scratch = existing.serviceaccount_kubeconfig(namespace, "robot", duration="10m")
+    assert scratch.exists() and scratch.parent == Path(tempfile.gettempdir()), scratch
+    existing.remove_scratch()
+    assert not scratch.exists() and existing.scratch == []
 
 
 def test_aggregation_layer_is_configured(cluster):

@@ -75,6 +75,8 @@ class Cluster:
     bin_dir: Path
     workdir: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
+    # Files written outside `workdir` (an existing cluster has none): `remove_scratch` deletes them.
+    scratch: list[Path] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.env:
@@ -103,7 +105,15 @@ class Cluster:
         fd, path = tempfile.mkstemp(prefix=f"sa-{namespace}-{name}-", suffix=".kubeconfig", dir=self.workdir)
         with os.fdopen(fd, "w") as f:
             json.dump(config, f, indent=2)
+        if self.workdir is None:
+            self.scratch.append(Path(path))
         return Path(path)
+
+    def remove_scratch(self) -> None:
+        """Deletes the files this object wrote outside a workdir (kubeconfigs in the temp folder)."""
+        for path in self.scratch:
+            path.unlink(missing_ok=True)
+        self.scratch.clear()
 
     def node_kubeconfig(self, node: str) -> Path:
         """A kubeconfig for kubelet `node` (system:node:<node> in system:nodes); only for our cluster."""
