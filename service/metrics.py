@@ -256,19 +256,14 @@ class RequestTracker:
     def __init__(self, metrics: ServerMetrics) -> None:
         self._metrics = metrics
         self._last_token_time: float | None = None
-        self._num_tokens: dict[int, int] = {}
         self._done = False
 
     def observe(self, out: RequestOutput) -> None:
         timing: RequestMetrics = out.metrics
-        # Tokens this step added to the completion that grew most: n completions decode side by side,
-        # so one step is one inter-token gap whatever n is.
-        new_tokens = max(
-            (len(c.token_ids) - self._num_tokens.get(c.index, 0) for c in out.outputs), default=0
-        )
+        # Tokens this output added to the completion that grew most: n completions decode side by
+        # side, so one step is one inter-token gap whatever n is.
+        new_tokens = max((len(c.token_ids_delta) for c in out.outputs), default=0)
         if new_tokens > 0 and timing.last_token_time is not None:
-            for c in out.outputs:
-                self._num_tokens[c.index] = len(c.token_ids)
             if self._last_token_time is None:
                 if timing.first_token_time is not None:
                     self._metrics.time_to_first_token.observe(timing.first_token_time - timing.arrival_time)

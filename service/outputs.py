@@ -27,15 +27,17 @@ class Logprob:
 
 @dataclass
 class CompletionOutput:
-    """One of a request's `n` completions. `text`/`token_ids` are cumulative; `*_delta` is what this
-    step added (empty while an incomplete UTF-8 character or a possible stop string is held back)."""
+    """One of a request's `n` completions. `*_delta` is what this output added (empty while an
+    incomplete UTF-8 character or a possible stop string is held back). `text`/`token_ids`/`logprobs`
+    are cumulative and filled on the request's final output only (empty before): a stream reads the
+    deltas, and copying everything into every output would cost O(length^2) per stream."""
 
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     text_delta: str = ""
     token_ids_delta: list[int] = field(default_factory=list)
-    logprobs: list[Logprob] | None = None  # cumulative, one per token, when asked for
+    logprobs: list[Logprob] | None = None  # one per token, when asked for
     logprobs_delta: list[Logprob] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or token id that ended it
@@ -66,6 +68,6 @@ class RequestOutput:
     metrics: RequestMetrics
     prompt: str | None = None
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
-    # precedes it); complete from the first output that carries a generated token.
+    # precedes it); on the request's first output and its final one (None on those between).
     prompt_logprobs: list[Logprob | None] | None = None
     error: str | None = None  # why the engine failed this request (finish_reason "error")

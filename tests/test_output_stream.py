@@ -71,3 +71,20 @@ def test_waited_is_from_the_oldest_pending_output() -> None:
 
     merged, prompt = asyncio.run(scenario())
     assert merged >= 0.05 and prompt < 0.05
+
+
+def test_the_prompt_logprobs_of_the_first_output_survive_a_merge() -> None:
+    """Only a request's first output (and its final one) carries the prompt's log-probabilities: a
+    merge of the first with later ones keeps them for the handler, which reads them there."""
+    scored = [None, Logprob(2, "b", -1.0)]
+    first, later = step([1], [1]), step([1, 2], [2])
+    first.prompt_logprobs = scored
+
+    async def scenario() -> RequestOutput:
+        stream = OutputStream()
+        stream.put_nowait(first)
+        stream.put_nowait(later)
+        return await stream.get()  # type: ignore[return-value]
+
+    merged = asyncio.run(scenario())
+    assert merged.prompt_logprobs == scored and merged.outputs[0].token_ids_delta == [1, 2]

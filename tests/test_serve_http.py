@@ -190,6 +190,39 @@ def test_logprobs(client: openai.OpenAI) -> None:
     assert lp.text_offset[0] == 0
 
 
+def test_n2_streamed_with_stop_and_logprobs_equals_not_streamed(client: openai.OpenAI) -> None:
+    """Streamed chunks carry only what each step added (the final output alone holds the whole text):
+    per choice, they add up to the answer not streamed, text, logprobs and usage alike."""
+    kwargs: dict[str, object] = dict(model=MODEL, prompt="Once upon a time", max_tokens=16, n=2)
+    kwargs |= dict(temperature=1.0, seed=99, logprobs=2, extra_body=EXACT)
+    text = client.completions.create(**kwargs).choices[0].text  # type: ignore[call-overload]
+    stop = next(text[i : i + 3] for i in range(4, len(text) - 3) if text[i : i + 3].strip())
+    full = client.completions.create(stop=[stop], **kwargs)  # type: ignore[call-overload]
+    chunks = list(
+        client.completions.create(  # type: ignore[call-overload]
+            stop=[stop], stream=True, stream_options={"include_usage": True}, **kwargs
+        )
+    )
+    assert full.choices[0].text == text[: text.index(stop)] and full.choices[0].finish_reason == "stop"
+    assert len(chunks) > 2 * 4  # streamed, not one blob per choice
+    for choice in full.choices:
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert "".join(c.text for c in mine) == choice.text
+        assert [c.finish_reason for c in mine if c.finish_reason] == [choice.finish_reason]
+        streamed = [c.logprobs for c in mine if c.logprobs is not None]
+        assert [t for lp in streamed for t in lp.tokens or []] == choice.logprobs.tokens
+        assert [o for lp in streamed for o in lp.text_offset or []] == choice.logprobs.text_offset
+        scores = [x for lp in streamed for x in lp.token_logprobs or []]
+        assert scores == pytest.approx(choice.logprobs.token_logprobs, abs=1e-5)
+    usage = chunks[-1].usage
+    assert usage is not None and full.usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        full.usage.prompt_tokens,
+        full.usage.completion_tokens,
+    )
+    assert full.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in full.choices)
+
+
 def test_64_concurrent_streams_complete_with_correct_usage(server: ServeProcess) -> None:
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, int, str | None]:
         stream = await client.chat.completions.create(

@@ -340,6 +340,18 @@ def test_grpc_chat_with_tools(server: ServeProcess) -> None:
                 jsonschema.validate(json.loads(call.arguments_json), SCHEMAS[call.name])
             if choice == "get_time":
                 assert [c.name for c in final.tool_calls] == ["get_time"]
+        # n=2: a choice that ends steps before the other (its output is not the request's final one,
+        # which alone carries the whole text) still has its whole call parsed.
+        chat = pb.ChatMessages(messages=[question], tools=tools, tool_choice="get_time")
+        sampled = pb.SamplingParameters(n=2, seed=4, temperature=1.0, max_new_tokens=80)
+        replies = list(stub.Generate(pb.GenerateRequest(chat=chat, sampling=sampled), timeout=120))
+        ends = [i for i, r in enumerate(replies) if r.finish_reason != pb.FINISH_REASON_UNSPECIFIED]
+        assert sorted(replies[i].index for i in ends) == [0, 1]
+        assert any(r.token_ids for r in replies[ends[0] + 1 : ends[1]])  # the other went on
+        for i in ends:
+            assert replies[i].finish_reason == pb.FINISH_REASON_TOOL_CALLS
+            (call,) = replies[i].tool_calls
+            jsonschema.validate(json.loads(call.arguments_json), SCHEMAS["get_time"])
         # The tool's result in a following turn, and a choice naming no tool.
         follow = pb.ChatMessages(
             messages=[

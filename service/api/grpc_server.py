@@ -184,7 +184,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                             if finish:
                                 tail, _ = tools.finish()
                                 text += "".join(d.get("content", "") for d in tail)
-                                calls = parse_calls(c.text, plan, parser)[1]
+                                calls = parse_calls(tools.text, plan, parser)[1]
                         reason = FINISH_REASONS[finish] if finish else pb.FINISH_REASON_UNSPECIFIED
                         if calls and finish == "stop":
                             reason = pb.FINISH_REASON_TOOL_CALLS

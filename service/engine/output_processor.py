@@ -43,6 +43,7 @@ class ClientRequest:
     # Only the last output is wanted (`LLM.generate`): none is built before it, and without stop
     # strings the text is decoded once at the end. Host time per step is time the GPU waits for.
     final_only: bool = False
+    has_output: bool = False  # the first output has gone out: those up to the final one skip prompt_logprobs
 
     @property
     def is_finished(self) -> bool:
@@ -208,39 +209,43 @@ class OutputProcessor:
             c.undecoded = []
 
     def _output(self, client: ClientRequest, now: float) -> RequestOutput:
-        """What changed since the last output (deltas) and everything so far (cumulative); a finished
-        request is forgotten."""
+        """What changed since the last output (deltas), and on the final output everything (cumulative);
+        `prompt_logprobs` on the first output too, where a stream reads them. Copying everything into
+        every output made a stream of n tokens cost O(n^2). A finished request is forgotten: its
+        completions' lists are handed over, not copied."""
+        is_final = client.is_finished
         outputs = []
         for c in client.completions:
             done = c.finish_reason is not None
             visible = len(c.text) if done else len(c.text) - held_back(c.text, client.params.stop)
             visible = max(visible, c.num_emitted_chars)
-            token_ids = c.token_ids
-            outputs.append(
-                CompletionOutput(
-                    index=c.index,
-                    text=c.text[:visible],
-                    token_ids=list(token_ids),
-                    text_delta=c.text[c.num_emitted_chars : visible],
-                    token_ids_delta=token_ids[c.num_emitted_tokens :],
-                    logprobs=list(c.logprobs) if c.logprobs is not None else None,
-                    logprobs_delta=c.logprobs[c.num_emitted_logprobs :] if c.logprobs is not None else None,
-                    finish_reason=c.finish_reason,  # type: ignore[arg-type]
-                    stop_reason=c.stop_reason,
-                )
+            out = CompletionOutput(
+                index=c.index,
+                text_delta=c.text[c.num_emitted_chars : visible],
+                token_ids_delta=c.token_ids[c.num_emitted_tokens :],
+                logprobs_delta=c.logprobs[c.num_emitted_logprobs :] if c.logprobs is not None else None,
+                finish_reason=c.finish_reason,  # type: ignore[arg-type]
+                stop_reason=c.stop_reason,
             )
+            if is_final:
+                out.text, out.token_ids, out.logprobs = c.text, c.token_ids, c.logprobs
+            outputs.append(out)
             c.num_emitted_chars = visible
-            c.num_emitted_tokens = len(token_ids)
+            c.num_emitted_tokens = len(c.token_ids)
             c.num_emitted_logprobs = len(c.logprobs) if c.logprobs is not None else 0
-        if client.is_finished:
+        prompt_logprobs = None
+        if client.prompt_logprobs is not None and (is_final or not client.has_output):
+            prompt_logprobs = list(client.prompt_logprobs)
+        client.has_output = True
+        if is_final:
             client.metrics.finished_time = now
             del self.requests[client.request_id]
         return RequestOutput(
             client.request_id,
             client.prompt_token_ids,
             outputs,
-            client.is_finished,
+            is_final,
             client.metrics,
             client.prompt,
-            list(client.prompt_logprobs) if client.prompt_logprobs is not None else None,
+            prompt_logprobs,
         )

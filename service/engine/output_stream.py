@@ -1,7 +1,8 @@
 """One request's outputs on their way from the engine to the HTTP or gRPC handler that streams them.
 
 When the handler falls behind (many streams, one event loop), the outputs it has not taken yet are
-merged into one: their deltas concatenated, the cumulative fields the newest. The handler then sends
+merged into one: their deltas concatenated, the cumulative fields the newest (the prompt's
+log-probabilities the oldest's, which only the first output carries). The handler then sends
 one chunk of several tokens instead of several one-token chunks it would send late anyway, so a
 loaded server spends its event loop on fewer, larger writes (vLLM V1 does the same). An error
 replaces whatever was pending: the stream ends with it.
@@ -46,6 +47,8 @@ def merge(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
     """`newer` with the deltas of `older` in front (both of one request, `older` not yet consumed)."""
     earlier = {c.index: c for c in older.outputs}
     newer.outputs = [_merge_completion(earlier.get(c.index), c) for c in newer.outputs]
+    if newer.prompt_logprobs is None:
+        newer.prompt_logprobs = older.prompt_logprobs
     return newer
 
 
