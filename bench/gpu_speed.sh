@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 11's speed figures on one CUDA GPU, in one call: the kernel microbenchmarks (fp8 projection
 # paths, decode attention), batch-1 decode at 1000/200 and offline 256 x 128/128 (with the GPU-busy
-# profile of a steady decode step), the offline grid, then `pagoda serve` loaded by `pagoda bench serve`
+# profile of a steady decode step and of the prefill), the offline grid, then `pagoda serve` loaded by `pagoda bench serve`
 # at concurrency 1..256 from several client processes.
 # Sections: check (the engine's GPU checks: fp32 greedy == transformers, graphs == eager, async == in
 # turn, bf16/fp8 teacher-forced, the fp8 layer paths), kernels (fp8 GEMM paths and attention),
@@ -58,7 +58,7 @@ if has offline; then
     IFS=';' read -ra variants <<< "${OFFLINE_VARIANTS:- ;--quantization fp8;--kv-cache-dtype fp8;--quantization fp8 --kv-cache-dtype fp8}"
     for q in "${variants[@]}"; do
         python3 -m pagoda.service.bench offline "${model[@]}" $q --num-prompts 256 --input-len 128 --output-len 128 \
-            --busy-steps 20 --busy-top 8 --output "$out/bench.md" 2>&1 | grep -v Loading | tail -18
+            --busy-steps 20 --busy-top 8 --profile-prefill --output "$out/bench.md" 2>&1 | grep -v Loading | tail -28
         step "offline ${q:-bf16}"
     done
 fi

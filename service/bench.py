@@ -63,7 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--busy-top",
         type=int,
         default=0,
-        help="with --busy-steps: print the K kernels with the most GPU time",
+        help="with --busy-steps or --profile-prefill: print the K kernels with the most GPU time",
+    )
+    offline.add_argument(
+        "--profile-prefill",
+        action="store_true",
+        help="time the prefill of all N prompts at once (wall, and GPU-busy on a GPU) and the TFLOP/s "
+        "of its projections",
     )
     offline.add_argument("--output", default=None, help="append the Markdown result to this file")
     serve = sub.add_parser(
@@ -190,6 +196,8 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
                 f"decode at batch {args.num_prompts}{_mode_name(is_async)}: {wall:.2f} ms/step wall, "
                 f"GPU busy {busy:.2f} ms/step ({100 * busy / wall:.0f}%), idle {wall - busy:.2f} ms/step"
             )
+    if args.profile_prefill:
+        print(_prefill_profile(llm, _prompts(args.num_prompts, args.input_len, vocab, seed=7), args.busy_top))
     setup = Setup(runner.device, runner.dtype, vocab, runner.max_model_len)
     llm.shutdown()
     del llm, runner  # free the weights and the KV cache before the peer loads its copy
@@ -229,14 +237,72 @@ def _decode_busy(llm: Any, prompts: list[list[int]], steps: int, top: int = 0) -
         wall = time.perf_counter() - start
     kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     busy_us = sum(e.self_device_time_total for e in kernels)
-    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
-        per_step = e.self_device_time_total / steps
-        print(f"  {per_step:8.1f} us/step  {e.count / steps:6.1f} calls/step  {e.key[:110]}")
+    for line in _top_kernels(kernels, steps, top):
+        print(line)
     for i in range(len(prompts)):
         engine.abort(f"busy-{i}")
     while engine.has_unfinished or engine.core.has_unfinished:
         engine.step()
     return 1000 * wall / steps, busy_us / 1000 / steps
+
+
+def projection_params(mc: Any) -> int:
+    """Weights of the decoder layers' projections (q, k, v, o, gate, up, down): a token's forward pass
+    is about 2 FLOPs per weight, attention's own FLOPs aside."""
+    q = mc.num_attention_heads * mc.head_dim
+    kv = mc.num_key_value_heads * mc.head_dim
+    per_layer = mc.hidden_size * (q + 2 * kv) + q * mc.hidden_size + 3 * mc.hidden_size * mc.intermediate_size
+    return mc.num_hidden_layers * per_layer
+
+
+def _prefill_profile(llm: Any, prompts: list[list[int]], top: int = 0) -> str:
+    """The prefill of all `prompts` added at once, as an offline run starts: each request samples one
+    token and finishes, so the steps run are the prefill's. Wall time per step and the projections'
+    TFLOP/s (2 x `projection_params` x prompt tokens over the wall time); on a GPU also the busy time
+    the profiler saw and, with `top`, the kernels with most of it."""
+    from contextlib import nullcontext
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from pagoda.service.sampling_params import SamplingParams
+
+    engine = llm.engine
+    device = engine.runner.device
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"prefill-{i}", prompt, params, final_only=True)
+    _sync(device)
+    steps = 0
+    on_gpu = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA]) if on_gpu else nullcontext() as prof:
+        start = time.perf_counter()
+        while engine.has_unfinished or engine.core.has_unfinished:
+            engine.step()
+            steps += 1
+        _sync(device)
+        wall = time.perf_counter() - start
+    tokens = sum(map(len, prompts))
+    tflops = 2 * projection_params(engine.runner.model_config) * tokens / wall / 1e12
+    line = (
+        f"prefill of {len(prompts)} x {len(prompts[0])} tokens: {steps} steps, {1000 * wall:.1f} ms "
+        f"({1000 * wall / steps:.2f} ms/step), projections at {tflops:.1f} TFLOP/s"
+    )
+    if prof is not None:
+        kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+        busy_ms = sum(e.self_device_time_total for e in kernels) / 1000
+        busy = f"; GPU busy {busy_ms:.1f} ms ({100 * busy_ms / (1000 * wall):.0f}%)"
+        line = "\n".join([line + busy, *_top_kernels(kernels, steps, top)])
+    return line
+
+
+def _top_kernels(kernels: list[Any], steps: int, top: int) -> list[str]:
+    """The `top` profiler events with the most GPU time, as time and calls per step."""
+    ranked = sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
+    lines = []
+    for e in ranked:
+        per_step = e.self_device_time_total / steps
+        lines.append(f"  {per_step:8.1f} us/step  {e.count / steps:6.1f} calls/step  {e.key[:110]}")
+    return lines
 
 
 def bench_transformers(args: argparse.Namespace, runner: Setup) -> list[Result]:
@@ -296,9 +362,10 @@ def _device_name(runner: Setup) -> str:
 def _command(args: argparse.Namespace) -> str:
     words = ["pagoda", "bench", args.bench]
     for key, value in vars(args).items():
-        if key in ("bench", "command", "_module", "output") or value is None:
+        if key in ("bench", "command", "_module", "output") or value is None or value is False:
             continue
-        words += [f"--{key.replace('_', '-')}", str(value)]
+        flag = f"--{key.replace('_', '-')}"
+        words += [flag] if value is True else [flag, str(value)]
     return shlex.join(words)
 
 

@@ -1,0 +1,42 @@
+"""`pagoda bench offline` on the CPU with a small checkpoint: the table it appends, and the prefill
+profile's line (its GPU-busy part runs on the GPU machine only)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagoda.service import bench
+from pagoda.service.model import load_model
+
+
+def test_offline_table_and_prefill_profile(
+    llama_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "bench.md"
+    args = ["offline", "--model", str(llama_ckpt), "--device", "cpu", "--dtype", "float32", "--peer", "none",
+            "--num-prompts", "3", "--input-len", "12", "--output-len", "3", "--max-num-batched-tokens", "16",
+            "--profile-prefill", "--output", str(out)]  # fmt: skip
+    assert bench.main(args) == 0
+    printed = capsys.readouterr().out
+    line = re.search(
+        r"prefill of 3 x 12 tokens: (\d+) steps, ([\d.]+) ms .* projections at ([\d.]+) TFLOP/s", printed
+    )
+    assert line is not None, printed
+    assert int(line[1]) >= 3  # 36 prompt tokens, 16 a step
+    assert float(line[2]) > 0 and "GPU busy" not in printed
+    rows = [r for r in out.read_text().splitlines() if r.startswith("| pagoda |")]
+    assert [r.split("|")[2].strip() for r in rows] == ["1", "3"]
+    command = re.search(r"Command: `(.*)`", out.read_text())
+    assert command is not None and "--num-prompts 3 " in command[1]
+    assert "--profile-prefill" in command[1].split() and "True" not in command[1].split()  # a flag, no value
+
+
+def test_projection_params_counts_the_projection_weights(llama_ckpt: Path) -> None:
+    model, config = load_model(llama_ckpt, dtype=torch.float32)
+    names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    counted = sum(p.numel() for n, p in model.named_parameters() if any(f"{k}.weight" in n for k in names))
+    assert counted > 0 and bench.projection_params(config) == counted
