@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 11's speed figures on one CUDA GPU, in one call: the kernel microbenchmarks (fp8 projection
 # paths, decode attention), batch-1 decode at 1000/200 and offline 256 x 128/128 (with the GPU-busy
-# profile of a steady decode step and of the prefill), the offline grid, then `pagoda serve` loaded by `pagoda bench serve`
-# at concurrency 1..256 from several client processes.
+# profile of a steady decode step and of the prefill), the offline grid, then `pagoda serve` loaded by
+# `pagoda bench serve` at concurrency 1..256 from several client processes.
 # Sections: check (the engine's GPU checks: fp32 greedy == transformers, graphs == eager, async == in
 # turn, bf16/fp8 teacher-forced, the fp8 layer paths), kernels (fp8 GEMM paths and attention),
 # attention (attention alone), kchecks (tests/kernels on the GPU; KCHECKS_K: a -k expression), bs1, offline, grid, serve.
