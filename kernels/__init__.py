@@ -125,13 +125,32 @@ def rotary_embedding(
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place
     cos_sin_cache: torch.Tensor,  # [max_position, head_dim] float32: cos in the first half, sin in the second
     kv_write: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float] | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scaled_dtype: torch.dtype | None = None,
+    q_out: torch.Tensor | None = None,
 ) -> None:
     """Rotary position embedding in the rotate-half (GPT-NeoX / Hugging Face Llama) layout. `kv_write`:
     (value, k_cache, v_cache, slot_mapping, k_scale, v_scale): then write the rotated K and the V into
-    the cache too, as `write_kv(k, *kv_write)` after it (one launch on the GPU)."""
+    the cache too, as `write_kv(k, *kv_write)` after it (one launch on the GPU). `scales` (row, column):
+    q, k, v are an fp8 qkv product still to be scaled into `scaled_dtype`; the rotated q goes to `q_out`,
+    k and v to the cache only."""
     if use_triton(q):
-        _triton_fn("rotary", "rotary_embedding")(positions, q, k, cos_sin_cache, kv_write)
+        fn = _triton_fn("rotary", "rotary_embedding")
+        fn(positions, q, k, cos_sin_cache, kv_write, scales=scales, scaled_dtype=scaled_dtype, q_out=q_out)
         return
-    reference.rotary_embedding(positions, q, k, cos_sin_cache)
+    if scales is not None:
+        assert kv_write is not None and q_out is not None and scaled_dtype is not None
+        row, col = scales
+        num_tokens, q_cols, kv_cols = q.shape[0], q[0].numel(), k[0].numel()
+        parts = col.reshape(1, -1).split([q_cols, kv_cols, kv_cols], dim=1)
+        q, k, v = (
+            reference.scale_product(x.reshape(num_tokens, -1), row, c, scaled_dtype).view(x.shape)
+            for x, c in zip((q, k, kv_write[0]), parts, strict=True)
+        )
+        kv_write = (v, *kv_write[1:])  # type: ignore[assignment]
+        reference.rotary_embedding(positions, q, k, cos_sin_cache)
+        q_out.copy_(q)
+    else:
+        reference.rotary_embedding(positions, q, k, cos_sin_cache)
     if kv_write is not None:
         reference.write_kv(k, *kv_write)

@@ -21,30 +21,67 @@ KVWrite = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, f
 
 
 @triton.jit
-def _rotate(
-    x_ptr,  # [num_tokens, heads, head_dim] of this tensor (q or k)
+def _load_heads(
+    x_ptr,  # [num_tokens, heads, head_dim]
     token,
     num_heads,
     stride_t,
     stride_h,
-    cos,  # [BLOCK_HALF] float32
-    sin,  # [BLOCK_HALF] float32
+    row_scale,  # float32 (SCALED)
+    col_ptr,  # [heads * head_dim] float32, this tensor's columns of the product's scales (SCALED)
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
-):
+    SCALED: tl.constexpr,  # x is an unscaled fp8 product: scale it into DTYPE, as `quant.scale_product`
+    DTYPE: tl.constexpr,
+):  # both halves of head_dim, [BLOCK_H, BLOCK_HALF] each
     heads = tl.arange(0, BLOCK_H)
     offs = tl.arange(0, BLOCK_HALF)
     mask = (heads < num_heads)[:, None] & (offs < HALF)[None, :]
     ptrs = x_ptr + token * stride_t + heads[:, None] * stride_h + offs[None, :]
     x1 = tl.load(ptrs, mask=mask, other=0.0)
     x2 = tl.load(ptrs + HALF, mask=mask, other=0.0)
+    if SCALED:
+        cols = col_ptr + heads[:, None] * (2 * HALF) + offs[None, :]
+        x1 = ((x1.to(tl.float32) * row_scale) * tl.load(cols, mask=mask, other=0.0)).to(DTYPE)
+        x2 = ((x2.to(tl.float32) * row_scale) * tl.load(cols + HALF, mask=mask, other=0.0)).to(DTYPE)
+    return x1, x2
+
+
+@triton.jit
+def _rotate(
+    x_ptr,  # [num_tokens, heads, head_dim] of this tensor (q or k)
+    out_ptr,  # where the rotated heads go (x_ptr: in place), when STORE
+    token,
+    num_heads,
+    stride_t,
+    stride_h,
+    stride_ot,
+    stride_oh,
+    cos,  # [BLOCK_HALF] float32
+    sin,  # [BLOCK_HALF] float32
+    row_scale,
+    col_ptr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    SCALED: tl.constexpr,
+    DTYPE: tl.constexpr,
+    STORE: tl.constexpr,
+):
+    x1, x2 = _load_heads(x_ptr, token, num_heads, stride_t, stride_h, row_scale, col_ptr,
+                         HALF, BLOCK_HALF, BLOCK_H, SCALED, DTYPE)  # fmt: skip
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
     o1 = (x1f * cos[None, :] - x2f * sin[None, :]).to(x1.dtype)
     o2 = (x2f * cos[None, :] + x1f * sin[None, :]).to(x1.dtype)
-    tl.store(ptrs, o1, mask=mask)
-    tl.store(ptrs + HALF, o2, mask=mask)
+    if STORE:
+        heads = tl.arange(0, BLOCK_H)
+        offs = tl.arange(0, BLOCK_HALF)
+        mask = (heads < num_heads)[:, None] & (offs < HALF)[None, :]
+        ptrs = out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs[None, :]
+        tl.store(ptrs, o1.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(ptrs + HALF, o2.to(out_ptr.dtype.element_ty), mask=mask)
     return o1, o2
 
 
@@ -93,6 +130,9 @@ def _rotary_kernel(
     slot_mapping_ptr,  # [num_tokens] (WRITE_KV); a negative slot is not written
     k_scale,
     v_scale,
+    q_out_ptr,  # [num_tokens, num_heads, head_dim] in DTYPE (q_ptr: in place)
+    row_scale_ptr,  # [num_tokens] float32 (SCALED)
+    col_scale_ptr,  # [(num_heads + 2 * num_kv_heads) * head_dim] float32, q's columns, k's, v's (SCALED)
     num_heads,
     num_kv_heads,
     stride_qt,
@@ -102,6 +142,8 @@ def _rotary_kernel(
     stride_cs,
     stride_vt,
     stride_vh,
+    stride_qot,
+    stride_qoh,
     stride_kcb,
     stride_kcs,
     stride_kch,
@@ -115,6 +157,8 @@ def _rotary_kernel(
     WRITE_KV: tl.constexpr,  # also store the rotated K and V into their cache slots (`write_kv`)
     BLOCK_SIZE: tl.constexpr,
     QUANT: tl.constexpr,  # the cache is fp8
+    SCALED: tl.constexpr,  # q, k, v are an unscaled fp8 product: scale into DTYPE first; k is not stored
+    DTYPE: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -122,15 +166,19 @@ def _rotary_kernel(
     row = cos_sin_ptr + pos * stride_cs + offs
     cos = tl.load(row, mask=offs < HALF, other=0.0)
     sin = tl.load(row + HALF, mask=offs < HALF, other=0.0)
-    _rotate(q_ptr, token, num_heads, stride_qt, stride_qh, cos, sin, HALF, BLOCK_HALF, BLOCK_HQ)
-    k1, k2 = _rotate(k_ptr, token, num_kv_heads, stride_kt, stride_kh, cos, sin, HALF, BLOCK_HALF, BLOCK_HK)
+    row_scale = tl.load(row_scale_ptr + token) if SCALED else 1.0
+    q_cols = num_heads * 2 * HALF
+    kv_cols = num_kv_heads * 2 * HALF
+    _rotate(q_ptr, q_out_ptr, token, num_heads, stride_qt, stride_qh, stride_qot, stride_qoh, cos, sin,
+            row_scale, col_scale_ptr, HALF, BLOCK_HALF, BLOCK_HQ, SCALED, DTYPE, True)  # fmt: skip
+    k1, k2 = _rotate(k_ptr, k_ptr, token, num_kv_heads, stride_kt, stride_kh, stride_kt, stride_kh, cos, sin,
+                     row_scale, col_scale_ptr + q_cols, HALF, BLOCK_HALF, BLOCK_HK, SCALED, DTYPE,
+                     not SCALED)  # fmt: skip
     if WRITE_KV:
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-        heads = tl.arange(0, BLOCK_HK)
-        mask = (heads < num_kv_heads)[:, None] & (offs < HALF)[None, :]
-        v_row = v_ptr + token * stride_vt + heads[:, None] * stride_vh + offs[None, :]
-        v1 = tl.load(v_row, mask=mask, other=0.0)
-        v2 = tl.load(v_row + HALF, mask=mask, other=0.0)
+        v_cols = col_scale_ptr + q_cols + kv_cols
+        v1, v2 = _load_heads(v_ptr, token, num_kv_heads, stride_vt, stride_vh, row_scale, v_cols,
+                             HALF, BLOCK_HALF, BLOCK_HK, SCALED, DTYPE)  # fmt: skip
         _store_slot(k_cache_ptr, slot, k1, k2, k_scale, num_kv_heads, stride_kcb, stride_kcs, stride_kch,
                     HALF, BLOCK_HALF, BLOCK_HK, BLOCK_SIZE, QUANT)  # fmt: skip
         _store_slot(v_cache_ptr, slot, v1, v2, v_scale, num_kv_heads, stride_vcb, stride_vcs, stride_vch,
@@ -138,6 +186,7 @@ def _rotary_kernel(
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 def rotary_embedding(
@@ -146,10 +195,19 @@ def rotary_embedding(
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place
     cos_sin_cache: torch.Tensor,  # [max_position, head_dim] float32: cos in the first half, sin in the second
     kv_write: KVWrite | None = None,
+    *,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # (row [num_tokens, 1], column [1, q+k+v])
+    scaled_dtype: torch.dtype | None = None,
+    q_out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim] in scaled_dtype
 ) -> None:
     """Rotary position embedding in the rotate-half (GPT-NeoX / Hugging Face Llama) layout. With
     `kv_write`, the same launch then stores the rotated K and the V into their cache slots, as
-    `kv_cache.write_kv(k, *kv_write)` would after it."""
+    `kv_cache.write_kv(k, *kv_write)` would after it.
+
+    With `scales` (and `kv_write`, `scaled_dtype`, `q_out`), q, k and v are column ranges of an fp8
+    qkv projection's product that `torch._scaled_mm` ran with unit scales: each is scaled first, as
+    `quant.scale_product(qkv, *scales, scaled_dtype)` would, then the rotated q goes to `q_out` and k
+    and v to the cache only (k is left as it was)."""
     if q.dim() != 3 or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise ValueError(
             "rotary_embedding: want q [num_tokens, num_heads, head_dim], "
@@ -179,21 +237,53 @@ def rotary_embedding(
             raise ValueError(f"rotary_embedding: {name} on {t.device}, q on {q.device}")
     if kv_write is not None:
         check_write_kv(k, *kv_write)
+    if scales is not None:
+        _check_scales(q, k, kv_write, scales, scaled_dtype, q_out)
+        assert q_out is not None and scaled_dtype is not None
     if num_tokens == 0:
         return
     half = head_dim // 2
     v, k_cache, v_cache, slots, k_scale, v_scale = (
         kv_write if kv_write is not None else (k, k, k, positions, 1.0, 1.0)
     )
+    q_out = q if q_out is None else q_out
+    row_scale, col_scale = (t.contiguous() for t in scales) if scales is not None else (positions, positions)
     _rotary_kernel[(num_tokens,)](
         positions, q, k, cos_sin_cache, v, k_cache, v_cache, slots, float(k_scale), float(v_scale),
+        q_out, row_scale, col_scale,
         num_heads, k.shape[1], q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
-        v.stride(0), v.stride(1), *_cache_strides(k_cache), *_cache_strides(v_cache),
+        v.stride(0), v.stride(1), q_out.stride(0), q_out.stride(1),
+        *_cache_strides(k_cache), *_cache_strides(v_cache),
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
         WRITE_KV=kv_write is not None, BLOCK_SIZE=k_cache.shape[1] if kv_write is not None else 1,
-        QUANT=k_cache.dtype == FP8_CACHE, num_warps=4,
+        QUANT=k_cache.dtype == FP8_CACHE, SCALED=scales is not None,
+        DTYPE=_TL_DTYPES[scaled_dtype or q.dtype], num_warps=4,
     )  # fmt: skip
+
+
+def _check_scales(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    kv_write: KVWrite | None,
+    scales: tuple[torch.Tensor, torch.Tensor],
+    scaled_dtype: torch.dtype | None,
+    q_out: torch.Tensor | None,
+) -> None:
+    num_tokens, num_heads, head_dim = q.shape
+    columns = (num_heads + 2 * k.shape[1]) * head_dim
+    row, col = scales
+    if kv_write is None or scaled_dtype not in _DTYPES or q_out is None:
+        raise ValueError("rotary_embedding: scales go with kv_write, a scaled_dtype and q_out")
+    if not (row.numel() == num_tokens and col.numel() == columns and row.dtype == col.dtype == torch.float32):
+        raise ValueError(
+            f"rotary_embedding: scales are float32 [{num_tokens}, 1] and [1, {columns}]; "
+            f"got {[(tuple(t.shape), t.dtype) for t in scales]}"
+        )
+    if q_out.shape != q.shape or q_out.dtype != scaled_dtype or q_out.stride(-1) != 1:
+        raise ValueError(
+            f"rotary_embedding: q_out must be {scaled_dtype} {tuple(q.shape)}, contiguous in head_dim"
+        )
 
 
 def _cache_strides(cache: torch.Tensor) -> tuple[int, int, int]:  # (block, slot, head); 0s for a stand-in

@@ -116,15 +116,18 @@ def test_fused_input_quantization_changes_no_logit(
 def test_deferred_scales_reach_the_silu_and_the_norms(
     llama_ckpt: Path, paged_runner: type, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On a GPU, up to UNIT_SCALE_MAX_M rows, three projections return their product unscaled with its
-    scales: gate_up_proj's to the SiLU-and-mul that quantizes for down_proj, o_proj's and down_proj's to
-    the add + RMSNorm after them (the next layer's, or the final norm). That product is
+    """On a GPU, up to UNIT_SCALE_MAX_M rows, every projection returns its product unscaled with its
+    scales: qkv_proj's to the rotary embedding that writes the KV cache, gate_up_proj's to the
+    SiLU-and-mul that quantizes for down_proj, o_proj's and down_proj's to the add + RMSNorm after them
+    (the next layer's, or the final norm). That product is
     `torch._scaled_mm`'s, which needs a GPU: a stand-in (the float32 product of the codes) holds the
     wiring here; the kernels are checked in tests/kernels, the GPU path by `gpu_check`."""
     model, _ = load_model(llama_ckpt, dtype=torch.float32)
     quantize_model_fp8(model, torch.device("cpu"))
     layers = model.model.layers
-    assert all(layer.self_attn.defer_o_scales and layer.mlp.defer_down_scales for layer in layers)
+    attns = [layer.self_attn for layer in layers]
+    assert all(a.defer_qkv_scales and a.defer_o_scales for a in attns)
+    assert all(layer.mlp.defer_down_scales for layer in layers)
     prompt = list(range(100, 130))
     scaled = paged_runner(model).step({0: prompt})[0]
     deferred_by: list[Fp8Linear] = []
@@ -137,7 +140,14 @@ def test_deferred_scales_reach_the_silu_and_the_norms(
     monkeypatch.setattr(Fp8Linear, "product_with_scales", unscaled_product_gpu_stand_in)
     deferred = paged_runner(model).step({0: prompt})[0]
     expected = [
-        p for layer in layers for p in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        p
+        for layer in layers
+        for p in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
     ]
     assert deferred_by == expected
     torch.testing.assert_close(deferred, scaled, rtol=1e-4, atol=1e-4)  # float32, other order

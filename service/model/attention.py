@@ -46,10 +46,18 @@ class PagedAttention(nn.Module):
         v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,  # (positions, cos_sin_cache)
+        scaled: tuple[tuple[torch.Tensor, torch.Tensor], torch.dtype] | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """With `rotary`, q and k are rotated first (in place), in the launch that writes the cache."""
+        """With `rotary`, q and k are rotated first (in place), in the launch that writes the cache.
+        `scaled` ((row, column) scales, dtype): q, k, v are an fp8 qkv product still to be scaled, which
+        that launch does too (with `rotary` only); the rotated q then comes in a new tensor."""
         kv_write = (v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        if rotary is not None:
+        if rotary is not None and scaled is not None:
+            scales, dtype = scaled
+            q_out = torch.empty(q.shape, dtype=dtype, device=q.device)
+            kernels.rotary_embedding(rotary[0], q, k, rotary[1], kv_write, scales, dtype, q_out)
+            q = q_out
+        elif rotary is not None:
             kernels.rotary_embedding(rotary[0], q, k, rotary[1], kv_write)
         else:
             kernels.write_kv(k, *kv_write)

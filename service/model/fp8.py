@@ -129,8 +129,9 @@ class Fp8Linear(nn.Module):
 
     def product_with_scales(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor | ScaledProduct:
         """The product with its scales left to the caller where the unit-scale path runs: the SiLU-and-mul
-        after gate_up_proj and the add + RMSNorm after o_proj and down_proj apply them in their own
-        launch (`kernels.silu_and_mul` / `kernels.rms_norm`, `scales=`). Elsewhere (more rows, the
+        after gate_up_proj, the add + RMSNorm after o_proj and down_proj, and the rotary embedding after
+        qkv_proj apply them in their own launch (`kernels.silu_and_mul` / `rms_norm` /
+        `rotary_embedding`, `scales=`). Elsewhere (more rows, the
         float32 reference, a shard that reduces or a bias) the scaled output, as `forward`."""
         rows = x[0] if isinstance(x, tuple) else x
         if not self.use_kernels or not self.defers_scales or rows.shape[0] > UNIT_SCALE_MAX_M:
@@ -197,7 +198,8 @@ def fuse_input_quantization(layer: nn.Module) -> None:
     norms (before qkv_proj and gate_up_proj) and the SiLU-and-mul (before down_proj), which also applies
     gate_up_proj's scales (`Fp8Linear.product_with_scales`). o_proj quantizes its own input, the
     attention output; its scales and down_proj's go to the add + RMSNorm after each (the next layer's
-    for down_proj, or the final norm). Undone where a projection is not an `Fp8Linear` that takes them."""
+    for down_proj, or the final norm), and qkv_proj's to the rotary embedding that writes the KV cache.
+    Undone where a projection is not an `Fp8Linear` that takes them."""
     attn: Any = layer.self_attn
     mlp: Any = layer.mlp
 
@@ -209,6 +211,8 @@ def fuse_input_quantization(layer: nn.Module) -> None:
     mlp.quantize_act = takes(mlp.down_proj)
     # The SiLU-and-mul that quantizes for down_proj also scales gate_up_proj's product.
     mlp.scale_in_activation = takes(mlp.gate_up_proj) and mlp.quantize_act
-    # o_proj's and down_proj's products go to an add + RMSNorm, which scales them.
+    # o_proj's and down_proj's products go to an add + RMSNorm, which scales them; qkv_proj's to the
+    # rotary embedding that writes the KV cache.
+    attn.defer_qkv_scales = isinstance(attn.qkv_proj, Fp8Linear) and attn.qkv_proj.defers_scales
     attn.defer_o_scales = isinstance(attn.o_proj, Fp8Linear) and attn.o_proj.defers_scales
     mlp.defer_down_scales = isinstance(mlp.down_proj, Fp8Linear) and mlp.down_proj.defers_scales

@@ -97,9 +97,9 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, [q, kv, kv], bias=config.attention_bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * hd, config.hidden_size, False, tp)
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
-        self.defer_o_scales = (
-            False  # o_proj's fp8 scales go to the norm after it (fp8.fuse_input_quantization)
-        )
+        # o_proj's and qkv_proj's fp8 scales go to the ops after them (fp8.fuse_input_quantization).
+        self.defer_o_scales = False
+        self.defer_qkv_scales = False
 
     def forward(
         self,
@@ -108,12 +108,14 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
         cos_sin_cache: torch.Tensor,  # [max_position, head_dim]
     ) -> torch.Tensor | ScaledProduct:
-        qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj.product_with_scales(hidden) if self.defer_qkv_scales else self.qkv_proj(hidden)
+        scaled = (qkv.scales, qkv.dtype) if isinstance(qkv, ScaledProduct) else None
+        product = qkv.acc if isinstance(qkv, ScaledProduct) else qkv
+        q, k, v = product.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = self.attn(q, k, v, meta, rotary=(positions, cos_sin_cache)).reshape(-1, self.q_size)
+        out = self.attn(q, k, v, meta, (positions, cos_sin_cache), scaled).reshape(-1, self.q_size)
         return self.o_proj.product_with_scales(out) if self.defer_o_scales else self.o_proj(out)
 
 

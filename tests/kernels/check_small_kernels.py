@@ -354,6 +354,52 @@ def test_rotary_embedding_writes_kv(
         rotary_embedding(positions, q, k, cache, (v, kv[0], kv[1], slots[:3], *scales))
 
 
+@pytest.mark.parametrize("scaled_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("fp8_cache", [False, True], ids=["cache in dtype", "fp8 cache"])
+def test_rotary_applies_fp8_qkv_scales(scaled_dtype: torch.dtype, fp8_cache: bool) -> None:
+    """q, k, v as column ranges of an unscaled fp8 qkv product (bf16 on the GPU, float32 in the
+    interpreter) with its row and column scales: q_out and both caches are the bits of `scale_product`
+    into `scaled_dtype`, then rotary with the cache write."""
+    num_tokens, num_heads, num_kv_heads, head_dim, num_blocks, block_size = 9, 4, 2, 64, 4, 16
+    acc_dtype = torch.float32 if INTERPRET else torch.bfloat16
+    columns = (num_heads + 2 * num_kv_heads) * head_dim
+    acc = (randn(num_tokens, columns) * 300).to(acc_dtype)
+    row_scale = (torch.rand(num_tokens, 1, device=DEVICE) + 0.5) * 1e-3
+    col_scale = (torch.rand(1, columns, device=DEVICE) + 0.5) * 1e-2
+    cache = cos_sin_cache(256, head_dim)
+    positions = torch.randint(0, 256, (num_tokens,), device=DEVICE)
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens].to(DEVICE)
+    slots[2] = -1
+    kv = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, device=DEVICE)
+    kv = kv.to(torch.float8_e4m3fn if fp8_cache else scaled_dtype)
+    kv_ref = kv.clone()
+
+    def views(x: torch.Tensor) -> list[torch.Tensor]:
+        return list(x.view(num_tokens, -1, head_dim).split([num_heads, num_kv_heads, num_kv_heads], dim=1))
+
+    scaled = scale_product(acc, row_scale, col_scale, scaled_dtype)
+    q_ref, k_ref, v_ref = views(scaled)
+    rotary_embedding(positions, q_ref, k_ref, cache, (v_ref, kv_ref[0], kv_ref[1], slots, 0.5, 2.0))
+    q, k, v = views(acc)
+    q_out = torch.full(q.shape, float("nan"), device=DEVICE).to(scaled_dtype)
+    before = acc.clone()
+    rotary_embedding(positions, q, k, cache, (v, kv[0], kv[1], slots, 0.5, 2.0),
+                     scales=(row_scale, col_scale), scaled_dtype=scaled_dtype, q_out=q_out)  # fmt: skip
+    assert torch.equal(q_out, q_ref)
+    assert torch.equal(
+        kv.view(torch.uint8) if fp8_cache else kv, kv_ref.view(torch.uint8) if fp8_cache else kv_ref
+    )
+    assert torch.equal(acc, before)  # the product itself is not written
+    short = (row_scale, col_scale[:, :5])
+    with pytest.raises(ValueError, match="scales are float32"):
+        rotary_embedding(positions, q, k, cache, (v, kv[0], kv[1], slots, 0.5, 2.0),
+                         scales=short, scaled_dtype=scaled_dtype, q_out=q_out)  # fmt: skip
+    with pytest.raises(ValueError, match="go with kv_write"):
+        rotary_embedding(
+            positions, q, k, cache, scales=(row_scale, col_scale), scaled_dtype=scaled_dtype, q_out=q_out
+        )
+
+
 def test_rotary_refuses_wrong_cache_width() -> None:
     q, k = randn(2, 4, 64), randn(2, 1, 64)
     with pytest.raises(ValueError, match="cos_sin_cache"):
