@@ -6,7 +6,9 @@ activations per token (`kernels/quant.py`, one launch) and multiplies on the ten
 `torch._scaled_mm`, accumulating in fp32. The scales are applied one of two ways, by row count:
 
 - Up to `UNIT_SCALE_MAX_M` rows (decode batches): `_scaled_mm` with unit scales, which cuBLASLt
-  runs at the memory limit, then `kernels.quant.scale_product` applies both scales (one launch). With
+  runs at the memory limit, then `kernels.quant.scale_product` applies both scales (one launch). In
+  the decoder layers the op after each projection applies them instead, in its own launch
+  (`product_with_scales`, `fuse_input_quantization`): no scaling launch of its own is left. With
   row-wise scales `_scaled_mm` takes a CUTLASS kernel that reads fp8 weights at 1-2.5 TB/s at small
   M: slower than bf16 (measured on an H200, `python -m pagoda.kernels.bench_fp8`: per decode step of
   an 8B model at M=1, bf16 3.75 ms, row-wise 4.43 ms, unit scales 2.19 ms plus the scaling).
