@@ -4,6 +4,11 @@ One program per token: it reads the token's position, the cos and sin halves of 
 `cos_sin_cache` (float32; any scaling such as llama3's is already baked into the cache), and
 rotates every head of q and of k: `(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)` in float32,
 where x1 and x2 are the two halves of head_dim.
+
+The engine's attention layers call it with `kv_write`: the same program then stores the rotated K
+and the V into their KV-cache slots (`kv_cache.write_kv`'s work, fp8 cache included), one launch
+where there were two. Under fp8 W8A8 it also takes q, k and v unscaled, straight from the qkv
+projection's `_scaled_mm`, and applies the projection's row and column scales itself (`scales=`).
 """
 
 from __future__ import annotations
