@@ -1,0 +1,192 @@
+"""Compile every Triton kernel for an H100/H200 (sm_90) on a machine without a GPU, with the arguments
+the kernels' own Python wrappers launch them with.
+
+The interpreter (`TRITON_INTERPRET=1`, tests/kernels/check_*.py) runs the kernels' arithmetic but
+not the compiler, which refuses some programs the interpreter accepts (a name rebound to another
+dtype inside a runtime `if`, for one). Here each wrapper is called on CPU tensors with every kernel's
+`run` replaced by a recorder; the recorded launch becomes a signature that `triton.compile` builds
+for sm_90 down to a cubin (Triton's bundled ptxas), no driver needed.
+
+    python tests/kernels/compile_for_gpu.py     # one line a launch; exit 1 if any fails to compile
+
+Run without TRITON_INTERPRET (so the kernels are compiled as on the GPU, `quant._HAND_ROUNDING` off).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+TARGET = GPUTarget("cuda", 90, 32)
+_TYPES = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float8_e4m3fn: "fp8e4nv",
+    torch.int64: "i64",
+    torch.int32: "i32",
+}
+_OPTIONS = ("num_warps", "num_stages")
+
+
+def _type(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + _TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(value).__name__}")
+
+
+def compile_launch(fn: JITFunction, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Build one recorded launch for sm_90; returns the cubin's size."""
+    names = fn.arg_names
+    bound = dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in names}
+    constexprs = {name for p, name in zip(fn.params, names, strict=True) if p.is_constexpr}
+    signature = {n: "constexpr" if n in constexprs else _type(bound[n]) for n in names}
+    values = {(names.index(n),): bound[n] for n in constexprs}
+    options = {k: v for k, v in kwargs.items() if k in _OPTIONS}
+    kernel = triton.compile(
+        ASTSource(fn=fn, signature=signature, constexprs=values), target=TARGET, options=options
+    )
+    return len(kernel.asm["cubin"])
+
+
+def _launches() -> list[tuple[str, Callable[[], object]]]:
+    """Each wrapper call on CPU tensors, with the shapes and flags the engine uses (Llama-3-8B-like)."""
+    from pagoda.kernels import activation, attention, fp8_gemm, kv_cache, norm, quant, rotary
+
+    bf16, f32, fp8 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
+
+    def r(*shape: int, dtype: torch.dtype = bf16) -> torch.Tensor:
+        return torch.randn(*shape).to(dtype)
+
+    num_blocks, block = 8, 16
+    cache, cache8 = r(num_blocks, block, 2, 128), r(num_blocks, block, 2, 128, dtype=fp8)
+    slots = torch.arange(4, dtype=torch.int64)
+    cos_sin = r(64, 128, dtype=f32)
+    positions = torch.arange(4, dtype=torch.int64)
+
+    def qkv() -> tuple[torch.Tensor, ...]:
+        x = r(4, 8 * 128)
+        return tuple(x.view(4, 8, 128).split([4, 2, 2], dim=1))
+
+    q_scales = (r(4, 1, dtype=f32), r(1, 8 * 128, dtype=f32))
+
+    def attention_call(query_len: int, kv: torch.Tensor) -> object:
+        q = r(2 * query_len, 4, 128)
+        seq_lens = torch.tensor([20, 30], dtype=torch.int32)
+        starts = torch.tensor([0, query_len, 2 * query_len], dtype=torch.int32)
+        tables = torch.arange(4, dtype=torch.int32).view(2, 2)
+        return attention.paged_attention(q, kv, kv, tables, seq_lens, starts, 0.08, query_len, 30)
+
+    return [
+        ("rms_norm", lambda: norm.rms_norm(r(4, 512), r(512), 1e-5)),
+        (
+            "rms_norm residual quantize",
+            lambda: norm.rms_norm(r(4, 512), r(512), 1e-5, r(4, 512), quantize=True),
+        ),
+        (
+            "rms_norm scaled",
+            lambda: norm.rms_norm(
+                r(4, 512),
+                r(512),
+                1e-5,
+                r(4, 512),
+                quantize=True,
+                scales=(r(4, 1, dtype=f32), r(1, 512, dtype=f32)),
+                scaled_dtype=bf16,
+            ),
+        ),
+        ("silu_and_mul", lambda: activation.silu_and_mul(r(4, 2 * 14336))),
+        ("silu quantize tiled", lambda: activation.silu_and_mul(r(4, 2 * 14336), quantize=True)),
+        ("silu quantize per row", lambda: activation.silu_and_mul(r(128, 2 * 14336), quantize=True)),
+        (
+            "silu quantize tiled scaled",
+            lambda: activation.silu_and_mul(
+                r(4, 2 * 512),
+                quantize=True,
+                scales=(r(4, 1, dtype=f32), r(1, 1024, dtype=f32)),
+                scaled_dtype=bf16,
+            ),
+        ),
+        ("quantize_fp8_rows", lambda: quant.quantize_fp8_rows(r(4, 4096))),
+        (
+            "scale_product",
+            lambda: quant.scale_product(r(4, 512), r(4, 1, dtype=f32), r(1, 512, dtype=f32), bf16),
+        ),
+        ("write_kv", lambda: kv_cache.write_kv(r(4, 2, 128), r(4, 2, 128), cache, cache.clone(), slots)),
+        (
+            "write_kv fp8",
+            lambda: kv_cache.write_kv(r(4, 2, 128), r(4, 2, 128), cache8, cache8.clone(), slots),
+        ),
+        ("rotary", lambda: rotary.rotary_embedding(positions, r(4, 4, 128), r(4, 2, 128), cos_sin)),
+        (
+            "rotary kv_write fp8",
+            lambda: rotary.rotary_embedding(
+                positions, *qkv()[:2], cos_sin, (qkv()[2], cache8, cache8.clone(), slots, 1.0, 1.0)
+            ),
+        ),
+        (
+            "rotary scaled",
+            lambda: rotary.rotary_embedding(
+                positions,
+                *qkv()[:2],
+                cos_sin,
+                (qkv()[2], cache, cache.clone(), slots, 1.0, 1.0),
+                scales=q_scales,
+                scaled_dtype=bf16,
+                q_out=r(4, 4, 128),
+            ),
+        ),
+        ("attention decode", lambda: attention_call(1, cache)),
+        ("attention decode fp8", lambda: attention_call(1, cache8)),
+        ("attention prefill", lambda: attention_call(7, cache)),
+        ("attention prefill fp8", lambda: attention_call(7, cache8)),
+        (
+            "fp8 w8a16",
+            lambda: fp8_gemm.fp8_matmul_w8a16(r(4, 512), r(256, 512, dtype=fp8), r(256, dtype=f32)),
+        ),
+    ]
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("compile_for_gpu: run without TRITON_INTERPRET=1", file=sys.stderr)
+        return 2
+    recorded: list[tuple[JITFunction, tuple[Any, ...], dict[str, Any]]] = []
+
+    def record(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        recorded.append((self, args, kwargs))
+
+    JITFunction.run = record  # type: ignore[method-assign]
+    failures = 0
+    for name, call in _launches():
+        recorded.clear()
+        try:
+            call()
+            if not recorded:
+                raise RuntimeError("launched no kernel")
+            for fn, args, kwargs in recorded:
+                size = compile_launch(fn, args, kwargs)
+                print(f"ok   {name}: {fn.__name__} ({size} bytes of sm_90 code)", flush=True)
+        except Exception:
+            failures += 1
+            print(f"FAIL {name}:\n{traceback.format_exc()}", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
