@@ -188,3 +188,18 @@ def test_accuracy_script_schemes_swap_projections_both_ways(llama_ckpt: Path) ->
     assert [layer.mlp.down_proj for layer in layers] == before
     apply_scheme(model, originals, Scheme("bf16", None))
     assert not any(isinstance(m, Fp8Linear) for m in model.modules()) and len(originals) == 4 * len(layers)
+
+
+def test_paged_attention_scales_a_product_only_where_it_rotates() -> None:
+    """An unscaled qkv product handed to attention without the rotary launch would reach the cache
+    unscaled: refused."""
+    from pagoda.service.model.attention import AttentionMetadata, PagedAttention
+
+    attn = PagedAttention(2, 1, 8)
+    q, k = torch.zeros(1, 2, 8), torch.zeros(1, 1, 8)
+    i32 = torch.int32
+    meta = AttentionMetadata(torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, dtype=i32),
+                             torch.ones(1, dtype=i32), torch.tensor([0, 1], dtype=i32), 1, 1)  # fmt: skip
+    scales = (torch.ones(1, 1), torch.ones(1, 32))
+    with pytest.raises(ValueError, match="rotary launch only"):
+        attn(q, k, k, meta, None, (scales, torch.float32))

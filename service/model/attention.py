@@ -52,15 +52,19 @@ class PagedAttention(nn.Module):
         `scaled` ((row, column) scales, dtype): q, k, v are an fp8 qkv product still to be scaled, which
         that launch does too (with `rotary` only); the rotated q then comes in a new tensor."""
         kv_write = (v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        if rotary is not None and scaled is not None:
+        if rotary is None:
+            if scaled is not None:
+                raise ValueError(
+                    "PagedAttention: an unscaled qkv product is scaled by the rotary launch only"
+                )
+            kernels.write_kv(k, *kv_write)
+        elif scaled is None:
+            kernels.rotary_embedding(rotary[0], q, k, rotary[1], kv_write)
+        else:
             scales, dtype = scaled
             q_out = torch.empty(q.shape, dtype=dtype, device=q.device)
             kernels.rotary_embedding(rotary[0], q, k, rotary[1], kv_write, scales, dtype, q_out)
             q = q_out
-        elif rotary is not None:
-            kernels.rotary_embedding(rotary[0], q, k, rotary[1], kv_write)
-        else:
-            kernels.write_kv(k, *kv_write)
         return kernels.paged_attention(
             q,
             self.k_cache,

@@ -133,20 +133,13 @@ class Fp8Linear(nn.Module):
         """The product with its scales left to the caller where the unit-scale path runs: the SiLU-and-mul
         after gate_up_proj, the add + RMSNorm after o_proj and down_proj, and the rotary embedding after
         qkv_proj apply them in their own launch (`kernels.silu_and_mul` / `rms_norm` /
-        `rotary_embedding`, `scales=`). Elsewhere (more rows, the
-        float32 reference, a shard that reduces or a bias) the scaled output, as `forward`."""
+        `rotary_embedding`, `scales=`). Elsewhere (more rows, the float32 reference, a shard that
+        reduces or a bias) the scaled output, as `forward`."""
         rows = x[0] if isinstance(x, tuple) else x
         if not self.use_kernels or not self.defers_scales or rows.shape[0] > UNIT_SCALE_MAX_M:
             return self.forward(x)
-        if isinstance(x, tuple):
-            xq, x_scale = x
-        else:
-            from pagoda.kernels.quant import quantize_fp8_rows
-
-            xq, x_scale = quantize_fp8_rows(x.reshape(-1, x.shape[-1]).contiguous())
-        one = self.unit_scale
-        acc = torch._scaled_mm(xq, self.weight.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-        return ScaledProduct(acc, x_scale, self.weight_scale, self.out_dtype)
+        xq, x_scale = x if isinstance(x, tuple) else self._quantize(x.reshape(-1, x.shape[-1]).contiguous())
+        return ScaledProduct(self._unit_scale_product(xq), x_scale, self.weight_scale, self.out_dtype)
 
     def _w8a16(self, rows: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
         if not self.use_kernels:
@@ -156,11 +149,18 @@ class Fp8Linear(nn.Module):
         return fp8_matmul_w8a16(rows, self.weight, self.weight_scale)
 
     def _w8a8(self, rows: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
+        return self._w8a8_quantized(*self._quantize(rows))
+
+    def _quantize(self, rows: torch.Tensor) -> QuantizedRows:  # [M, in] -> per-row fp8 codes and scales
         if not self.use_kernels:
-            return self._w8a8_quantized(*reference.quantize_fp8_rows(rows))
+            return reference.quantize_fp8_rows(rows)
         from pagoda.kernels.quant import quantize_fp8_rows
 
-        return self._w8a8_quantized(*quantize_fp8_rows(rows))
+        return quantize_fp8_rows(rows)
+
+    def _unit_scale_product(self, xq: torch.Tensor) -> torch.Tensor:  # [M, out] bfloat16, scales not applied
+        one = self.unit_scale
+        return torch._scaled_mm(xq, self.weight.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
 
     def _w8a8_quantized(self, xq: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:  # [M, out]
         if not self.use_kernels:
@@ -169,9 +169,7 @@ class Fp8Linear(nn.Module):
         from pagoda.kernels.quant import scale_product
 
         if xq.shape[0] <= UNIT_SCALE_MAX_M:
-            one = self.unit_scale
-            acc = torch._scaled_mm(xq, self.weight.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-            return scale_product(acc, x_scale, self.weight_scale, self.out_dtype)
+            return scale_product(self._unit_scale_product(xq), x_scale, self.weight_scale, self.out_dtype)
         return torch._scaled_mm(
             xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale, out_dtype=self.out_dtype
         )
