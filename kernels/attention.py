@@ -26,8 +26,9 @@ so no host code inspects the batch (no `.item()`, CUDA-graph safe):
   over `query_start_loc // BLOCK_Q + s`, which bounds the grid by `num_tokens // BLOCK_Q + num_seqs`.
 
 An fp8 (e4m3) cache holds K / k_scale and V / v_scale: each tile is widened as it is loaded
-(exactly) to float16, q and the probabilities with it (`_dot_dtype`); k_scale is folded into the
-score scale and v_scale into the output's normalizer, so the loop is the same and reads half the bytes.
+(exactly) to float16, q and the probabilities with it (`_dot_dtype`; in decode, V by inline PTX,
+`_widen_fp8`); k_scale is folded into the score scale and v_scale into the output's normalizer, so the
+loop is the same and reads half the bytes.
 
 K/V tiles are gathered token by token through the block table (`pos // block_size` picks the
 block, `pos % block_size` the slot), so a tile may span several cache blocks and any block size
@@ -37,8 +38,9 @@ works. Scores are kept in base 2 (`exp2`, with log2(e) folded into the scale).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import triton
@@ -68,6 +70,26 @@ def _load_kv_tile(
         offs = block_ids * stride_block + (pos % BLOCK_SIZE) * stride_slot + kv_head * stride_head
         tile = tl.load(cache_ptr + offs[:, None] + dims[None, :])
     return tile  # [TILE_N, HEAD_DIM]
+
+
+@triton.jit
+def _widen_fp8(tile, DOT_DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """An fp8 cache tile widened to DOT_DTYPE (a 16-bit tile is only cast).
+
+    ASM: e4m3 -> float16 by the hardware conversion in inline PTX, marked impure so that Triton keeps it
+    where it stands, in the load's layout: the tile then reaches the dot as float16 through shared
+    memory (`ldmatrix.trans` for V). A cast, and a pure asm alike, are moved past that trip, and the V
+    operand (contiguous along the dot's N, not its K) is then read back from shared memory a byte at a
+    time (`ld.shared.b8`, seen in the sm_90 PTX): V widened that way ran at 0.4-0.6 of copy bandwidth
+    where K reached 0.8-1.0 (H200, `python -m pagoda.kernels.bench --sweep fp8`). The interpreter
+    cannot run PTX (`_COMPILED`).
+    """
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [tile.to(tl.uint8, bitcast=True)],
+            dtype=tl.float16, is_pure=False, pack=2,
+        )  # fmt: skip
+    return tile.to(DOT_DTYPE)
 
 
 @triton.jit
@@ -109,6 +131,8 @@ def _decode_kernel(
     TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # q's dtype, or float16 over an fp8 cache (see _dot_dtype)
+    K_ASM: tl.constexpr,  # widen the K / V tiles by inline PTX (`_widen_fp8`)
+    V_ASM: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -140,7 +164,8 @@ def _decode_kernel(
         k = _load_kv_tile(
             k_cache_ptr, block_table_row, pos, dims, kv_head, stride_kb, stride_ks, stride_kh,
             BLOCK_SIZE, True, pos_ok,
-        ).to(q.dtype)  # fmt: skip
+        )  # fmt: skip
+        k = _widen_fp8(k, DOT_DTYPE, K_ASM)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(pos_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -150,7 +175,8 @@ def _decode_kernel(
         v = _load_kv_tile(
             v_cache_ptr, block_table_row, pos, dims, kv_head, stride_vb, stride_vs, stride_vh,
             BLOCK_SIZE, True, pos_ok,
-        ).to(q.dtype)  # fmt: skip
+        )  # fmt: skip
+        v = _widen_fp8(v, DOT_DTYPE, V_ASM)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -324,6 +350,10 @@ def _prefill_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+_COMPILED = os.environ.get("TRITON_INTERPRET", "0") != "1"
+_FP8_WIDEN = cast(Literal["cast", "v", "kv"], os.environ.get("PAGODA_FP8_WIDEN", "v"))
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     tile_n: int = 64
@@ -348,6 +378,9 @@ class DecodeConfig:
     partition_by: Literal["seq_len", "max_seq_len"] = "seq_len"
     # Over an fp8 cache: "float16" widens the tiles (and q) to float16 for the dots, "q" to q's dtype.
     fp8_dot: Literal["float16", "q"] = "float16"
+    # Which fp8 tiles float16 dots widen by inline PTX rather than a cast (`_widen_fp8`; compiled only:
+    # the interpreter casts). PAGODA_FP8_WIDEN sets the default (a benchmark knob).
+    fp8_widen: Literal["cast", "v", "kv"] = _FP8_WIDEN
 
     def __post_init__(self) -> None:
         if self.min_partition < 1 or (self.num_splits is not None and self.num_splits < 1):
@@ -355,6 +388,8 @@ class DecodeConfig:
                 f"DecodeConfig: min_partition {self.min_partition} and num_splits {self.num_splits} "
                 "must be at least 1"
             )
+        if self.fp8_widen not in ("cast", "v", "kv"):
+            raise ValueError(f"DecodeConfig: fp8_widen {self.fp8_widen!r} is not cast, v or kv")
         if self.partition_by not in ("seq_len", "max_seq_len"):
             raise ValueError(
                 f"DecodeConfig: partition_by {self.partition_by!r} is not seq_len or max_seq_len"
@@ -382,10 +417,11 @@ def _default_configs(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[DecodeConf
     if q.device.type != "cuda":
         return _INTERPRETER_DECODE, _INTERPRETER_PREFILL
     head_dim = q.shape[2]
-    if k_cache.dtype == FP8_CACHE and head_dim <= 128:
+    if k_cache.dtype == FP8_CACHE and head_dim <= 128 and DecodeConfig().fp8_widen == "cast":
         # Half the bytes per token: twice the tokens per tile keeps as many bytes in flight. H200, batch
         # 64, us at 1k / 4k context: tile 128 65 / 248, tile 64 85 / 323, tile 32 71 / 265 (bf16 cache,
-        # tile 64: 68 / 252).
+        # tile 64: 68 / 252). With V widened by PTX (the default) tile 64 is the faster again: see
+        # BENCHMARKS.md, "Decode attention over an fp8 cache, V widened".
         return DecodeConfig(tile_n=128), PrefillConfig()
     if q.dtype == torch.float32:  # twice the bytes per tile: halve the tiles to stay in shared memory
         return DecodeConfig(tile_n=32), PrefillConfig(block_m=64, tile_n=32, num_warps=4, num_stages=2)
@@ -546,6 +582,10 @@ def paged_attention(
         block_tables.stride(0),
     )  # fmt: skip
 
+    dot_dtype = _dot_dtype(q, k_cache, dcfg.fp8_dot)
+    widen_asm = (
+        _COMPILED and k_cache.dtype == FP8_CACHE and dot_dtype == tl.float16 and dcfg.fp8_widen != "cast"
+    )
     num_splits, min_partition = decode_splits(dcfg, num_seqs, num_kv_heads, max_seq_len, _num_sms(q.device))
     if num_splits > 1:
         part_out = torch.empty(
@@ -559,7 +599,7 @@ def paged_attention(
         scale_log2, float(v_scale), min_partition, num_splits, *strides, out.stride(0), out.stride(1),
         GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, TILE_N=dcfg.tile_n, DOT_PRECISION=precision,
-        DOT_DTYPE=_dot_dtype(q, k_cache, dcfg.fp8_dot),
+        DOT_DTYPE=dot_dtype, K_ASM=widen_asm and dcfg.fp8_widen == "kv", V_ASM=widen_asm,
         num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:

@@ -4,6 +4,7 @@ on this GPU-less machine: the compiler refuses programs the interpreter runs
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,12 +13,29 @@ from pathlib import Path
 SCRIPT = Path(__file__).parent / "kernels" / "compile_for_gpu.py"
 
 
-def test_every_kernel_compiles_for_sm90(tmp_path: Path) -> None:
+def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env |= {"TRITON_CACHE_DIR": str(tmp_path / "triton"), "PYTHONSAFEPATH": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, env=env, timeout=900)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=900
+    )
+
+
+def test_every_kernel_compiles_for_sm90(tmp_path: Path) -> None:
+    proc = _run(tmp_path)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(("ok ", "FAIL "))]
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     kernels = {line.split(": ")[1].split(" ")[0] for line in lines}
     assert len(lines) >= 20 and not any(line.startswith("FAIL") for line in lines)
     assert {"_rotary_kernel", "_rms_norm_kernel", "_decode_kernel", "_prefill_kernel"} <= kernels, kernels
+
+
+def test_fp8_decode_widens_v_before_shared_memory(tmp_path: Path) -> None:
+    """Over an fp8 cache the decode kernel widens V by inline PTX in the load's layout, so the dot reads
+    it as float16 (`ldmatrix.trans`), never a byte at a time: the byte-wise reads are what held V at
+    about half the speed of K on an H200 (kernels/attention.py, `_widen_fp8`)."""
+    proc = _run(tmp_path, "--fp8-decode-ptx")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    for widen in ("v", "kv"):
+        assert counts[widen]["ld.shared.b8"] == 0 and counts[widen]["ldmatrix trans"] > 0, counts

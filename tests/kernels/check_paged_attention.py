@@ -221,15 +221,20 @@ def test_non_contiguous_q_and_cache() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_fp8_cache_with_scales(dtype: torch.dtype, num_splits: int) -> None:
+@pytest.mark.parametrize("widen", ["cast", "v", "kv"])
+def test_fp8_cache_with_scales(dtype: torch.dtype, num_splits: int, widen: str) -> None:
     """An fp8 cache holding K / k_scale and V / v_scale: decode rows (split and not), a chunked prefill
-    and a whole prompt in one batch, against the reference on the same fp8 codes."""
+    and a whole prompt in one batch, against the reference on the same fp8 codes. `widen` picks how
+    compiled kernels widen the tiles (the interpreter always casts); on a GPU the engine's tile size
+    runs as well."""
     batch = make_batch([1, 1, 20, 37], [40, 7, 20, 90], num_heads=8, num_kv_heads=2, dtype=dtype, seed=3)
     k_scale, v_scale = 0.25, 2.0
     for name, scale in (("k_cache", k_scale), ("v_cache", v_scale)):
         batch[name] = (batch[name].float() * 3 / scale).to(torch.float8_e4m3fn)
     batch.update(k_scale=k_scale, v_scale=v_scale)
-    check(batch, decode_config=decode_config(num_splits=num_splits))
+    check(batch, decode_config=decode_config(num_splits=num_splits, fp8_widen=widen))
+    if batch["q"].is_cuda:
+        check(batch, decode_config=DecodeConfig(tile_n=128, num_splits=num_splits, fp8_widen=widen))
 
 
 def test_bad_inputs_are_refused() -> None:

@@ -8,12 +8,14 @@ dtype inside a runtime `if`, for one). Here each wrapper is called on CPU tensor
 for sm_90 down to a cubin (Triton's bundled ptxas), no driver needed.
 
     python tests/kernels/compile_for_gpu.py     # one line a launch; exit 1 if any fails to compile
+    python tests/kernels/compile_for_gpu.py --fp8-decode-ptx   # see fp8_decode_ptx
 
 Run without TRITON_INTERPRET (so the kernels are compiled as on the GPU, `quant._HAND_ROUNDING` off).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import traceback
@@ -50,18 +52,55 @@ def _type(value: Any) -> str:
     raise TypeError(f"no Triton type for {type(value).__name__}")
 
 
-def compile_launch(fn: JITFunction, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    """Build one recorded launch for sm_90; returns the cubin's size."""
+def build(fn: JITFunction, args: tuple[Any, ...], kwargs: dict[str, Any], aligned: bool = False) -> Any:
+    """Compile one recorded launch for sm_90. `aligned` marks every pointer, and every integer that is
+    a multiple of 16, as divisible by 16, as the launcher specializes them on a GPU (vector loads)."""
     names = fn.arg_names
     bound = dict(zip(names, args, strict=False)) | {k: v for k, v in kwargs.items() if k in names}
     constexprs = {name for p, name in zip(fn.params, names, strict=True) if p.is_constexpr}
     signature = {n: "constexpr" if n in constexprs else _type(bound[n]) for n in names}
     values = {(names.index(n),): bound[n] for n in constexprs}
     options = {k: v for k, v in kwargs.items() if k in _OPTIONS}
-    kernel = triton.compile(
-        ASTSource(fn=fn, signature=signature, constexprs=values), target=TARGET, options=options
-    )
-    return len(kernel.asm["cubin"])
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(names)
+        if aligned
+        and n not in constexprs
+        and (isinstance(bound[n], torch.Tensor) or (type(bound[n]) is int and bound[n] % 16 == 0))
+    }
+    source = ASTSource(fn=fn, signature=signature, constexprs=values, attrs=attrs)
+    return triton.compile(source, target=TARGET, options=options)
+
+
+def compile_launch(fn: JITFunction, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Build one recorded launch for sm_90; returns the cubin's size."""
+    return len(build(fn, args, kwargs).asm["cubin"])
+
+
+def fp8_decode_ptx() -> dict[str, dict[str, int]]:
+    """Per `DecodeConfig.fp8_widen`, counts of the shared-memory reads in the decode kernel's sm_90 PTX,
+    at the engine's GPU tiles over an fp8 cache (bf16 q, Llama-3-8B heads): byte-wise reads
+    (`ld.shared.b8`) are the slow V path `attention._widen_fp8` avoids; `ldmatrix...trans` reads V as
+    16-bit. Call with JITFunction.run recording (`main` sets it)."""
+    from pagoda.kernels import attention
+
+    counts = {}
+    for widen in ("cast", "v", "kv"):
+        recorded.clear()
+        q = torch.randn(4, 32, 128).bfloat16()
+        cache = torch.randn(64, 16, 8, 128).to(torch.float8_e4m3fn)
+        tables = torch.arange(64, dtype=torch.int32).view(4, 16)
+        seq_lens = torch.full((4,), 200, dtype=torch.int32)
+        starts = torch.arange(5, dtype=torch.int32)
+        cfg = attention.DecodeConfig(tile_n=64, num_warps=4, num_stages=2, fp8_widen=widen)  # type: ignore[arg-type]
+        attention.paged_attention(q, cache, cache, tables, seq_lens, starts, 0.08, 1, 256, decode_config=cfg)
+        fn, args, kwargs = recorded[0]
+        ptx = build(fn, args, kwargs, aligned=True).asm["ptx"]
+        counts[widen] = {
+            "ld.shared.b8": ptx.count("ld.shared.b8"),
+            "ldmatrix trans": ptx.count(".trans.shared"),
+        }
+    return counts
 
 
 def _launches() -> list[tuple[str, Callable[[], object]]]:
@@ -162,16 +201,21 @@ def _launches() -> list[tuple[str, Callable[[], object]]]:
     ]
 
 
+recorded: list[tuple[JITFunction, tuple[Any, ...], dict[str, Any]]] = []
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("compile_for_gpu: run without TRITON_INTERPRET=1", file=sys.stderr)
         return 2
-    recorded: list[tuple[JITFunction, tuple[Any, ...], dict[str, Any]]] = []
 
     def record(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
         recorded.append((self, args, kwargs))
 
     JITFunction.run = record  # type: ignore[method-assign]
+    if sys.argv[1:] == ["--fp8-decode-ptx"]:
+        print(json.dumps(fp8_decode_ptx()))
+        return 0
     failures = 0
     for name, call in _launches():
         recorded.clear()
