@@ -8,7 +8,7 @@
 # attention (attention alone), kchecks (tests/kernels on the GPU; KCHECKS_K: a -k expression), bs1, offline, grid, serve.
 # Precision names: bf16, fp8 (W8A8 projections), either with "-kv8" (an fp8 KV cache).
 # Env: BS1_PRECISIONS (bf16 fp8), OFFLINE_VARIANTS (";"-separated extra arguments), GRID_PRECISIONS
-# (fp8-kv8 bf16), SERVE_PRECISIONS (bf16), SERVE_CONCURRENCY (1 16 64 128 256), API_SERVERS (1),
+# (fp8-kv8 bf16), GRID_SHAPES (";"-separated "in out prompts"), SERVE_PRECISIONS (bf16), SERVE_CONCURRENCY (1 16 64 128 256), API_SERVERS (1),
 # CLIENT_PROCESSES (auto), SERVE_VARIANTS (";"-separated extra `pagoda serve` arguments, a server each). With a py-spy wheel in the carried wheels, c >= 256 also profiles the API
 # process for 6 s (pyspy_api_*.raw).
 # Usage: bash bench/gpu_speed.sh TOKENIZER_DIR OUT_DIR [SECTIONS] (default: "kernels bs1 offline serve")
@@ -65,7 +65,8 @@ fi
 if has grid; then  # issue 11's grid: in / out lengths, enough requests for a steady state
     for q in ${GRID_PRECISIONS:-fp8-kv8 bf16}; do
         read -ra extra <<< "$(precision_args "$q")"
-        for shape in "1000 1000 384" "128 2048 384" "2048 128 1024"; do
+        IFS=';' read -ra shapes <<< "${GRID_SHAPES:-1000 1000 384;128 2048 384;2048 128 1024}"
+        for shape in "${shapes[@]}"; do
             read -r in_len out_len n <<< "$shape"
             [[ $q == *-kv8 && $n == 384 ]] && n=640  # an fp8 cache holds more (768 x 2.2k tokens overflowed it: preemptions)
             timeout 200 python3 -m pagoda.service.bench offline "${model[@]}" "${extra[@]}" --num-prompts $n \

@@ -43,11 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument(
         "--sweep",
-        choices=["configs", "splits"],
+        choices=["configs", "splits", "fp8"],
         action="append",
         default=[],
-        help="also time tile/warp/stage variants (configs) or decode split counts (splits)",
+        help="also time tile/warp/stage variants (configs), decode split counts (splits) or decode over an "
+        "fp8 cache by operand and config (fp8)",
     )
+    parser.add_argument("--sweep-only", action="store_true", help="run the sweeps without the table")
     parser.add_argument("--markdown", help="write the results table to this file")
     parser.add_argument("--json", help="write every row to this file")
 
@@ -414,6 +416,81 @@ def sweep_splits(copy_bw: float) -> list[str]:
     return lines
 
 
+def sweep_fp8(copy_bw: float) -> list[str]:
+    """Decode over an fp8 cache: which operand costs (K or V in fp8, the other float16, q float16, so
+    every widening is e4m3 -> float16), then tile / warp / stage variants with bf16 q as the engine runs.
+    Each cell: us and the fraction of copy bandwidth its own cache bytes reach."""
+    from unittest import mock
+
+    import torch
+
+    from pagoda.kernels import attention
+    from pagoda.kernels.attention import DecodeConfig, paged_attention
+
+    cases = [(256, 256), (64, 1024), (640, 1536), (8, 8192)]
+    fp8 = torch.float8_e4m3fn
+    lines = [
+        "fp8-cache decode sweep (us, fraction of copy) at batch x ctx "
+        + " | ".join(f"{b}x{c}" for b, c in cases)
+    ]
+
+    def cells(make: Callable[[int, int], dict], cfg: DecodeConfig | None) -> str:
+        out = []
+        for batch, ctx in cases:
+            b = make(batch, ctx)
+            nbytes = (
+                batch
+                * ctx
+                * KV_HEADS
+                * HEAD_DIM
+                * (b["k_cache"].element_size() + b["v_cache"].element_size())
+            )
+            try:
+                us = _time(lambda b=b: paged_attention(**b, decode_config=cfg))
+                out.append(f"{us:7.1f} {nbytes / (us * 1e-6) / copy_bw:4.2f}")
+            except Exception as e:
+                out.append(f"error {type(e).__name__}")
+            del b
+        torch.cuda.empty_cache()
+        return " | ".join(out)
+
+    def batch_of(
+        q_dtype: torch.dtype, k_dtype: torch.dtype, v_dtype: torch.dtype
+    ) -> Callable[[int, int], dict]:
+        def make(batch: int, ctx: int) -> dict:
+            b = _paged_batch([ctx] * batch, [1] * batch)
+            b["q"] = b["q"].to(q_dtype)
+            b["k_cache"] = b["k_cache"].to(k_dtype)
+            b["v_cache"] = b["v_cache"].to(v_dtype)
+            return b
+
+        return make
+
+    f16, bf16 = torch.float16, torch.bfloat16
+    # Mixed K / V dtypes are a diagnostic only: paged_attention refuses them, so its check is lifted here.
+    with mock.patch.object(attention, "_check", lambda *a: None):
+        for kd, vd, widen in ((f16, f16, "cast"), (fp8, f16, "cast"), (f16, fp8, "cast"), (fp8, fp8, "cast")):
+            name = f"q f16, K {str(kd)[6:]}, V {str(vd)[6:]}, tile 128, {widen}"
+            lines.append(
+                f"  {name}: " + cells(batch_of(f16, kd, vd), DecodeConfig(tile_n=128, fp8_widen=widen))
+            )
+            print(lines[-1], flush=True)
+    lines.append("  bf16 cache, default: " + cells(batch_of(bf16, bf16, bf16), None))
+    print(lines[-1], flush=True)
+    variants = [DecodeConfig(tile_n=t, fp8_widen=w) for w in ("cast", "v", "kv") for t in (64, 128, 256)]
+    variants += [DecodeConfig(tile_n=128, num_warps=2, fp8_widen=w) for w in ("cast", "v", "kv")]
+    variants += [
+        DecodeConfig(tile_n=128, num_stages=3, fp8_widen="v"),
+        DecodeConfig(tile_n=64, num_stages=3, fp8_widen="v"),
+    ]
+    for cfg in variants:
+        name = f"fp8 cache, tile {cfg.tile_n} warps {cfg.num_warps} stages {cfg.num_stages}"
+        name += f" widen {cfg.fp8_widen}"
+        lines.append(f"  {name}: " + cells(batch_of(bf16, fp8, fp8), cfg))
+        print(lines[-1], flush=True)
+    return lines
+
+
 def _table(rows: list[Row], copy_bw: float, gpu: str, versions: str) -> str:
     out = [
         f"GPU: {gpu}; {versions}; copy bandwidth (device-to-device, read + write) {copy_bw / 1e12:.2f} TB/s",
@@ -456,7 +533,7 @@ def run(args: argparse.Namespace) -> int:
     versions += f"; {copy_note}"
     print(f"{gpu}; {versions}", flush=True)
     rows: list[Row] = []
-    for section in (bench_decode, bench_prefill, bench_small):
+    for section in () if args.sweep_only else (bench_decode, bench_prefill, bench_small):
         try:
             rows += section(args.quick)
         except Exception as e:  # report what ran; a broken section must not hide the others
@@ -472,6 +549,7 @@ def run(args: argparse.Namespace) -> int:
             json.dump({"gpu": gpu, "copy_bw": copy_bw, "rows": [asdict(r) for r in rows]}, f, indent=1)
     sweep_lines = sweep(copy_bw) if "configs" in args.sweep else []
     sweep_lines += sweep_splits(copy_bw) if "splits" in args.sweep else []
+    sweep_lines += sweep_fp8(copy_bw) if "fp8" in args.sweep else []
     if sweep_lines and args.markdown:
         with open(args.markdown, "a") as f:
             f.write("\n" + "\n".join(sweep_lines) + "\n")

@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help=f"rows {QUICK_ROWS} only")
     parser.add_argument("--sweep", action="store_true", help="also time skinny kernel tile variants")
     parser.add_argument("--activation", action="store_true", help="time only the quantizing SiLU-and-mul")
+    parser.add_argument(
+        "--rows", type=int, nargs="+", help=f"these row counts instead of {ROWS} (prefill sizes: 4096)"
+    )
     parser.add_argument("--markdown", help="write the tables to this file")
 
 
@@ -138,11 +141,14 @@ def _cell(fn: Callable[[], object] | None) -> float | str:
         return f"error: {type(exc).__name__}: {first_line}"
 
 
-def _fmt(us: float | str, weight_bytes: int) -> str:
+def _fmt(us: float | str, weight_bytes: int, flops: int = 0) -> str:
+    """us and the weight-read GB/s, or the TFLOP/s where `flops` is given (prefill sizes)."""
     if isinstance(us, str):
         return us.replace("|", "/")
     if math.isnan(us):
         return ""
+    if flops:
+        return f"{us:.1f} ({flops / (us * 1e6):.0f} TF)"
     return f"{us:.1f} ({weight_bytes / (us * 1e3):.0f})"
 
 
@@ -202,7 +208,9 @@ def bench(rows: tuple[int, ...]) -> tuple[list[str], dict[int, dict[str, float]]
             cells = []
             for method, fn in fns.items():
                 us = _cell(fn)
-                cells.append(_fmt(us, n * k * (2 if method == "bf16" else 1)))
+                cells.append(
+                    _fmt(us, n * k * (2 if method == "bf16" else 1), 2 * m * n * k if m >= 512 else 0)
+                )
                 sums[method] = sums.get(method, 0.0) + (us if isinstance(us, float) else math.nan)
             lines.append(f"| {m} | {name} {k}->{n} | " + " | ".join(cells) + " |")
             print(lines[-1], flush=True)
@@ -339,7 +347,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     out = [header, "", *checks()]
     print("\n".join(out[2:]), flush=True)
-    table, per_layer = bench(QUICK_ROWS if args.quick else ROWS)
+    table, per_layer = bench(tuple(args.rows or (QUICK_ROWS if args.quick else ROWS)))
     steps = step_table(per_layer)
     print("\n" + "\n".join(steps), flush=True)
     out += ["", *table, "", *steps]
