@@ -5,7 +5,7 @@ is padding and is skipped), and copies its [num_kv_heads, head_dim] rows of K an
 `cache[block_id, offset]`, converting to the cache's dtype. Slot offsets are int64: a cache of
 100k blocks x 16 slots x 8 heads x 128 dims already has 1.6e9 elements.
 
-An fp8 (e4m3) cache stores `x / scale`, clamped to +-448 and rounded to the nearest e4m3 by
+An fp8 (e4m3) cache stores `x * (1 / scale)`, clamped to +-448 and rounded to the nearest e4m3 by
 `quant._e4m3` (ties to even, as PyTorch's cast; the GPU's conversion, or by hand in the interpreter,
 see quant.py), one per-tensor scale for K and one for V.
 """

@@ -30,13 +30,13 @@ def write_kv(
     v_scale: float = 1.0,
 ) -> None:
     """Scatter the new tokens' K and V into their cache slots; an fp8 (e4m3) cache gets
-    `x / scale` in float32, clamped to +-448, rounded to the nearest e4m3."""
+    `x * (1 / scale)` in float32, clamped to +-448, rounded to the nearest e4m3."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     for x, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
         x = x[valid]
-        if cache.dtype == torch.float8_e4m3fn:  # (a tensor divisor: see quantize_fp8_rows)
-            x = (x.float() / _tensor(scale, x)).clamp(-FP8_MAX, FP8_MAX)
+        if cache.dtype == torch.float8_e4m3fn:  # (times the reciprocal: see quantize_fp8_rows)
+            x = (x.float() * torch.reciprocal(_tensor(scale, x))).clamp(-FP8_MAX, FP8_MAX)
         cache.view(-1, *cache.shape[2:])[slots] = x.to(cache.dtype)
 
 
@@ -170,11 +170,12 @@ def _tensor(value: float, like: torch.Tensor) -> torch.Tensor:
 def quantize_fp8_rows(
     x: torch.Tensor,  # [M, K]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (float8_e4m3fn [M, K], float32 [M, 1])
-    """Per-row fp8 (e4m3): `x ~= q * scale` with `scale = max(amax(|x|), 1e-12) / 448`."""
+    """Per-row fp8 (e4m3): `x ~= q * scale` with `scale = max(amax(|x|), 1e-12) / 448` and
+    `q = x * (1 / scale)`, the reciprocal correctly rounded once a row (as the kernels, `quant._e4m3`)."""
     # A tensor divisor: PyTorch on CUDA turns `/ number` into a multiplication by its reciprocal,
     # which is not the correctly rounded quotient the kernels compute.
     scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / _tensor(FP8_MAX, x)
-    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q = (x.float() * torch.reciprocal(scale)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
 
 

@@ -96,7 +96,7 @@ def _store_slot(
     slot,
     first,  # [BLOCK_H, BLOCK_HALF] in the activations' dtype: the first half of head_dim
     second,
-    scale,  # an fp8 cache holds x / scale (QUANT)
+    scale,  # an fp8 cache holds x * (1 / scale) (QUANT)
     num_kv_heads,
     stride_cb,
     stride_cs,
