@@ -290,19 +290,19 @@ def _activation_row(m: int, d: int) -> list[float | str]:
         def fn() -> object:
             if tiled is None:
                 return activation.silu_and_mul(nxt())
-            activation.TILED_MAX_ROWS = 1 << 30 if tiled else -1
+            activation.TILED_MAX_ROWS = activation.SCALED_TILED_MAX_ROWS = 1 << 30 if tiled else -1
             scales = (row_scale, col_scale) if scaled else None
             return activation.silu_and_mul(nxt(), quantize=True, scales=scales, scaled_dtype=torch.bfloat16)
 
         return fn
 
-    default = activation.TILED_MAX_ROWS
+    defaults = activation.TILED_MAX_ROWS, activation.SCALED_TILED_MAX_ROWS
     try:
         return [_cell(call(None, False))] + [
             _cell(call(t, sc)) for sc in (False, True) for t in (False, True)
         ]
     finally:
-        activation.TILED_MAX_ROWS = default
+        activation.TILED_MAX_ROWS, activation.SCALED_TILED_MAX_ROWS = defaults
 
 
 def _num_copies(nbytes: int) -> int:

@@ -14,7 +14,9 @@ def test_help_and_arguments(capsys: pytest.CaptureFixture[str]) -> None:
         bench_fp8.main(["--help"])
     assert exit_info.value.code == 0 and "--sweep" in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        bench_fp8.main(["--rows", "3"])
+        bench_fp8.main(["--rows", "many"])  # row counts are integers
+    with pytest.raises(SystemExit):
+        bench_fp8.main(["--columns", "3"])
 
 
 def test_needs_a_gpu(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -250,7 +250,9 @@ def test_silu_and_mul(dtype: torch.dtype, d: int) -> None:
 @pytest.fixture(params=["per row", "tiled"])
 def silu_layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """The quantizing SiLU both ways: one program per row, or column tiles over the GPU."""
-    monkeypatch.setattr(activation, "TILED_MAX_ROWS", 1 << 30 if request.param == "tiled" else -1)
+    limit = 1 << 30 if request.param == "tiled" else -1
+    monkeypatch.setattr(activation, "TILED_MAX_ROWS", limit)
+    monkeypatch.setattr(activation, "SCALED_TILED_MAX_ROWS", limit)
     return str(request.param)
 
 
