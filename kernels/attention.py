@@ -444,6 +444,12 @@ def _dot_dtype(q: torch.Tensor, k_cache: torch.Tensor, fp8_dot: str) -> tl.dtype
     return _TL_DTYPES[q.dtype]
 
 
+def _has_fp8_conversion(device: torch.device) -> bool:
+    """Whether `cvt.rn.f16x2.e4m3x2` exists there: compute capability 8.9+ (Ada, Hopper). A CPU device
+    is the compile check's (tests/kernels/compile_for_gpu.py, which builds for sm_90)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
@@ -584,7 +590,11 @@ def paged_attention(
 
     dot_dtype = _dot_dtype(q, k_cache, dcfg.fp8_dot)
     widen_asm = (
-        _COMPILED and k_cache.dtype == FP8_CACHE and dot_dtype == tl.float16 and dcfg.fp8_widen != "cast"
+        _COMPILED
+        and k_cache.dtype == FP8_CACHE
+        and dot_dtype == tl.float16
+        and dcfg.fp8_widen != "cast"
+        and _has_fp8_conversion(q.device)
     )
     num_splits, min_partition = decode_splits(dcfg, num_seqs, num_kv_heads, max_seq_len, _num_sms(q.device))
     if num_splits > 1:

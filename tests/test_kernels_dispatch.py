@@ -28,3 +28,18 @@ def test_bad_env_value_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGODA_KERNELS", "cuda")
     with pytest.raises(ValueError, match="PAGODA_KERNELS"):
         kernels.use_triton(torch.zeros(1))
+
+
+@pytest.mark.parametrize(("capability", "expected"), [((8, 0), False), ((8, 9), True), ((9, 0), True)])
+def test_fp8_attention_widens_by_ptx_only_where_the_gpu_converts(
+    monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], expected: bool
+) -> None:
+    """`cvt.rn.f16x2.e4m3x2` needs compute capability 8.9+: elsewhere the fp8 cache's tiles are cast
+    (a CPU device stands for the sm_90 compile check)."""
+    from pagoda.kernels import attention
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert attention._has_fp8_conversion(torch.device("cuda", 0)) is expected
+    assert attention._has_fp8_conversion(torch.device("cpu"))
+    with pytest.raises(ValueError, match="fp8_widen"):
+        attention.DecodeConfig(fp8_widen="bytes")  # type: ignore[arg-type]
