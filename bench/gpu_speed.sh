@@ -9,7 +9,8 @@
 # Precision names: bf16, fp8 (W8A8 projections), either with "-kv8" (an fp8 KV cache).
 # Env: BS1_PRECISIONS (bf16 fp8), OFFLINE_VARIANTS (";"-separated extra arguments), GRID_PRECISIONS
 # (fp8-kv8 bf16), GRID_SHAPES (";"-separated "in out prompts"), SERVE_PRECISIONS (bf16), SERVE_CONCURRENCY (1 16 64 128 256), API_SERVERS (1),
-# CLIENT_PROCESSES (auto), SERVE_VARIANTS (";"-separated extra `pagoda serve` arguments, a server each). With a py-spy wheel in the carried wheels, c >= 256 also profiles the API
+# CLIENT_PROCESSES (auto), BUSY_TRACE (set: bs1 and offline write Chrome traces of their profiled steps,
+# trace_*.json), SERVE_VARIANTS (";"-separated extra `pagoda serve` arguments, a server each). With a py-spy wheel in the carried wheels, c >= 256 also profiles the API
 # process for 6 s (pyspy_api_*.raw).
 # Usage: bash bench/gpu_speed.sh TOKENIZER_DIR OUT_DIR [SECTIONS] (default: "kernels bs1 offline serve")
 set -uo pipefail
@@ -50,15 +51,19 @@ if has bs1; then
     for q in ${BS1_PRECISIONS:-bf16 fp8}; do
         read -ra extra <<< "$(precision_args "$q")"
         python3 -m pagoda.service.bench offline "${model[@]}" "${extra[@]}" --num-prompts 1 --input-len 1000 --output-len 200 \
-            --busy-steps 50 --busy-top 14 --output "$out/bench.md" 2>&1 | grep -v Loading | tail -24
+            --busy-steps 50 --busy-top 14 ${BUSY_TRACE:+--busy-trace "$out/trace_bs1_$q.json"} \
+            --output "$out/bench.md" 2>&1 | grep -v Loading | tail -24
         step "bs1 $q"
     done
 fi
 if has offline; then
+    traced=0
     IFS=';' read -ra variants <<< "${OFFLINE_VARIANTS:- ;--quantization fp8;--kv-cache-dtype fp8;--quantization fp8 --kv-cache-dtype fp8}"
     for q in "${variants[@]}"; do
+        traced=$((traced + 1))
         python3 -m pagoda.service.bench offline "${model[@]}" $q --num-prompts 256 --input-len 128 --output-len 128 \
-            --busy-steps 20 --busy-top 8 --profile-prefill --output "$out/bench.md" 2>&1 | grep -v Loading | tail -28
+            --busy-steps 20 --busy-top 8 --profile-prefill ${BUSY_TRACE:+--busy-trace "$out/trace_offline_$traced.json"} \
+            --output "$out/bench.md" 2>&1 | grep -v Loading | tail -28
         step "offline ${q:-bf16}"
     done
 fi

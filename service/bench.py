@@ -60,6 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="profile this many steady decode steps at the largest batch: wall and GPU-busy ms per step",
     )
     offline.add_argument(
+        "--busy-trace",
+        default=None,
+        help="with --busy-steps: also record the host's calls and write a Chrome trace of those steps "
+        "(chrome://tracing, Perfetto) to this file, to see what the GPU waits on between kernels; "
+        "on the CPU, the host's trace alone",
+    )
+    offline.add_argument(
         "--busy-top",
         type=int,
         default=0,
@@ -187,15 +194,18 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
         if len(modes[args.async_scheduling]) > 1:
             same = sum(a == b for a, b in zip(tokens[batch, True], tokens[batch, False], strict=True))
             print(f"batch {batch}: async == in turn for {same}/{batch} requests")
-    if args.busy_steps > 0 and runner.device.type == "cuda":
+    on_gpu = runner.device.type == "cuda"
+    if args.busy_steps > 0 and (on_gpu or args.busy_trace):
         for is_async in sorted(set(modes[args.async_scheduling])):
             core.is_async = is_async
             prompts = _prompts(args.num_prompts, args.input_len, vocab)
-            wall, busy = _decode_busy(llm, prompts, args.busy_steps, args.busy_top)
-            print(
-                f"decode at batch {args.num_prompts}{_mode_name(is_async)}: {wall:.2f} ms/step wall, "
-                f"GPU busy {busy:.2f} ms/step ({100 * busy / wall:.0f}%), idle {wall - busy:.2f} ms/step"
-            )
+            trace = _trace_path(args.busy_trace, is_async, len(modes[args.async_scheduling]) > 1)
+            wall, busy = _decode_busy(llm, prompts, args.busy_steps, args.busy_top, trace)
+            line = f"decode at batch {args.num_prompts}{_mode_name(is_async)}: {wall:.2f} ms/step wall"
+            if on_gpu:
+                idle = wall - busy
+                line += f", GPU busy {busy:.2f} ms/step ({100 * busy / wall:.0f}%), idle {idle:.2f} ms/step"
+            print(line + (f"; trace {trace}" if trace else ""))
     if args.profile_prefill:
         print(_prefill_profile(llm, _prompts(args.num_prompts, args.input_len, vocab, seed=7), args.busy_top))
     setup = Setup(runner.device, runner.dtype, vocab, runner.max_model_len)
@@ -213,28 +223,45 @@ def _mode_name(is_async: bool) -> str:
     return " (async)" if is_async else " (in turn)"
 
 
-def _decode_busy(llm: Any, prompts: list[list[int]], steps: int, top: int = 0) -> tuple[float, float]:
+def _trace_path(path: str | None, is_async: bool, both_modes: bool) -> str | None:
+    """`--busy-trace`'s file for one scheduling mode: `trace.json` -> `trace.async.json` when both run."""
+    if path is None or not both_modes:
+        return path
+    stem, dot, ext = path.rpartition(".")
+    mode = "async" if is_async else "in-turn"
+    return f"{stem}.{mode}.{ext}" if dot else f"{path}.{mode}"
+
+
+def _decode_busy(
+    llm: Any, prompts: list[list[int]], steps: int, top: int = 0, trace: str | None = None
+) -> tuple[float, float]:
     """Wall and GPU-busy milliseconds per steady decode step (every request past its prefill), the
-    busy time being the sum of the CUDA kernels the profiler saw in those steps. `top`: print that
-    many kernels, most GPU time first, with their time per step."""
-    import torch
+    busy time being the sum of the CUDA kernels the profiler saw in those steps (0 on the CPU). `top`:
+    print that many kernels, most GPU time first, with their time per step. `trace`: also record the
+    host's calls, and write the steps' Chrome trace there (the host's share of the wall time grows a
+    little under the recording)."""
     from torch.profiler import ProfilerActivity, profile
 
     from pagoda.service.sampling_params import SamplingParams
 
     engine = llm.engine
+    device = engine.runner.device
     params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"busy-{i}", prompt, params, final_only=True)  # as LLM.generate does
     for _ in range(32):  # prefills, and the ramp to a steady batch
         engine.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else []
+    activities += [ProfilerActivity.CPU] if trace else []
+    _sync(device)
+    with profile(activities=activities) as prof:
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()
-        torch.cuda.synchronize()
+        _sync(device)
         wall = time.perf_counter() - start
+    if trace:
+        prof.export_chrome_trace(trace)
     kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     busy_us = sum(e.self_device_time_total for e in kernels)
     for line in _top_kernels(kernels, steps, top):

@@ -3,6 +3,7 @@ profile's line (its GPU-busy part runs on the GPU machine only)."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -40,3 +41,20 @@ def test_projection_params_counts_the_projection_weights(llama_ckpt: Path) -> No
     names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     counted = sum(p.numel() for n, p in model.named_parameters() if any(f"{k}.weight" in n for k in names))
     assert counted > 0 and bench.projection_params(config) == counted
+
+
+def test_busy_trace_records_the_steady_steps(llama_ckpt: Path, tmp_path: Path) -> None:
+    """`--busy-trace` writes a Chrome trace of the profiled decode steps, with the host's calls (on the
+    CPU there is no GPU-busy figure, only the trace); with both scheduling modes, a file each."""
+    trace = tmp_path / "steps.json"
+    args = ["offline", "--model", str(llama_ckpt), "--device", "cpu", "--dtype", "float32", "--peer", "none",
+            "--num-prompts", "2", "--input-len", "8", "--output-len", "2", "--async-scheduling", "both",
+            "--busy-steps", "3", "--busy-trace", str(trace)]  # fmt: skip
+    assert bench.main(args) == 0
+    for mode in ("async", "in-turn"):
+        events = json.loads((tmp_path / f"steps.{mode}.json").read_text())["traceEvents"]
+        names = {e.get("name", "") for e in events}
+        assert any("aten::" in n for n in names), sorted(names)[:20]  # the model's ops, recorded on the host
+    assert not trace.exists()
+    assert bench._trace_path("t.json", True, both_modes=False) == "t.json"
+    assert bench._trace_path("trace", False, both_modes=True) == "trace.in-turn"
