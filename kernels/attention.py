@@ -109,6 +109,7 @@ def _decode_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim], written here when the context fits one split
     part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] float32, each split's acc / l
     part_lse_ptr,  # [num_seqs, num_heads, num_splits] float32, each split's m + log2(l)
+    done_ptr,  # [num_seqs, num_kv_heads] int32, zeros: splits finished (FUSED_REDUCE)
     scale_log2,  # softmax scale x log2(e) x k_scale
     v_scale,
     min_partition,  # the fewest context tokens per split, a multiple of TILE_N
@@ -133,6 +134,7 @@ def _decode_kernel(
     DOT_DTYPE: tl.constexpr,  # q's dtype, or float16 over an fp8 cache (see _dot_dtype)
     K_ASM: tl.constexpr,  # widen the K / V tiles by inline PTX (`_widen_fp8`)
     V_ASM: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr,  # the last split to finish merges them (`_merge_splits`)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -186,9 +188,47 @@ def _decode_kernel(
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
         num_heads = GROUP * tl.num_programs(1)
-        part = (seq.to(tl.int64) * num_heads + heads) * num_splits + split  # [BLOCK_M]
+        first_part = (seq.to(tl.int64) * num_heads + heads) * num_splits  # [BLOCK_M]
+        part = first_part + split
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=row_ok[:, None])
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=row_ok)
+        if FUSED_REDUCE:
+            tl.debug_barrier()  # every thread's stores above come before the count
+            done = done_ptr + seq * tl.num_programs(1) + kv_head
+            if tl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == tl.cdiv(ctx_len, partition) - 1:
+                tl.store(done, 0)  # zero again for the next launch
+                _merge_splits(
+                    out_ptr, part_out_ptr, part_lse_ptr, first_part, tl.cdiv(ctx_len, partition), q_start,
+                    heads, dims, row_ok, stride_ot, stride_oh, BLOCK_M, HEAD_DIM,
+                )  # fmt: skip
+
+
+@triton.jit
+def _merge_splits(
+    out_ptr, part_out_ptr, part_lse_ptr, first_part, num_used, q_start, heads, dims, row_ok,
+    stride_ot, stride_oh, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """`_reduce_kernel`'s merge for one (sequence, kv head), run by the split that finished last: its
+    GROUP heads' partial outputs weighted by their log-sum-exp. The partials were written by other
+    programs: read from L2 (`.cg`), never from this SM's L1, which may hold an earlier layer's."""
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for sp in range(0, num_used):
+        part = first_part + sp
+        lse = tl.load(part_lse_ptr + part, mask=row_ok, other=0.0, cache_modifier=".cg")
+        o = tl.load(
+            part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0,
+            cache_modifier=".cg",
+        )  # fmt: skip
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        weight = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + o * weight[:, None]
+        total = total * alpha + weight
+        m = m_new
+    o_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    tl.store(o_ptrs, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -352,6 +392,7 @@ def _prefill_kernel(
 
 _COMPILED = os.environ.get("TRITON_INTERPRET", "0") != "1"
 _FP8_WIDEN = cast(Literal["cast", "v", "kv"], os.environ.get("PAGODA_FP8_WIDEN", "v"))
+_FUSED_REDUCE = os.environ.get("PAGODA_ATTENTION_FUSED_REDUCE", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -381,6 +422,10 @@ class DecodeConfig:
     # Which fp8 tiles float16 dots widen by inline PTX rather than a cast (`_widen_fp8`; compiled only:
     # the interpreter casts). PAGODA_FP8_WIDEN sets the default (a benchmark knob).
     fp8_widen: Literal["cast", "v", "kv"] = _FP8_WIDEN
+    # Merge a sequence's splits in the decode kernel (the last split to finish does it, counted by an
+    # atomic) instead of a second launch: at batch 1 the reduce launch took 2.7 us a layer on an H200.
+    # Off until timed there; PAGODA_ATTENTION_FUSED_REDUCE=1 sets the default (a benchmark knob).
+    fused_reduce: bool = _FUSED_REDUCE
 
     def __post_init__(self) -> None:
         if self.min_partition < 1 or (self.num_splits is not None and self.num_splits < 1):
@@ -448,6 +493,19 @@ def _has_fp8_conversion(device: torch.device) -> bool:
     """Whether `cvt.rn.f16x2.e4m3x2` exists there: compute capability 8.9+ (Ada, Hopper). A CPU device
     is the compile check's (tests/kernels/compile_for_gpu.py, which builds for sm_90)."""
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+_SPLIT_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _split_counters(n: int, device: torch.device) -> torch.Tensor:
+    """n zeroed int32 counters for the fused split merge, kept per device: each merge zeroes its counter
+    again, so one buffer serves every launch in turn. A larger one is added when needed and the old ones
+    are kept, since CUDA graphs captured with them go on using them."""
+    buffers = _SPLIT_COUNTERS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < n:
+        buffers.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
+    return buffers[-1]
 
 
 def _num_sms(device: torch.device) -> int:
@@ -597,22 +655,26 @@ def paged_attention(
         and _has_fp8_conversion(q.device)
     )
     num_splits, min_partition = decode_splits(dcfg, num_seqs, num_kv_heads, max_seq_len, _num_sms(q.device))
+    done = out  # unused unless fused_reduce
     if num_splits > 1:
         part_out = torch.empty(
             (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
         )
         part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        if dcfg.fused_reduce:
+            done = _split_counters(num_seqs * num_kv_heads, q.device)
     else:
         part_out = part_lse = out  # unused
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse, done,
         scale_log2, float(v_scale), min_partition, num_splits, *strides, out.stride(0), out.stride(1),
         GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, TILE_N=dcfg.tile_n, DOT_PRECISION=precision,
         DOT_DTYPE=dot_dtype, K_ASM=widen_asm and dcfg.fp8_widen == "kv", V_ASM=widen_asm,
+        FUSED_REDUCE=dcfg.fused_reduce and num_splits > 1,
         num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
     )  # fmt: skip
-    if num_splits > 1:
+    if num_splits > 1 and not dcfg.fused_reduce:
         _reduce_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse, seq_lens, query_start_loc, min_partition, num_splits,
             out.stride(0), out.stride(1),

@@ -114,11 +114,16 @@ def test_decode_block_boundaries(dtype: torch.dtype, group: int) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("num_splits", [1, 2, 5])
-def test_decode_splits(dtype: torch.dtype, num_splits: int) -> None:
-    # One long row and several short ones: some splits of the short rows are empty.
+@pytest.mark.parametrize("fused_reduce", [False, True], ids=["reduce launch", "fused reduce"])
+def test_decode_splits(dtype: torch.dtype, num_splits: int, fused_reduce: bool) -> None:
+    # One long row and several short ones: some splits of the short rows are empty. Fused, the split
+    # that finishes last merges; twice in a row, so the counters must be back at zero in between.
     seq_lens = [150, 3, 16, 70]
     batch = make_batch([1] * 4, seq_lens, num_heads=8, num_kv_heads=2, dtype=dtype, high_block_ids=True)
-    check(batch, decode_config=decode_config(num_splits=num_splits))
+    for _ in range(2):
+        check(batch, decode_config=decode_config(num_splits=num_splits, fused_reduce=fused_reduce))
+    if batch["q"].is_cuda:  # the engine's tiles
+        check(batch, decode_config=DecodeConfig(num_splits=num_splits, fused_reduce=fused_reduce))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -136,14 +141,20 @@ def test_decode_graph_max_seq_len(dtype: torch.dtype, max_seq_len: int, partitio
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("num_splits", [8, 64])
-def test_decode_mixed_split_counts(dtype: torch.dtype, num_splits: int) -> None:
+@pytest.mark.parametrize("fused_reduce", [False, True], ids=["reduce launch", "fused reduce"])
+def test_decode_mixed_split_counts(dtype: torch.dtype, num_splits: int, fused_reduce: bool) -> None:
     # Contexts off the 16-token tile, from 1 to 500 tokens: at 8 splits and min_partition 32 they use
     # 1, 1, 2, 3, 7 and 8 splits (partitions 32, 32, 32, 32, 32, 64), at 64 splits up to 16.
     seq_lens = [1, 17, 33, 95, 200, 500]
     batch = make_batch([1] * 6, seq_lens, num_heads=4, num_kv_heads=2, dtype=dtype, high_block_ids=True)
     batch["max_seq_len"] = 8192
-    check(batch, decode_config=decode_config(num_splits=num_splits, min_partition=32))
-    check(batch, decode_config=decode_config(num_splits=num_splits, min_partition=20))  # rounds up to 32
+    check(
+        batch, decode_config=decode_config(num_splits=num_splits, min_partition=32, fused_reduce=fused_reduce)
+    )
+    # min_partition rounds up to 32
+    check(
+        batch, decode_config=decode_config(num_splits=num_splits, min_partition=20, fused_reduce=fused_reduce)
+    )
 
 
 def test_split_choice() -> None:

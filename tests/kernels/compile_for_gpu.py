@@ -124,12 +124,15 @@ def _launches() -> list[tuple[str, Callable[[], object]]]:
 
     q_scales = (r(4, 1, dtype=f32), r(1, 8 * 128, dtype=f32))
 
-    def attention_call(query_len: int, kv: torch.Tensor) -> object:
+    def attention_call(query_len: int, kv: torch.Tensor, **decode: Any) -> object:
         q = r(2 * query_len, 4, 128)
         seq_lens = torch.tensor([20, 30], dtype=torch.int32)
         starts = torch.tensor([0, query_len, 2 * query_len], dtype=torch.int32)
         tables = torch.arange(4, dtype=torch.int32).view(2, 2)
-        return attention.paged_attention(q, kv, kv, tables, seq_lens, starts, 0.08, query_len, 30)
+        cfg = attention.DecodeConfig(**decode) if decode else None
+        return attention.paged_attention(
+            q, kv, kv, tables, seq_lens, starts, 0.08, query_len, 30, decode_config=cfg
+        )
 
     return [
         ("rms_norm", lambda: norm.rms_norm(r(4, 512), r(512), 1e-5)),
@@ -192,6 +195,10 @@ def _launches() -> list[tuple[str, Callable[[], object]]]:
         ),
         ("attention decode", lambda: attention_call(1, cache)),
         ("attention decode fp8", lambda: attention_call(1, cache8)),
+        (
+            "attention decode, fused split merge",
+            lambda: attention_call(1, cache, num_splits=2, fused_reduce=True),
+        ),
         ("attention prefill", lambda: attention_call(7, cache)),
         ("attention prefill fp8", lambda: attention_call(7, cache8)),
         (
