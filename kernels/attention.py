@@ -17,7 +17,8 @@ so no host code inspects the batch (no `.item()`, CUDA-graph safe):
   (padded to 16 rows), so each K/V tile is read from memory once for the whole group. Each split
   keeps an online softmax (running max `m`, running sum `l`, accumulator `acc`) over its
   TILE_N-token tiles and writes `acc / l` and `m + log2(l)`; `_reduce_kernel` finds the same
-  partition and merges the splits by their log-sum-exp. A sequence whose context fits one
+  partition and merges the splits by their log-sum-exp (with `DecodeConfig.fused_reduce`, the split
+  that finishes last merges them in the same launch). A sequence whose context fits one
   partition (every sequence when num_splits == 1) is written by the decode kernel directly.
 - Prefill rows (more than one query token): `_prefill_kernel` runs one program per
   (BLOCK_Q query tokens, kv head), the BLOCK_Q x GROUP (token, head) pairs being the BLOCK_M rows of
