@@ -94,6 +94,32 @@ def _widen_fp8(tile, DOT_DTYPE: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _load_fp8_pairs(
+    cache_ptr, block_table_row, pos, kv_head, stride_block, stride_slot, stride_head,
+    BLOCK_SIZE: tl.constexpr, pos_ok, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, ASM: tl.constexpr,
+):  # fmt: skip
+    """An fp8 cache tile [TILE_N, HEAD_DIM] as float16, loaded as 16-bit words (two e4m3 codes each,
+    the even dim in the low byte) that one `cvt.rn.f16x2.e4m3x2` widens whole: `_widen_fp8` hands the
+    asm bytes, which the compiler first packs in pairs (two PRMT a conversion in the sm_90 SASS).
+    Strides count fp8 elements and must be even. The interpreter widens each byte by a cast instead."""
+    half_dims = tl.arange(0, HEAD_DIM // 2)
+    pairs = _load_kv_tile(
+        cache_ptr.to(tl.pointer_type(tl.uint16)), block_table_row, pos, half_dims, kv_head,
+        stride_block // 2, stride_slot // 2, stride_head // 2, BLOCK_SIZE, True, pos_ok,
+    )  # fmt: skip
+    if ASM:
+        both = tl.inline_asm_elementwise(
+            "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [pairs], dtype=tl.int32, is_pure=False, pack=1
+        )
+        lo = (both & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+        hi = (both >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+    else:
+        lo = (pairs & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        hi = (pairs >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return tl.join(lo, hi).reshape(TILE_N, HEAD_DIM)
+
+
+@triton.jit
 def _partition(ctx_len, num_splits, min_partition, TILE_N: tl.constexpr):
     """Context tokens per split of one sequence: at most num_splits splits, none under min_partition."""
     return tl.maximum(min_partition, tl.cdiv(tl.cdiv(ctx_len, num_splits), TILE_N) * TILE_N)
@@ -135,6 +161,7 @@ def _decode_kernel(
     DOT_DTYPE: tl.constexpr,  # q's dtype, or float16 over an fp8 cache (see _dot_dtype)
     K_ASM: tl.constexpr,  # widen the K / V tiles by inline PTX (`_widen_fp8`)
     V_ASM: tl.constexpr,
+    V_PAIRS: tl.constexpr,  # load the fp8 V tile as 16-bit words (`_load_fp8_pairs`)
     FUSED_REDUCE: tl.constexpr,  # the last split to finish merges them (`_merge_splits`)
 ):
     seq = tl.program_id(0)
@@ -175,11 +202,17 @@ def _decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_kv_tile(
-            v_cache_ptr, block_table_row, pos, dims, kv_head, stride_vb, stride_vs, stride_vh,
-            BLOCK_SIZE, True, pos_ok,
-        )  # fmt: skip
-        v = _widen_fp8(v, DOT_DTYPE, V_ASM)
+        if V_PAIRS:
+            v = _load_fp8_pairs(
+                v_cache_ptr, block_table_row, pos, kv_head, stride_vb, stride_vs, stride_vh,
+                BLOCK_SIZE, pos_ok, TILE_N, HEAD_DIM, V_ASM,
+            )  # fmt: skip
+        else:
+            v = _load_kv_tile(
+                v_cache_ptr, block_table_row, pos, dims, kv_head, stride_vb, stride_vs, stride_vh,
+                BLOCK_SIZE, True, pos_ok,
+            )  # fmt: skip
+            v = _widen_fp8(v, DOT_DTYPE, V_ASM)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -392,7 +425,7 @@ def _prefill_kernel(
 
 
 _COMPILED = os.environ.get("TRITON_INTERPRET", "0") != "1"
-_FP8_WIDEN = cast(Literal["cast", "v", "kv"], os.environ.get("PAGODA_FP8_WIDEN", "v"))
+_FP8_WIDEN = cast(Literal["cast", "v", "kv", "v16"], os.environ.get("PAGODA_FP8_WIDEN", "v"))
 _FUSED_REDUCE = os.environ.get("PAGODA_ATTENTION_FUSED_REDUCE", "0") == "1"
 
 
@@ -421,8 +454,10 @@ class DecodeConfig:
     # Over an fp8 cache: "float16" widens the tiles (and q) to float16 for the dots, "q" to q's dtype.
     fp8_dot: Literal["float16", "q"] = "float16"
     # Which fp8 tiles float16 dots widen by inline PTX rather than a cast (`_widen_fp8`; compiled only:
-    # the interpreter casts). PAGODA_FP8_WIDEN sets the default (a benchmark knob).
-    fp8_widen: Literal["cast", "v", "kv"] = _FP8_WIDEN
+    # the interpreter casts): "v" V, "kv" both, "v16" V loaded as 16-bit words (`_load_fp8_pairs`,
+    # 482 SASS instructions a 64-token tile against v's 598; not yet timed). PAGODA_FP8_WIDEN sets the
+    # default (a benchmark knob).
+    fp8_widen: Literal["cast", "v", "kv", "v16"] = _FP8_WIDEN
     # Merge a sequence's splits in the decode kernel (the last split to finish does it, counted by an
     # atomic) instead of a second launch: at batch 1 the reduce launch took 2.7 us a layer on an H200.
     # Off until timed there; PAGODA_ATTENTION_FUSED_REDUCE=1 sets the default (a benchmark knob).
@@ -434,8 +469,8 @@ class DecodeConfig:
                 f"DecodeConfig: min_partition {self.min_partition} and num_splits {self.num_splits} "
                 "must be at least 1"
             )
-        if self.fp8_widen not in ("cast", "v", "kv"):
-            raise ValueError(f"DecodeConfig: fp8_widen {self.fp8_widen!r} is not cast, v or kv")
+        if self.fp8_widen not in ("cast", "v", "kv", "v16"):
+            raise ValueError(f"DecodeConfig: fp8_widen {self.fp8_widen!r} is not cast, v, kv or v16")
         if self.partition_by not in ("seq_len", "max_seq_len"):
             raise ValueError(
                 f"DecodeConfig: partition_by {self.partition_by!r} is not seq_len or max_seq_len"
@@ -655,6 +690,15 @@ def paged_attention(
         and dcfg.fp8_widen != "cast"
         and _has_fp8_conversion(q.device)
     )
+    # "v16": V by 16-bit words (even strides, an even address), in the interpreter too (cast there).
+    v_pairs = (
+        dcfg.fp8_widen == "v16"
+        and k_cache.dtype == FP8_CACHE
+        and dot_dtype == tl.float16
+        and (widen_asm or not _COMPILED)
+        and v_cache.data_ptr() % 2 == 0
+        and all(st % 2 == 0 for st in v_cache.stride()[:3])
+    )
     num_splits, min_partition = decode_splits(dcfg, num_seqs, num_kv_heads, max_seq_len, _num_sms(q.device))
     done = out  # unused unless fused_reduce
     if num_splits > 1:
@@ -672,6 +716,7 @@ def paged_attention(
         GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, TILE_N=dcfg.tile_n, DOT_PRECISION=precision,
         DOT_DTYPE=dot_dtype, K_ASM=widen_asm and dcfg.fp8_widen == "kv", V_ASM=widen_asm,
+        V_PAIRS=v_pairs,
         FUSED_REDUCE=dcfg.fused_reduce and num_splits > 1,
         num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
     )  # fmt: skip

@@ -479,7 +479,9 @@ def sweep_fp8(copy_bw: float) -> list[str]:
             print(lines[-1], flush=True)
     lines.append("  bf16 cache, default: " + cells(batch_of(bf16, bf16, bf16), None))
     print(lines[-1], flush=True)
-    variants = [DecodeConfig(tile_n=t, fp8_widen=w) for w in ("cast", "v", "kv") for t in (64, 128, 256)]
+    variants = [
+        DecodeConfig(tile_n=t, fp8_widen=w) for w in ("cast", "v", "kv", "v16") for t in (64, 128, 256)
+    ]
     variants += [DecodeConfig(tile_n=128, num_warps=2, fp8_widen=w) for w in ("cast", "v", "kv")]
     variants += [
         DecodeConfig(tile_n=128, num_stages=3, fp8_widen="v"),

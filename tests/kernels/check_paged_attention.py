@@ -232,7 +232,7 @@ def test_non_contiguous_q_and_cache() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("widen", ["cast", "v", "kv"])
+@pytest.mark.parametrize("widen", ["cast", "v", "kv", "v16"])
 def test_fp8_cache_with_scales(dtype: torch.dtype, num_splits: int, widen: str) -> None:
     """An fp8 cache holding K / k_scale and V / v_scale: decode rows (split and not), a chunked prefill
     and a whole prompt in one batch, against the reference on the same fp8 codes. `widen` picks how

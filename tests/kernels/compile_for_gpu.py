@@ -85,7 +85,7 @@ def fp8_decode_ptx() -> dict[str, dict[str, int]]:
     from pagoda.kernels import attention
 
     counts = {}
-    for widen in ("cast", "v", "kv"):
+    for widen in ("cast", "v", "kv", "v16"):
         recorded.clear()
         q = torch.randn(4, 32, 128).bfloat16()
         cache = torch.randn(64, 16, 8, 128).to(torch.float8_e4m3fn)
