@@ -18,6 +18,8 @@ import random
 import shlex
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -232,6 +234,48 @@ def _trace_path(path: str | None, is_async: bool, both_modes: bool) -> str | Non
     return f"{stem}.{mode}.{ext}" if dot else f"{path}.{mode}"
 
 
+@contextmanager
+def _annotated_phases(engine: Any) -> Iterator[None]:
+    """Name the engine's phases in a profiler trace (`record_function`), without touching its code:
+    the step, scheduling, the launch (input preparation, the forward pass, sampling), taking the
+    previous step's tokens, and building outputs. Restored on exit."""
+    from torch.profiler import record_function
+
+    runner = getattr(engine.runner, "runner", None)  # the ModelRunner of rank 0, when there is one
+    phases = [
+        (engine, "step", "engine: step"),
+        (engine.output_processor, "process", "engine: outputs"),
+        (engine.core, "_complete", "core: take tokens"),
+        (engine.core.scheduler, "schedule", "core: schedule"),
+        (engine.core.scheduler, "advance", "core: advance"),
+        (engine.core.executor, "launch", "executor: launch"),
+        (runner, "prepare", "runner: prepare inputs"),
+        (runner, "forward", "runner: forward"),
+        (runner, "finish", "runner: sample"),
+    ]
+    wrapped = []
+    for owner, name, label in phases:
+        if owner is None or not hasattr(owner, name):
+            continue
+        original = getattr(owner, name)
+
+        def call(*args: Any, _original: Any = original, _label: str = label, **kwargs: Any) -> Any:
+            with record_function(_label):
+                return _original(*args, **kwargs)
+
+        own = vars(owner).get(name)  # an attribute of the instance itself, to be put back as it was
+        setattr(owner, name, call)  # else the instance attribute shadows the class's method until removed
+        wrapped.append((owner, name, own))
+    try:
+        yield
+    finally:
+        for owner, name, own in wrapped:
+            if own is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, own)
+
+
 def _decode_busy(
     llm: Any, prompts: list[list[int]], steps: int, top: int = 0, trace: str | None = None
 ) -> tuple[float, float]:
@@ -254,7 +298,7 @@ def _decode_busy(
     activities = [ProfilerActivity.CUDA] if device.type == "cuda" else []
     activities += [ProfilerActivity.CPU] if trace else []
     _sync(device)
-    with profile(activities=activities) as prof:
+    with profile(activities=activities) as prof, _annotated_phases(engine) if trace else nullcontext():
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()
@@ -287,8 +331,6 @@ def _prefill_profile(llm: Any, prompts: list[list[int]], top: int = 0) -> str:
     token and finishes, so the steps run are the prefill's. Wall time per step and the projections'
     TFLOP/s (2 x `projection_params` x prompt tokens over the wall time); on a GPU also the busy time
     the profiler saw and, with `top`, the kernels with most of it."""
-    from contextlib import nullcontext
-
     from torch.profiler import ProfilerActivity, profile
 
     from pagoda.service.sampling_params import SamplingParams

@@ -55,6 +55,25 @@ def test_busy_trace_records_the_steady_steps(llama_ckpt: Path, tmp_path: Path) -
         events = json.loads((tmp_path / f"steps.{mode}.json").read_text())["traceEvents"]
         names = {e.get("name", "") for e in events}
         assert any("aten::" in n for n in names), sorted(names)[:20]  # the model's ops, recorded on the host
+        phases = {"engine: step", "core: schedule", "core: take tokens", "runner: forward", "runner: sample"}
+        assert phases <= names, sorted(n for n in names if ":" in n and "::" not in n)
     assert not trace.exists()
     assert bench._trace_path("t.json", True, both_modes=False) == "t.json"
     assert bench._trace_path("trace", False, both_modes=True) == "trace.in-turn"
+
+
+def test_phase_annotations_are_removed_afterwards(llama_ckpt: Path) -> None:
+    """`_annotated_phases` wraps the engine's methods for the trace only: after it, they are the
+    class's own again (no instance attribute left), and the engine still runs."""
+    from pagoda.service.llm import LLM
+    from pagoda.service.sampling_params import SamplingParams
+
+    llm = LLM(model=str(llama_ckpt), device="cpu", dtype="float32")
+    engine = llm.engine
+    with bench._annotated_phases(engine):
+        assert "step" in vars(engine) and "schedule" in vars(engine.core.scheduler)
+    assert "step" not in vars(engine) and "schedule" not in vars(engine.core.scheduler)
+    assert "prepare" not in vars(engine.runner.runner)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 2
+    llm.shutdown()
