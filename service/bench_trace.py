@@ -8,7 +8,9 @@ copies, memsets, on any stream) is merged into busy intervals; a gap is the time
 is put down to the host call that was running when it began: the innermost CUDA runtime call or
 operator on the host covering that moment (a `cudaStreamSynchronize` there means the host waited for
 the GPU, an operator means the host was still preparing work), or "(host between calls)" when none
-covers it. The report: busy and idle time over the traced span, idle by host call, and the longest gaps.
+covers it; and, where the trace names phases (`record_function`, as `--busy-trace` does for the
+engine's), to the innermost phase as well ("core: schedule / (host between calls)"). The report:
+busy and idle time over the traced span, idle by host call, and the longest gaps.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Gap:
     start_us: float
     end_us: float
     host: str  # the innermost host call covering `start_us`, or IDLE_HOST
+    phase: str = ""  # the innermost named phase covering it (`record_function`: user annotations)
 
     @property
     def us(self) -> float:
@@ -80,9 +83,12 @@ def analyze(trace: dict, min_gap_us: float = 5.0) -> Report:
     busy = busy_intervals(events)
     if not busy:
         raise ValueError("no GPU events in the trace: record it with CUDA activity, on a GPU")
-    host = [e for e in events if e.get("cat") in HOST_CATEGORIES]
+    host = [e for e in events if e.get("cat") in HOST_CATEGORIES - {"user_annotation"}]
+    phases = [e for e in events if e.get("cat") == "user_annotation"]
     gaps = [
-        Gap(end, nxt, _host_at(host, end)) for (_, end), (nxt, _) in pairwise(busy) if nxt - end >= min_gap_us
+        Gap(end, nxt, _host_at(host, end), _host_at(phases, end) if phases else "")
+        for (_, end), (nxt, _) in pairwise(busy)
+        if nxt - end >= min_gap_us
     ]
     return Report(busy[0][0], busy[-1][1] - busy[0][0], sum(end - start for start, end in busy), gaps)
 
@@ -98,14 +104,15 @@ def format_report(report: Report, top: int = 15) -> str:
     ]
     by_host: dict[str, list[Gap]] = defaultdict(list)
     for gap in report.gaps:
-        by_host[gap.host].append(gap)
+        by_host[f"{gap.phase} / {gap.host}" if gap.phase else gap.host].append(gap)
     for name, gaps in sorted(by_host.items(), key=lambda kv: -sum(g.us for g in kv[1])):
         lines.append(
             f"| {name} | {len(gaps)} | {sum(g.us for g in gaps) / 1000:.3f} | {max(g.us for g in gaps):.0f} |"
         )
     lines += ["", f"longest {min(top, len(report.gaps))} gaps (us after the span's start):"]
     for gap in sorted(report.gaps, key=lambda g: -g.us)[:top]:
-        lines.append(f"  {gap.us:8.1f} us at {gap.start_us - report.start_us:10.0f}: {gap.host}")
+        where = f"{gap.phase} / {gap.host}" if gap.phase else gap.host
+        lines.append(f"  {gap.us:8.1f} us at {gap.start_us - report.start_us:10.0f}: {where}")
     return "\n".join(lines)
 
 

@@ -27,6 +27,8 @@ TRACE = {
         _event("cpu_op", "engine step", 100, 200),
         _event("cuda_runtime", "cudaStreamSynchronize", 130, 40),  # covers 135: innermost there
         _event("cpu_op", "aten::index_copy_", 195, 50),  # covers 200
+        _event("user_annotation", "engine: step", 0, 400),
+        _event("user_annotation", "runner: prepare inputs", 190, 60),  # the innermost phase at 200
     ]
 }
 
@@ -36,17 +38,20 @@ def test_gaps_are_put_down_to_the_innermost_host_call(
 ) -> None:
     report = bench_trace.analyze(TRACE, min_gap_us=5)
     assert (report.start_us, report.span_us, report.busy_us) == (0, 330, 130 + 3 + 15 + 10 + 10)
-    assert [(g.start_us, g.us, g.host) for g in report.gaps] == [
-        (135, 50, "cudaStreamSynchronize"),
-        (200, 100, "aten::index_copy_"),
-        (310, 10, bench_trace.IDLE_HOST),
+    assert [(g.start_us, g.us, g.host, g.phase) for g in report.gaps] == [
+        (135, 50, "cudaStreamSynchronize", "engine: step"),
+        (200, 100, "aten::index_copy_", "runner: prepare inputs"),
+        (310, 10, bench_trace.IDLE_HOST, "engine: step"),  # within a phase, between calls
     ]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(TRACE))
     assert bench_trace.main([str(path), "--top", "2"]) == 0
     out = capsys.readouterr().out
     assert "GPU busy 0.17 ms (51%), idle 0.16 ms" in out
-    assert "| aten::index_copy_ | 1 | 0.100 | 100 |" in out and out.count(" us at ") == 2
+    assert (
+        "| runner: prepare inputs / aten::index_copy_ | 1 | 0.100 | 100 |" in out
+        and out.count(" us at ") == 2
+    )
 
 
 def test_a_trace_without_gpu_events_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -54,3 +59,9 @@ def test_a_trace_without_gpu_events_is_refused(tmp_path: Path, capsys: pytest.Ca
     path.write_text(json.dumps({"traceEvents": [_event("cpu_op", "aten::mm", 0, 10)]}))
     assert bench_trace.main([str(path)]) == 2
     assert "no GPU events" in capsys.readouterr().err
+
+
+def test_without_phases_the_gap_is_put_down_to_the_call_alone() -> None:
+    plain = {"traceEvents": [e for e in TRACE["traceEvents"] if e.get("cat") != "user_annotation"]}
+    gaps = bench_trace.analyze(plain).gaps
+    assert [(g.host, g.phase) for g in gaps][-1] == (bench_trace.IDLE_HOST, "")
