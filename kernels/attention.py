@@ -38,6 +38,7 @@ works. Scores are kept in base 2 (`exp2`, with log2(e) folded into the scale).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -46,6 +47,8 @@ from typing import Literal, cast
 import torch
 import triton
 import triton.language as tl
+
+from pagoda.kernels.quant import INTERPRETED
 
 
 @triton.jit
@@ -229,10 +232,11 @@ def _decode_kernel(
         if FUSED_REDUCE:
             tl.debug_barrier()  # every thread's stores above come before the count
             done = done_ptr + seq * tl.num_programs(1) + kv_head
-            if tl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == tl.cdiv(ctx_len, partition) - 1:
+            num_used = tl.cdiv(ctx_len, partition)
+            if tl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == num_used - 1:
                 tl.store(done, 0)  # zero again for the next launch
                 _merge_splits(
-                    out_ptr, part_out_ptr, part_lse_ptr, first_part, tl.cdiv(ctx_len, partition), q_start,
+                    out_ptr, part_out_ptr, part_lse_ptr, first_part, num_used, q_start,
                     heads, dims, row_ok, stride_ot, stride_oh, BLOCK_M, HEAD_DIM,
                 )  # fmt: skip
 
@@ -424,7 +428,7 @@ def _prefill_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-_COMPILED = os.environ.get("TRITON_INTERPRET", "0") != "1"
+_COMPILED = not INTERPRETED
 _FP8_WIDEN = cast(Literal["cast", "v", "kv", "v16"], os.environ.get("PAGODA_FP8_WIDEN", "v"))
 _FUSED_REDUCE = os.environ.get("PAGODA_ATTENTION_FUSED_REDUCE", "0") == "1"
 
@@ -498,11 +502,11 @@ def _default_configs(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[DecodeConf
     if q.device.type != "cuda":
         return _INTERPRETER_DECODE, _INTERPRETER_PREFILL
     head_dim = q.shape[2]
-    if k_cache.dtype == FP8_CACHE and head_dim <= 128 and DecodeConfig().fp8_widen == "cast":
+    if k_cache.dtype == FP8_CACHE and head_dim <= 128 and _FP8_WIDEN == "cast":
         # Half the bytes per token: twice the tokens per tile keeps as many bytes in flight. H200, batch
         # 64, us at 1k / 4k context: tile 128 65 / 248, tile 64 85 / 323, tile 32 71 / 265 (bf16 cache,
-        # tile 64: 68 / 252). With V widened by PTX (the default) tile 64 is the faster again: see
-        # BENCHMARKS.md, "Decode attention over an fp8 cache, V widened".
+        # tile 64: 68 / 252). With V widened by PTX (the default) tile 64 is the faster again: BENCHMARKS.md,
+        # "Decode attention over an fp8 cache" under "the three fusions measured".
         return DecodeConfig(tile_n=128), PrefillConfig()
     if q.dtype == torch.float32:  # twice the bytes per tile: halve the tiles to stay in shared memory
         return DecodeConfig(tile_n=32), PrefillConfig(block_m=64, tile_n=32, num_warps=4, num_stages=2)
@@ -525,6 +529,7 @@ def _dot_dtype(q: torch.Tensor, k_cache: torch.Tensor, fp8_dot: str) -> tl.dtype
     return _TL_DTYPES[q.dtype]
 
 
+@functools.cache
 def _has_fp8_conversion(device: torch.device) -> bool:
     """Whether `cvt.rn.f16x2.e4m3x2` exists there: compute capability 8.9+ (Ada, Hopper). A CPU device
     is the compile check's (tests/kernels/compile_for_gpu.py, which builds for sm_90)."""

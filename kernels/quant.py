@@ -46,7 +46,8 @@ def _round_to_e4m3(v):  # float32 with |v| <= 448 -> the nearest e4m3 value (tie
 # PyTorch's cast), a few integer operations a value fewer than `_round_to_e4m3`, which the compute-bound
 # quantizing kernels (the SiLU at 14336 columns) feel. The interpreter's conversion is not exact, so
 # there the rounding is by hand. tests/kernels hold both to PyTorch's cast.
-_HAND_ROUNDING = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton's interpreter runs the kernels
+_HAND_ROUNDING = tl.constexpr(INTERPRETED)
 
 
 @triton.jit

@@ -39,7 +39,9 @@ def test_fp8_attention_widens_by_ptx_only_where_the_gpu_converts(
     from pagoda.kernels import attention
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    attention._has_fp8_conversion.cache_clear()  # it asks once per device
     assert attention._has_fp8_conversion(torch.device("cuda", 0)) is expected
+    attention._has_fp8_conversion.cache_clear()
     assert attention._has_fp8_conversion(torch.device("cpu"))
     with pytest.raises(ValueError, match="fp8_widen"):
         attention.DecodeConfig(fp8_widen="bytes")  # type: ignore[arg-type]
