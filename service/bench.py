@@ -306,7 +306,7 @@ def _decode_busy(
         wall = time.perf_counter() - start
     if trace:
         prof.export_chrome_trace(trace)
-    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kernels = device_work(prof.key_averages())
     busy_us = sum(e.self_device_time_total for e in kernels)
     for line in _top_kernels(kernels, steps, top):
         print(line)
@@ -357,11 +357,18 @@ def _prefill_profile(llm: Any, prompts: list[list[int]], top: int = 0) -> str:
         f"({1000 * wall / steps:.2f} ms/step), projections at {tflops:.1f} TFLOP/s"
     )
     if prof is not None:
-        kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+        kernels = device_work(prof.key_averages())
         busy_ms = sum(e.self_device_time_total for e in kernels) / 1000
         busy = f"; GPU busy {busy_ms:.1f} ms ({100 * busy_ms / (1000 * wall):.0f}%)"
         line = "\n".join([line + busy, *_top_kernels(kernels, steps, top)])
     return line
+
+
+def device_work(events: Any) -> list[Any]:
+    """The profiler's averaged events that are work on the device (kernels, copies, memsets). A
+    `record_function` range shows up on the GPU's timeline as well (as `--busy-trace`'s phases do),
+    spanning the kernels it launched: counting it would count those kernels twice."""
+    return [e for e in events if e.self_device_time_total > 0 and not getattr(e, "is_user_annotation", False)]
 
 
 def _top_kernels(kernels: list[Any], steps: int, top: int) -> list[str]:

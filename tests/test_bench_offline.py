@@ -77,3 +77,15 @@ def test_phase_annotations_are_removed_afterwards(llama_ckpt: Path) -> None:
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 2
     llm.shutdown()
+
+
+def test_device_work_leaves_out_the_annotated_ranges() -> None:
+    """A `record_function` range has device time of its own on a GPU (the span of the kernels under
+    it): the busy figure counts the kernels, copies and memsets only, not the range again."""
+    from types import SimpleNamespace
+
+    kernel = SimpleNamespace(key="_decode_kernel", self_device_time_total=700.0, is_user_annotation=False)
+    memset = SimpleNamespace(key="Memset (Unknown)", self_device_time_total=1.0, is_user_annotation=False)
+    phase = SimpleNamespace(key="runner: forward", self_device_time_total=750.0, is_user_annotation=True)
+    host = SimpleNamespace(key="aten::mm", self_device_time_total=0.0, is_user_annotation=False)
+    assert bench.device_work([kernel, phase, memset, host]) == [kernel, memset]
