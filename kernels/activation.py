@@ -156,15 +156,17 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 _ONE_PASS_MAX = 16384
 # Batches of up to this many rows are quantized in 1024-column tiles spread over the GPU (two launches,
-# the second reading x again, from L2) instead of one program per row: on an H200 at 14336 columns,
-# 3.4 against 7.5 us at 1 row, 7.2 against 8.3 at 64, and 10.2 against 8.9 at 128
-# (`python -m pagoda.kernels.bench_fp8 --activation`, BENCHMARKS.md).
-TILED_MAX_ROWS = 64
+# the second reading x again, from L2) instead of one program per row. On an H200 at 14336 columns, us a
+# call per row against tiled: 3.4 / 3.0 at 1 row, 4.0 / 4.1 at 16, 4.3 / 5.7 at 64 (before quantizing
+# multiplied by the reciprocal scale, per row took 7.5 at 1 row and 8.3 at 64;
+# `python -m pagoda.kernels.bench_fp8 --activation`, BENCHMARKS.md, 2026-12-02).
+TILED_MAX_ROWS = 16
 # With `scales` (the unit-scale path, which runs up to fp8.UNIT_SCALE_MAX_M rows) a row's program also
-# holds both column scales: at batch 256 in the engine the per-row kernel took 18.6-21.4 us a call
-# against 12.4 unscaled (H200, offline fp8 profile), while the tiles hold 1024 columns a program. Not
-# yet timed tiled at 256 rows: `bench_fp8 --activation` has both columns.
-SCALED_TILED_MAX_ROWS = 1 << 30
+# applies both column scales. Since quantizing multiplies by the row's reciprocal scale, one program per
+# row is the faster from 64 rows on. On an H200 at 14336 columns, us a call per row against tiled: 6.4
+# against 4.7 at 16 rows, 6.5 / 6.7 at 64, 7.0 / 9.2 at 128, 12.0 / 14.1 at 256
+# (`python -m pagoda.kernels.bench_fp8 --activation`, BENCHMARKS.md, 2026-12-02).
+SCALED_TILED_MAX_ROWS = 32
 _TILE = 1024
 
 
