@@ -10,7 +10,10 @@ operator on the host covering that moment (a `cudaStreamSynchronize` there means
 the GPU, an operator means the host was still preparing work), or "(host between calls)" when none
 covers it; and, where the trace names phases (`record_function`, as `--busy-trace` does for the
 engine's), to the innermost phase as well ("core: schedule / (host between calls)"). The report:
-busy and idle time over the traced span, idle by host call, and the longest gaps.
+busy and idle time over the traced span, idle by gap size (inside a CUDA graph's replay consecutive
+kernels sit under a microsecond apart; longer gaps are waits), idle by the device ops on either side of
+each gap, of every size (a memset cuBLASLt issues before its kernel shows up there), idle by host call,
+and the longest gaps.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import argparse
 import json
 import sys
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import pairwise
 
 GPU_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
@@ -39,12 +42,19 @@ class Gap:
         return self.end_us - self.start_us
 
 
+# Gap sizes the report sums idle time by, in us: (upper bound, label).
+SIZE_BUCKETS = ((1.0, "under 1 us"), (5.0, "1-5 us"), (50.0, "5-50 us"), (float("inf"), "50 us or more"))
+
+
 @dataclass
 class Report:
     start_us: float  # the first GPU event's start
     span_us: float  # first GPU start to last GPU end
     busy_us: float
-    gaps: list[Gap]
+    gaps: list[Gap]  # those of at least the threshold
+    # Every gap, of any size: (the device op before it, the one after) -> (count, idle us).
+    neighbours: dict[tuple[str, str], tuple[int, float]] = field(default_factory=dict)
+    by_size: dict[str, tuple[int, float]] = field(default_factory=dict)  # SIZE_BUCKETS label -> (count, us)
 
     @property
     def idle_us(self) -> float:
@@ -56,18 +66,27 @@ def _complete_events(trace: dict) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and "ts" in e and "dur" in e]
 
 
+def _merged(events: list[dict]) -> list[tuple[float, float, str, str]]:
+    """The GPU's events merged into disjoint (start, end, first op, last op to end) intervals, in time
+    order."""
+    ops = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e["dur"]), str(e.get("name", "")))
+        for e in events
+        if e.get("cat") in GPU_CATEGORIES
+    )
+    merged: list[tuple[float, float, str, str]] = []
+    for start, end, name in ops:
+        if merged and start <= merged[-1][1]:
+            first_start, last_end, first, last = merged[-1]
+            merged[-1] = (first_start, max(last_end, end), first, name if end >= last_end else last)
+        else:
+            merged.append((start, end, name, name))
+    return merged
+
+
 def busy_intervals(events: list[dict]) -> list[tuple[float, float]]:
     """The GPU's events merged into disjoint (start, end) intervals, in time order."""
-    spans = sorted(
-        (float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events if e.get("cat") in GPU_CATEGORIES
-    )
-    merged: list[tuple[float, float]] = []
-    for start, end in spans:
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
+    return [(start, end) for start, end, _, _ in _merged(events)]
 
 
 def _host_at(host: list[dict], t: float) -> str:
@@ -80,17 +99,25 @@ def _host_at(host: list[dict], t: float) -> str:
 
 def analyze(trace: dict, min_gap_us: float = 5.0) -> Report:
     events = _complete_events(trace)
-    busy = busy_intervals(events)
+    busy = _merged(events)
     if not busy:
         raise ValueError("no GPU events in the trace: record it with CUDA activity, on a GPU")
     host = [e for e in events if e.get("cat") in HOST_CATEGORIES - {"user_annotation"}]
     phases = [e for e in events if e.get("cat") == "user_annotation"]
-    gaps = [
-        Gap(end, nxt, _host_at(host, end), _host_at(phases, end) if phases else "")
-        for (_, end), (nxt, _) in pairwise(busy)
-        if nxt - end >= min_gap_us
-    ]
-    return Report(busy[0][0], busy[-1][1] - busy[0][0], sum(end - start for start, end in busy), gaps)
+    gaps = []
+    neighbours: dict[tuple[str, str], tuple[int, float]] = {}
+    by_size: dict[str, tuple[int, float]] = {}
+    for (_, end, _, before), (nxt, _, after, _) in pairwise(busy):
+        idle = nxt - end
+        count, total = neighbours.get((before, after), (0, 0.0))
+        neighbours[before, after] = (count + 1, total + idle)
+        label = next(name for bound, name in SIZE_BUCKETS if idle < bound)
+        count, total = by_size.get(label, (0, 0.0))
+        by_size[label] = (count + 1, total + idle)
+        if idle >= min_gap_us:
+            gaps.append(Gap(end, nxt, _host_at(host, end), _host_at(phases, end) if phases else ""))
+    busy_us = sum(end - start for start, end, _, _ in busy)
+    return Report(busy[0][0], busy[-1][1] - busy[0][0], busy_us, gaps, neighbours, by_size)
 
 
 def format_report(report: Report, top: int = 15) -> str:
@@ -98,6 +125,23 @@ def format_report(report: Report, top: int = 15) -> str:
         f"traced span {report.span_us / 1000:.2f} ms: GPU busy {report.busy_us / 1000:.2f} ms "
         f"({100 * report.busy_us / report.span_us:.0f}%), idle {report.idle_us / 1000:.2f} ms; "
         f"{len(report.gaps)} gaps of at least the threshold, {sum(g.us for g in report.gaps) / 1000:.2f} ms",
+        "",
+        "| gap size | gaps | idle ms |",
+        "| --- | ---: | ---: |",
+        *(
+            f"| {label} | {report.by_size[label][0]} | {report.by_size[label][1] / 1000:.3f} |"
+            for _, label in SIZE_BUCKETS
+            if label in report.by_size
+        ),
+        "",
+        "| device op before the gap | device op after it | gaps | idle ms |",
+        "| --- | --- | ---: | ---: |",
+        *(
+            f"| {before[:60]} | {after[:60]} | {count} | {us / 1000:.3f} |"
+            for (before, after), (count, us) in sorted(report.neighbours.items(), key=lambda kv: -kv[1][1])[
+                :top
+            ]
+        ),
         "",
         "| host call when the gap began | gaps | idle ms | longest us |",
         "| --- | ---: | ---: | ---: |",

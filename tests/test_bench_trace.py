@@ -43,6 +43,13 @@ def test_gaps_are_put_down_to_the_innermost_host_call(
         (200, 100, "aten::index_copy_", "runner: prepare inputs"),
         (310, 10, bench_trace.IDLE_HOST, "engine: step"),  # within a phase, between calls
     ]
+    assert report.neighbours == {  # every gap, the 2 us one too, by the device ops on either side
+        ("attn", "Memcpy HtoD"): (1, 2),
+        ("Memcpy HtoD", "norm"): (1, 50),
+        ("norm", "sample"): (1, 100),
+        ("sample", "tail"): (1, 10),
+    }
+    assert report.by_size == {"1-5 us": (1, 2), "5-50 us": (1, 10), "50 us or more": (2, 150)}
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(TRACE))
     assert bench_trace.main([str(path), "--top", "2"]) == 0
@@ -52,6 +59,7 @@ def test_gaps_are_put_down_to_the_innermost_host_call(
         "| runner: prepare inputs / aten::index_copy_ | 1 | 0.100 | 100 |" in out
         and out.count(" us at ") == 2
     )
+    assert "| norm | sample | 1 | 0.100 |" in out and "| 50 us or more | 2 | 0.150 |" in out
 
 
 def test_a_trace_without_gpu_events_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
