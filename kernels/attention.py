@@ -17,8 +17,7 @@ so no host code inspects the batch (no `.item()`, CUDA-graph safe):
   (padded to 16 rows), so each K/V tile is read from memory once for the whole group. Each split
   keeps an online softmax (running max `m`, running sum `l`, accumulator `acc`) over its
   TILE_N-token tiles and writes `acc / l` and `m + log2(l)`; `_reduce_kernel` finds the same
-  partition and merges the splits by their log-sum-exp (with `DecodeConfig.fused_reduce`, the split
-  that finishes last merges them in the same launch). A sequence whose context fits one
+  partition and merges the splits by their log-sum-exp. A sequence whose context fits one
   partition (every sequence when num_splits == 1) is written by the decode kernel directly.
 - Prefill rows (more than one query token): `_prefill_kernel` runs one program per
   (BLOCK_Q query tokens, kv head), the BLOCK_Q x GROUP (token, head) pairs being the BLOCK_M rows of
@@ -97,32 +96,6 @@ def _widen_fp8(tile, DOT_DTYPE: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _load_fp8_pairs(
-    cache_ptr, block_table_row, pos, kv_head, stride_block, stride_slot, stride_head,
-    BLOCK_SIZE: tl.constexpr, pos_ok, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, ASM: tl.constexpr,
-):  # fmt: skip
-    """An fp8 cache tile [TILE_N, HEAD_DIM] as float16, loaded as 16-bit words (two e4m3 codes each,
-    the even dim in the low byte) that one `cvt.rn.f16x2.e4m3x2` widens whole: `_widen_fp8` hands the
-    asm bytes, which the compiler first packs in pairs (two PRMT a conversion in the sm_90 SASS).
-    Strides count fp8 elements and must be even. The interpreter widens each byte by a cast instead."""
-    half_dims = tl.arange(0, HEAD_DIM // 2)
-    pairs = _load_kv_tile(
-        cache_ptr.to(tl.pointer_type(tl.uint16)), block_table_row, pos, half_dims, kv_head,
-        stride_block // 2, stride_slot // 2, stride_head // 2, BLOCK_SIZE, True, pos_ok,
-    )  # fmt: skip
-    if ASM:
-        both = tl.inline_asm_elementwise(
-            "cvt.rn.f16x2.e4m3x2 $0, $1;", "=r,h", [pairs], dtype=tl.int32, is_pure=False, pack=1
-        )
-        lo = (both & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
-        hi = (both >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
-    else:
-        lo = (pairs & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        hi = (pairs >> 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
-    return tl.join(lo, hi).reshape(TILE_N, HEAD_DIM)
-
-
-@triton.jit
 def _partition(ctx_len, num_splits, min_partition, TILE_N: tl.constexpr):
     """Context tokens per split of one sequence: at most num_splits splits, none under min_partition."""
     return tl.maximum(min_partition, tl.cdiv(tl.cdiv(ctx_len, num_splits), TILE_N) * TILE_N)
@@ -139,7 +112,6 @@ def _decode_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim], written here when the context fits one split
     part_out_ptr,  # [num_seqs, num_heads, num_splits, head_dim] float32, each split's acc / l
     part_lse_ptr,  # [num_seqs, num_heads, num_splits] float32, each split's m + log2(l)
-    done_ptr,  # [num_seqs, num_kv_heads] int32, zeros: splits finished (FUSED_REDUCE)
     scale_log2,  # softmax scale x log2(e) x k_scale
     v_scale,
     min_partition,  # the fewest context tokens per split, a multiple of TILE_N
@@ -162,10 +134,7 @@ def _decode_kernel(
     TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # q's dtype, or float16 over an fp8 cache (see _dot_dtype)
-    K_ASM: tl.constexpr,  # widen the K / V tiles by inline PTX (`_widen_fp8`)
-    V_ASM: tl.constexpr,
-    V_PAIRS: tl.constexpr,  # load the fp8 V tile as 16-bit words (`_load_fp8_pairs`)
-    FUSED_REDUCE: tl.constexpr,  # the last split to finish merges them (`_merge_splits`)
+    V_ASM: tl.constexpr,  # widen the V tile by inline PTX (`_widen_fp8`); K is cast
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -197,25 +166,18 @@ def _decode_kernel(
         k = _load_kv_tile(
             k_cache_ptr, block_table_row, pos, dims, kv_head, stride_kb, stride_ks, stride_kh,
             BLOCK_SIZE, True, pos_ok,
-        )  # fmt: skip
-        k = _widen_fp8(k, DOT_DTYPE, K_ASM)
+        ).to(DOT_DTYPE)  # fmt: skip
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(pos_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if V_PAIRS:
-            v = _load_fp8_pairs(
-                v_cache_ptr, block_table_row, pos, kv_head, stride_vb, stride_vs, stride_vh,
-                BLOCK_SIZE, pos_ok, TILE_N, HEAD_DIM, V_ASM,
-            )  # fmt: skip
-        else:
-            v = _load_kv_tile(
-                v_cache_ptr, block_table_row, pos, dims, kv_head, stride_vb, stride_vs, stride_vh,
-                BLOCK_SIZE, True, pos_ok,
-            )  # fmt: skip
-            v = _widen_fp8(v, DOT_DTYPE, V_ASM)
+        v = _load_kv_tile(
+            v_cache_ptr, block_table_row, pos, dims, kv_head, stride_vb, stride_vs, stride_vh,
+            BLOCK_SIZE, True, pos_ok,
+        )  # fmt: skip
+        v = _widen_fp8(v, DOT_DTYPE, V_ASM)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -225,48 +187,9 @@ def _decode_kernel(
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
     else:
         num_heads = GROUP * tl.num_programs(1)
-        first_part = (seq.to(tl.int64) * num_heads + heads) * num_splits  # [BLOCK_M]
-        part = first_part + split
+        part = (seq.to(tl.int64) * num_heads + heads) * num_splits + split  # [BLOCK_M]
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=row_ok[:, None])
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=row_ok)
-        if FUSED_REDUCE:
-            tl.debug_barrier()  # every thread's stores above come before the count
-            done = done_ptr + seq * tl.num_programs(1) + kv_head
-            num_used = tl.cdiv(ctx_len, partition)
-            if tl.atomic_add(done, 1, sem="acq_rel", scope="gpu") == num_used - 1:
-                tl.store(done, 0)  # zero again for the next launch
-                _merge_splits(
-                    out_ptr, part_out_ptr, part_lse_ptr, first_part, num_used, q_start,
-                    heads, dims, row_ok, stride_ot, stride_oh, BLOCK_M, HEAD_DIM,
-                )  # fmt: skip
-
-
-@triton.jit
-def _merge_splits(
-    out_ptr, part_out_ptr, part_lse_ptr, first_part, num_used, q_start, heads, dims, row_ok,
-    stride_ot, stride_oh, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-):  # fmt: skip
-    """`_reduce_kernel`'s merge for one (sequence, kv head), run by the split that finished last: its
-    GROUP heads' partial outputs weighted by their log-sum-exp. The partials were written by other
-    programs: read from L2 (`.cg`), never from this SM's L1, which may hold an earlier layer's."""
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for sp in range(0, num_used):
-        part = first_part + sp
-        lse = tl.load(part_lse_ptr + part, mask=row_ok, other=0.0, cache_modifier=".cg")
-        o = tl.load(
-            part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=row_ok[:, None], other=0.0,
-            cache_modifier=".cg",
-        )  # fmt: skip
-        m_new = tl.maximum(m, lse)
-        alpha = tl.exp2(m - m_new)
-        weight = tl.exp2(lse - m_new)
-        acc = acc * alpha[:, None] + o * weight[:, None]
-        total = total * alpha + weight
-        m = m_new
-    o_ptrs = out_ptr + q_start.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :]
-    tl.store(o_ptrs, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -429,8 +352,7 @@ def _prefill_kernel(
 
 
 _COMPILED = not INTERPRETED
-_FP8_WIDEN = cast(Literal["cast", "v", "kv", "v16"], os.environ.get("PAGODA_FP8_WIDEN", "v"))
-_FUSED_REDUCE = os.environ.get("PAGODA_ATTENTION_FUSED_REDUCE", "0") == "1"
+_FP8_WIDEN = cast(Literal["cast", "v"], os.environ.get("PAGODA_FP8_WIDEN", "v"))
 
 
 @dataclass(frozen=True)
@@ -448,7 +370,10 @@ class DecodeConfig:
     # reduce reads back, GROUP x head_dim float32 (2 KB at Llama-3-8B). Timed on an H200
     # (`bench --sweep splits`, us): batch 1 x 1.1k context 7.6 at 64, 8.0-8.4 at 128, 10.9-11.7 at
     # 256, and 32 us with the old host partition at max_seq_len 128k; batch 1 x 4k 9.7 / 10.9 / 13.4;
-    # batch 4 x 1k 9.3 / 10.4 / 12.9; from batch 8 x 4k and 16 x 1k up all three tie.
+    # batch 4 x 1k 9.3 / 10.4 / 12.9; from batch 8 x 4k and 16 x 1k up all three tie. The splits
+    # merged in the decode kernel by the last to finish (an atomic counter) instead of the reduce launch
+    # were tried, us vs the launch: batch 1 x 1.1k 10.2 vs 7.4, 1 x 4k 23.8 vs 9.6, 16 x 1k 24.2 vs 25.7;
+    # the engine's decode + reduce at batch 1 (fp8) 360 us a step vs 267. Slower where it was to help.
     min_partition: int = 64
     num_splits: int | None = None  # fixed split count (tests, sweeps); None picks one
     # "max_seq_len" is the old scheme, kept to time against: one partition for the whole batch, cut
@@ -457,15 +382,13 @@ class DecodeConfig:
     partition_by: Literal["seq_len", "max_seq_len"] = "seq_len"
     # Over an fp8 cache: "float16" widens the tiles (and q) to float16 for the dots, "q" to q's dtype.
     fp8_dot: Literal["float16", "q"] = "float16"
-    # Which fp8 tiles float16 dots widen by inline PTX rather than a cast (`_widen_fp8`; compiled only:
-    # the interpreter casts): "v" V, "kv" both, "v16" V loaded as 16-bit words (`_load_fp8_pairs`,
-    # 482 SASS instructions a 64-token tile against v's 598; not yet timed). PAGODA_FP8_WIDEN sets the
-    # default (a benchmark knob).
-    fp8_widen: Literal["cast", "v", "kv", "v16"] = _FP8_WIDEN
-    # Merge a sequence's splits in the decode kernel (the last split to finish does it, counted by an
-    # atomic) instead of a second launch: at batch 1 the reduce launch took 2.7 us a layer on an H200.
-    # Off until timed there; PAGODA_ATTENTION_FUSED_REDUCE=1 sets the default (a benchmark knob).
-    fused_reduce: bool = _FUSED_REDUCE
+    # How float16 dots widen fp8 tiles: "v" widens V by inline PTX (`_widen_fp8`) and casts K; "cast"
+    # casts both, as "v" does in the interpreter and below compute capability 8.9. H200, us a layer at
+    # 256x256 | 64x1k | 640x1.5k | 8x8k (`python -m pagoda.kernels.bench --sweep fp8 --sweep-only`,
+    # BENCHMARKS.md 2026-12-02): "v" tile 64 52.8 | 51.6 | 659 | 55.8; "cast" tile 128 70.3 | 65.4 |
+    # 845 | 65.2. Dropped as slower: K by PTX too, tile 64 71.6 | 68.8 | 912 | 74.0; V loaded as 16-bit
+    # words, tile 64 59.3 | 59.6 | 716 | 60.4. PAGODA_FP8_WIDEN (cast|v) sets the default.
+    fp8_widen: Literal["cast", "v"] = _FP8_WIDEN
 
     def __post_init__(self) -> None:
         if self.min_partition < 1 or (self.num_splits is not None and self.num_splits < 1):
@@ -473,8 +396,8 @@ class DecodeConfig:
                 f"DecodeConfig: min_partition {self.min_partition} and num_splits {self.num_splits} "
                 "must be at least 1"
             )
-        if self.fp8_widen not in ("cast", "v", "kv", "v16"):
-            raise ValueError(f"DecodeConfig: fp8_widen {self.fp8_widen!r} is not cast, v, kv or v16")
+        if self.fp8_widen not in ("cast", "v"):
+            raise ValueError(f"DecodeConfig: fp8_widen {self.fp8_widen!r} is not cast or v")
         if self.partition_by not in ("seq_len", "max_seq_len"):
             raise ValueError(
                 f"DecodeConfig: partition_by {self.partition_by!r} is not seq_len or max_seq_len"
@@ -534,19 +457,6 @@ def _has_fp8_conversion(device: torch.device) -> bool:
     """Whether `cvt.rn.f16x2.e4m3x2` exists there: compute capability 8.9+ (Ada, Hopper). A CPU device
     is the compile check's (tests/kernels/compile_for_gpu.py, which builds for sm_90)."""
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-_SPLIT_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _split_counters(n: int, device: torch.device) -> torch.Tensor:
-    """n zeroed int32 counters for the fused split merge, kept per device: each merge zeroes its counter
-    again, so one buffer serves every launch in turn. A larger one is added when needed and the old ones
-    are kept, since CUDA graphs captured with them go on using them."""
-    buffers = _SPLIT_COUNTERS.setdefault(device, [])
-    if not buffers or buffers[-1].numel() < n:
-        buffers.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-    return buffers[-1]
 
 
 def _num_sms(device: torch.device) -> int:
@@ -688,44 +598,29 @@ def paged_attention(
     )  # fmt: skip
 
     dot_dtype = _dot_dtype(q, k_cache, dcfg.fp8_dot)
-    widen_asm = (
+    v_asm = (
         _COMPILED
         and k_cache.dtype == FP8_CACHE
         and dot_dtype == tl.float16
-        and dcfg.fp8_widen != "cast"
+        and dcfg.fp8_widen == "v"
         and _has_fp8_conversion(q.device)
     )
-    # "v16": V by 16-bit words (even strides, an even address), in the interpreter too (cast there).
-    v_pairs = (
-        dcfg.fp8_widen == "v16"
-        and k_cache.dtype == FP8_CACHE
-        and dot_dtype == tl.float16
-        and (widen_asm or not _COMPILED)
-        and v_cache.data_ptr() % 2 == 0
-        and all(st % 2 == 0 for st in v_cache.stride()[:3])
-    )
     num_splits, min_partition = decode_splits(dcfg, num_seqs, num_kv_heads, max_seq_len, _num_sms(q.device))
-    done = out  # unused unless fused_reduce
     if num_splits > 1:
         part_out = torch.empty(
             (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
         )
         part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
-        if dcfg.fused_reduce:
-            done = _split_counters(num_seqs * num_kv_heads, q.device)
     else:
         part_out = part_lse = out  # unused
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse, done,
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse,
         scale_log2, float(v_scale), min_partition, num_splits, *strides, out.stride(0), out.stride(1),
         GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, TILE_N=dcfg.tile_n, DOT_PRECISION=precision,
-        DOT_DTYPE=dot_dtype, K_ASM=widen_asm and dcfg.fp8_widen == "kv", V_ASM=widen_asm,
-        V_PAIRS=v_pairs,
-        FUSED_REDUCE=dcfg.fused_reduce and num_splits > 1,
-        num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
+        DOT_DTYPE=dot_dtype, V_ASM=v_asm, num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
     )  # fmt: skip
-    if num_splits > 1 and not dcfg.fused_reduce:
+    if num_splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse, seq_lens, query_start_loc, min_partition, num_splits,
             out.stride(0), out.stride(1),

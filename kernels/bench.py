@@ -384,8 +384,7 @@ def sweep_splits(copy_bw: float) -> list[str]:
 
     "old" is the partition cut from max_seq_len on the host (the scheme before per-sequence
     partitions, `partition_by="max_seq_len"`); "min N" the per-sequence partition of at least N
-    tokens; "N splits" a fixed split count at min 64; "fused merge" the default with the splits merged
-    by the last one to finish (`DecodeConfig.fused_reduce`). The default is marked *.
+    tokens; "N splits" a fixed split count at min 64. The default is marked *.
     """
     import torch
 
@@ -395,7 +394,6 @@ def sweep_splits(copy_bw: float) -> list[str]:
     schemes = [("old", DecodeConfig(partition_by="max_seq_len", min_partition=256))]
     schemes += [(f"min {m}", DecodeConfig(min_partition=m)) for m in (64, 128, 256, 512)]
     schemes += [(f"{n} splits", DecodeConfig(num_splits=n, min_partition=64)) for n in (1, 8, 32)]
-    schemes += [("fused merge", DecodeConfig(fused_reduce=True))]  # the default, its splits merged in-kernel
     lines = ["decode splits sweep (us; old = host partition from max_seq_len, the default marked *):"]
     cases = [
         (1, 1100, 1100), (1, 1100, 32768), (1, 1100, 131072), (1, 4096, 32768), (1, 32768, 32768),
@@ -481,10 +479,8 @@ def sweep_fp8(copy_bw: float) -> list[str]:
             print(lines[-1], flush=True)
     lines.append("  bf16 cache, default: " + cells(batch_of(bf16, bf16, bf16), None))
     print(lines[-1], flush=True)
-    variants = [
-        DecodeConfig(tile_n=t, fp8_widen=w) for w in ("cast", "v", "kv", "v16") for t in (64, 128, 256)
-    ]
-    variants += [DecodeConfig(tile_n=128, num_warps=2, fp8_widen=w) for w in ("cast", "v", "kv")]
+    variants = [DecodeConfig(tile_n=t, fp8_widen=w) for w in ("cast", "v") for t in (64, 128, 256)]
+    variants += [DecodeConfig(tile_n=128, num_warps=2, fp8_widen=w) for w in ("cast", "v")]
     variants += [
         DecodeConfig(tile_n=128, num_stages=3, fp8_widen="v"),
         DecodeConfig(tile_n=64, num_stages=3, fp8_widen="v"),

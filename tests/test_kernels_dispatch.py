@@ -45,19 +45,3 @@ def test_fp8_attention_widens_by_ptx_only_where_the_gpu_converts(
     assert attention._has_fp8_conversion(torch.device("cpu"))
     with pytest.raises(ValueError, match="fp8_widen"):
         attention.DecodeConfig(fp8_widen="bytes")  # type: ignore[arg-type]
-
-
-def test_split_counters_grow_and_keep_the_old_buffers() -> None:
-    """The fused split merge's counters: zeros, shared while large enough; a larger need adds a buffer
-    and keeps the old one alive (a CUDA graph captured with it goes on using it)."""
-    from pagoda.kernels import attention
-
-    device = torch.device("cpu")
-    attention._SPLIT_COUNTERS.pop(device, None)
-    first = attention._split_counters(10, device)
-    assert first.dtype == torch.int32 and not first.any() and attention._split_counters(4000, device) is first
-    bigger = attention._split_counters(first.numel() + 1, device)
-    assert bigger is not first and bigger.numel() > first.numel()
-    kept = attention._SPLIT_COUNTERS[device]
-    assert len(kept) == 2 and kept[0] is first and kept[1] is bigger
-    attention._SPLIT_COUNTERS.pop(device)
