@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels.kv_cache import is_token_major
 from pagoda.kernels.quant import INTERPRETED
 
 
@@ -76,6 +77,43 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _load_v_token_major(
+    cache_ptr,  # token-major (`kv_cache.cache_view`): [num_blocks, num_kv_heads, head_dim, block_size]
+    block_table_row,  # [max_blocks_per_seq] of this sequence
+    tile_start,  # the tile's first position, a multiple of SUB
+    end,  # positions from here on are zeros (MASK)
+    dims,  # [HEAD_DIM]
+    kv_head,
+    stride_block,
+    stride_head,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    SUB: tl.constexpr,  # min(BLOCK_SIZE, TILE_N): the slots of one block a tile holds in a row
+    HEAD_DIM: tl.constexpr,
+    MASK: tl.constexpr,
+):
+    """A V tile [TILE_N, HEAD_DIM] from a token-major cache, read as TILE_N // SUB runs of SUB
+    contiguous slots per dim: memory contiguous along the P @ V dot's reduction, as K is for Q @ K^T, so
+    an 8-bit tile reaches the dot the way K does (a plain cast), not byte by byte. The runs are loaded
+    whole (vectorized); positions at or past `end` are zeroed after the load, never left to the
+    probabilities, since an unwritten slot may hold a NaN's bits."""
+    runs = tile_start + tl.arange(0, TILE_N // SUB) * SUB  # [NUM_RUNS] each run's first position
+    slots = tl.arange(0, SUB)
+    block_ids = tl.load(block_table_row + runs // BLOCK_SIZE, mask=runs < end, other=0).to(tl.int64)
+    first_slot = tl.multiple_of(runs % BLOCK_SIZE, SUB)
+    offs = (
+        (block_ids * stride_block + first_slot + kv_head * stride_head)[:, None, None]
+        + slots[None, :, None]
+        + dims[None, None, :] * BLOCK_SIZE
+    )
+    tile = tl.load(cache_ptr + offs)  # [NUM_RUNS, SUB, HEAD_DIM], contiguous along SUB
+    if MASK:
+        pos_ok = (runs[:, None] + slots[None, :]) < end  # [NUM_RUNS, SUB]
+        tile = tl.where(pos_ok[:, :, None], tile, tl.zeros_like(tile))
+    return tile.reshape(TILE_N, HEAD_DIM)
+
+
+@triton.jit
 def _widen_fp8(tile, DOT_DTYPE: tl.constexpr, ASM: tl.constexpr):
     """An fp8 cache tile widened to DOT_DTYPE (a 16-bit tile is only cast).
 
@@ -99,6 +137,43 @@ def _widen_fp8(tile, DOT_DTYPE: tl.constexpr, ASM: tl.constexpr):
 def _partition(ctx_len, num_splits, min_partition, TILE_N: tl.constexpr):
     """Context tokens per split of one sequence: at most num_splits splits, none under min_partition."""
     return tl.maximum(min_partition, tl.cdiv(tl.cdiv(ctx_len, num_splits), TILE_N) * TILE_N)
+
+
+@triton.jit
+def _decode_tile(
+    q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, tile_start, end, dims, kv_head,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, V_ASM: tl.constexpr, V_SUB: tl.constexpr, MASK: tl.constexpr,
+):  # fmt: skip
+    """One TILE_N-token tile of a decode split's online softmax: (m_i, l_i, acc) after it. MASK: the
+    tile runs past `end`."""
+    pos = tile_start + tl.arange(0, TILE_N)
+    pos_ok = pos < end
+    k = _load_kv_tile(
+        k_cache_ptr, block_table_row, pos, dims, kv_head, stride_kb, stride_ks, stride_kh,
+        BLOCK_SIZE, MASK, pos_ok,
+    ).to(DOT_DTYPE)  # fmt: skip
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    if MASK:
+        s = tl.where(pos_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if V_SUB:
+        v = _load_v_token_major(
+            v_cache_ptr, block_table_row, tile_start, end, dims, kv_head, stride_vb, stride_vh,
+            BLOCK_SIZE, TILE_N, V_SUB, HEAD_DIM, MASK,
+        ).to(DOT_DTYPE)  # fmt: skip
+    else:
+        v = _load_kv_tile(
+            v_cache_ptr, block_table_row, pos, dims, kv_head, stride_vb, stride_vs, stride_vh,
+            BLOCK_SIZE, MASK, pos_ok,
+        )  # fmt: skip
+        v = _widen_fp8(v, DOT_DTYPE, V_ASM)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -135,6 +210,7 @@ def _decode_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # q's dtype, or float16 over an fp8 cache (see _dot_dtype)
     V_ASM: tl.constexpr,  # widen the V tile by inline PTX (`_widen_fp8`); K is cast
+    V_SUB: tl.constexpr,  # 0: V slot-major; else token-major: min(BLOCK_SIZE, TILE_N) (`_load_v_token_major`)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -159,27 +235,21 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    offs_n = tl.arange(0, TILE_N)
-    for tile_start in range(start, end, TILE_N):
-        pos = tile_start + offs_n
-        pos_ok = pos < end
-        k = _load_kv_tile(
-            k_cache_ptr, block_table_row, pos, dims, kv_head, stride_kb, stride_ks, stride_kh,
-            BLOCK_SIZE, True, pos_ok,
-        ).to(DOT_DTYPE)  # fmt: skip
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(pos_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_kv_tile(
-            v_cache_ptr, block_table_row, pos, dims, kv_head, stride_vb, stride_vs, stride_vh,
-            BLOCK_SIZE, True, pos_ok,
+    # Whole tiles unmasked, then the one running past `end`, if any, masked: a masked token-major V
+    # tile would take a slower path to the dot (`_load_v_token_major`).
+    full_end = start + (end - start) // TILE_N * TILE_N
+    for tile_start in range(start, full_end, TILE_N):
+        m_i, l_i, acc = _decode_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, tile_start, end, dims, kv_head,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
+            BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, DOT_DTYPE, V_ASM, V_SUB, False,
         )  # fmt: skip
-        v = _widen_fp8(v, DOT_DTYPE, V_ASM)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    if full_end < end:
+        m_i, l_i, acc = _decode_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, full_end, end, dims, kv_head,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
+            BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, DOT_DTYPE, V_ASM, V_SUB, True,
+        )  # fmt: skip
 
     out = acc * (v_scale / l_i)[:, None]
     if partition >= ctx_len:  # the only split of this sequence: nothing to merge
@@ -261,6 +331,7 @@ def _prefill_kernel(
     TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # q's dtype, or float16 over an fp8 cache (see _dot_dtype)
+    V_SUB: tl.constexpr,  # as in _decode_kernel
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     # Last query blocks first: under the causal mask they see the most keys, so the long programs
@@ -315,10 +386,16 @@ def _prefill_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_kv_tile(
-            v_cache_ptr, block_table_row, pos, dims, kv_head, stride_vb, stride_vs, stride_vh,
-            BLOCK_SIZE, False, pos,
-        ).to(q.dtype)  # fmt: skip
+        if V_SUB:
+            v = _load_v_token_major(
+                v_cache_ptr, block_table_row, tile_start, kv_end, dims, kv_head, stride_vb, stride_vh,
+                BLOCK_SIZE, TILE_N, V_SUB, HEAD_DIM, False,
+            ).to(q.dtype)  # fmt: skip
+        else:
+            v = _load_kv_tile(
+                v_cache_ptr, block_table_row, pos, dims, kv_head, stride_vb, stride_vs, stride_vh,
+                BLOCK_SIZE, False, pos,
+            ).to(q.dtype)  # fmt: skip
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     for tile_start in range(unmasked_end, kv_end, TILE_N):
@@ -334,10 +411,16 @@ def _prefill_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_kv_tile(
-            v_cache_ptr, block_table_row, pos, dims, kv_head, stride_vb, stride_vs, stride_vh,
-            BLOCK_SIZE, True, pos_ok,
-        ).to(q.dtype)  # fmt: skip
+        if V_SUB:
+            v = _load_v_token_major(
+                v_cache_ptr, block_table_row, tile_start, kv_end, dims, kv_head, stride_vb, stride_vh,
+                BLOCK_SIZE, TILE_N, V_SUB, HEAD_DIM, True,
+            ).to(q.dtype)  # fmt: skip
+        else:
+            v = _load_kv_tile(
+                v_cache_ptr, block_table_row, pos, dims, kv_head, stride_vb, stride_vs, stride_vh,
+                BLOCK_SIZE, True, pos_ok,
+            ).to(q.dtype)  # fmt: skip
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -518,8 +601,11 @@ def _check(
             f"{FP8_CACHE}; got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}"
         )
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"paged_attention: {name} must be contiguous in head_dim, strides {t.stride()}")
+        if t.stride(-1) != 1 and not (name == "v_cache" and is_token_major(t)):
+            raise ValueError(
+                f"paged_attention: {name} must be contiguous in head_dim (or token-major, for v_cache: "
+                f"kv_cache.cache_view), strides {t.stride()}"
+            )
     for name, t, dims in (
         ("block_tables", block_tables, 2),
         ("seq_lens", seq_lens, 1),
@@ -598,8 +684,10 @@ def paged_attention(
     )  # fmt: skip
 
     dot_dtype = _dot_dtype(q, k_cache, dcfg.fp8_dot)
+    token_major = is_token_major(v_cache)
     v_asm = (
-        _COMPILED
+        not token_major
+        and _COMPILED
         and k_cache.dtype == FP8_CACHE
         and dot_dtype == tl.float16
         and dcfg.fp8_widen == "v"
@@ -618,7 +706,8 @@ def paged_attention(
         scale_log2, float(v_scale), min_partition, num_splits, *strides, out.stride(0), out.stride(1),
         GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, TILE_N=dcfg.tile_n, DOT_PRECISION=precision,
-        DOT_DTYPE=dot_dtype, V_ASM=v_asm, num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
+        DOT_DTYPE=dot_dtype, V_ASM=v_asm, V_SUB=min(block_size, dcfg.tile_n) if token_major else 0,
+        num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
@@ -636,6 +725,7 @@ def paged_attention(
             *strides, out.stride(0), out.stride(1),
             GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
             TILE_N=pcfg.tile_n, DOT_PRECISION=precision, DOT_DTYPE=_dot_dtype(q, k_cache, "float16"),
+            V_SUB=min(block_size, pcfg.tile_n) if token_major else 0,
             num_warps=pcfg.num_warps, num_stages=pcfg.num_stages,
         )  # fmt: skip
     return out

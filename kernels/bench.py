@@ -417,34 +417,40 @@ def sweep_splits(copy_bw: float) -> list[str]:
 
 
 def sweep_fp8(copy_bw: float) -> list[str]:
-    """Decode over an fp8 cache: which operand costs (K or V in fp8, the other float16, q float16, so
-    every widening is e4m3 -> float16), then tile / warp / stage variants with bf16 q as the engine runs.
-    Each cell: us and the fraction of copy bandwidth its own cache bytes reach."""
-    from unittest import mock
-
+    """Decode over an fp8 cache with bf16 q, as the engine runs it: V slot-major (widened by a cast or
+    by PTX) against V token-major (`kv_cache.cache_view`, the engine's layout for an fp8 cache), by
+    tile and pipeline stages, beside the bf16 cache. Each cell: us and the fraction of copy bandwidth
+    its own cache bytes reach. (Which operand cost, K or V, was measured with mixed dtypes: BENCHMARKS.md,
+    2026-12-02.)"""
     import torch
 
-    from pagoda.kernels import attention
     from pagoda.kernels.attention import DecodeConfig, paged_attention
+    from pagoda.kernels.kv_cache import cache_view
 
     cases = [(256, 256), (64, 1024), (640, 1536), (8, 8192)]
-    fp8 = torch.float8_e4m3fn
+    fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
     lines = [
         "fp8-cache decode sweep (us, fraction of copy) at batch x ctx "
         + " | ".join(f"{b}x{c}" for b, c in cases)
     ]
+    base = {(batch, ctx): _paged_batch([ctx] * batch, [1] * batch) for batch, ctx in cases}  # bf16, once
 
-    def cells(make: Callable[[int, int], dict], cfg: DecodeConfig | None) -> str:
+    def batch_of(cache_dtype: torch.dtype, token_major: bool, batch: int, ctx: int) -> dict:
+        b = dict(base[batch, ctx])
+        b["k_cache"] = b["k_cache"].to(cache_dtype)
+        v = b["v_cache"].to(cache_dtype)
+        if token_major:
+            num_blocks, block_size, heads, dim = v.shape
+            flat = v.permute(0, 2, 3, 1).contiguous().view(num_blocks, -1)
+            v = cache_view(flat, block_size, heads, dim, token_major=True)
+        b["v_cache"] = v
+        return b
+
+    def cells(cache_dtype: torch.dtype, token_major: bool, cfg: DecodeConfig | None) -> str:
         out = []
         for batch, ctx in cases:
-            b = make(batch, ctx)
-            nbytes = (
-                batch
-                * ctx
-                * KV_HEADS
-                * HEAD_DIM
-                * (b["k_cache"].element_size() + b["v_cache"].element_size())
-            )
+            b = batch_of(cache_dtype, token_major, batch, ctx)
+            nbytes = batch * ctx * KV_HEADS * HEAD_DIM * 2 * b["k_cache"].element_size()
             try:
                 us = _time(lambda b=b: paged_attention(**b, decode_config=cfg))
                 out.append(f"{us:7.1f} {nbytes / (us * 1e-6) / copy_bw:4.2f}")
@@ -454,41 +460,21 @@ def sweep_fp8(copy_bw: float) -> list[str]:
         torch.cuda.empty_cache()
         return " | ".join(out)
 
-    base = {(batch, ctx): _paged_batch([ctx] * batch, [1] * batch) for batch, ctx in cases}  # bf16, once
-
-    def batch_of(
-        q_dtype: torch.dtype, k_dtype: torch.dtype, v_dtype: torch.dtype
-    ) -> Callable[[int, int], dict]:
-        def make(batch: int, ctx: int) -> dict:
-            b = dict(base[batch, ctx])
-            b["q"] = b["q"].to(q_dtype)
-            b["k_cache"] = b["k_cache"].to(k_dtype)
-            b["v_cache"] = b["v_cache"].to(v_dtype)
-            return b
-
-        return make
-
-    f16, bf16 = torch.float16, torch.bfloat16
-    # Mixed K / V dtypes are a diagnostic only: paged_attention refuses them, so its check is lifted here.
-    with mock.patch.object(attention, "_check", lambda *a: None):
-        for kd, vd in ((f16, f16), (fp8, f16), (f16, fp8), (fp8, fp8)):
-            name = f"q f16, K {str(kd)[6:]}, V {str(vd)[6:]}, tile 128, cast"
-            lines.append(
-                f"  {name}: " + cells(batch_of(f16, kd, vd), DecodeConfig(tile_n=128, fp8_widen="cast"))
-            )
-            print(lines[-1], flush=True)
-    lines.append("  bf16 cache, default: " + cells(batch_of(bf16, bf16, bf16), None))
-    print(lines[-1], flush=True)
-    variants = [DecodeConfig(tile_n=t, fp8_widen=w) for w in ("cast", "v") for t in (64, 128, 256)]
-    variants += [DecodeConfig(tile_n=128, num_warps=2, fp8_widen=w) for w in ("cast", "v")]
-    variants += [
-        DecodeConfig(tile_n=128, num_stages=3, fp8_widen="v"),
-        DecodeConfig(tile_n=64, num_stages=3, fp8_widen="v"),
+    variants: list[tuple[str, torch.dtype, bool, DecodeConfig | None]] = [
+        ("bf16 cache, default", bf16, False, None),
+        ("bf16 cache, V token-major, tile 64", bf16, True, DecodeConfig()),
     ]
-    for cfg in variants:
-        name = f"fp8 cache, tile {cfg.tile_n} warps {cfg.num_warps} stages {cfg.num_stages}"
-        name += f" widen {cfg.fp8_widen}"
-        lines.append(f"  {name}: " + cells(batch_of(bf16, fp8, fp8), cfg))
+    variants += [
+        (f"fp8, V slot-major, tile {t}, widen {w}", fp8, False, DecodeConfig(tile_n=t, fp8_widen=w))
+        for t, w in ((128, "cast"), (64, "v"), (128, "v"))
+    ]
+    variants += [
+        (f"fp8, V token-major, tile {t}, stages {st}", fp8, True, DecodeConfig(tile_n=t, num_stages=st))
+        for t in (32, 64, 128)
+        for st in (2, 3)
+    ]
+    for name, dtype, token_major, cfg in variants:
+        lines.append(f"  {name}: " + cells(dtype, token_major, cfg))
         print(lines[-1], flush=True)
     return lines
 

@@ -8,6 +8,12 @@ is padding and is skipped), and copies its [num_kv_heads, head_dim] rows of K an
 An fp8 (e4m3) cache stores `x * (1 / scale)`, clamped to +-448 and rounded to the nearest e4m3 by
 `quant._e4m3` (ties to even, as PyTorch's cast; the GPU's conversion, or by hand in the interpreter,
 see quant.py), one per-tensor scale for K and one for V.
+
+Two layouts of a layer's cache, both seen as [num_blocks, block_size, num_kv_heads, head_dim] views
+(`cache_view`): slot-major, each slot's heads and dims contiguous, and token-major, each (block, head,
+dim) holding its block_size slots contiguously, as vLLM's value cache does. The engine keeps an fp8 V
+cache token-major: attention's P @ V then reduces along contiguous memory, as Q @ K^T does, which
+8-bit operands need (`attention._load_v_token_major`). Writing it scatters bytes block_size apart.
 """
 
 from __future__ import annotations
@@ -36,9 +42,11 @@ def _write_kv_kernel(
     stride_kcb,
     stride_kcs,
     stride_kch,
+    stride_kcd,  # 1, or block_size for a token-major cache (`cache_view`)
     stride_vcb,
     stride_vcs,
     stride_vch,
+    stride_vcd,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -60,14 +68,14 @@ def _write_kv_kernel(
         + block_id * stride_kcb
         + offset * stride_kcs
         + heads[:, None] * stride_kch
-        + dims[None, :]
+        + dims[None, :] * stride_kcd
     )
     v_dst = (
         v_cache_ptr
         + block_id * stride_vcb
         + offset * stride_vcs
         + heads[:, None] * stride_vch
-        + dims[None, :]
+        + dims[None, :] * stride_vcd
     )
     if QUANT:
         k = _e4m3(k, k_scale)
@@ -78,6 +86,26 @@ def _write_kv_kernel(
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8_CACHE = torch.float8_e4m3fn
+
+
+def cache_view(
+    flat: torch.Tensor, block_size: int, num_kv_heads: int, head_dim: int, token_major: bool
+) -> torch.Tensor:  # [num_blocks, block_size, num_kv_heads, head_dim]
+    """A layer's cache, stored as `flat` [num_blocks, block_size * num_kv_heads * head_dim] (contiguous),
+    seen in the layout the kernels index: slot-major, or token-major (strides (B*H*D, 1, D*B, B))."""
+    num_blocks = flat.shape[0]
+    if not token_major:
+        return flat.view(num_blocks, block_size, num_kv_heads, head_dim)
+    return flat.view(num_blocks, num_kv_heads, head_dim, block_size).permute(0, 3, 1, 2)
+
+
+def is_token_major(cache: torch.Tensor) -> bool:
+    """Whether a [num_blocks, block_size, num_kv_heads, head_dim] cache view is `cache_view`'s
+    token-major layout: each (block, head, dim)'s slots contiguous."""
+    if cache.dim() != 4 or cache.shape[1] < 2:
+        return False
+    block_size, head_dim = cache.shape[1], cache.shape[3]
+    return cache.stride()[1:] == (1, head_dim * block_size, block_size)
 
 
 def write_kv(
@@ -96,8 +124,7 @@ def write_kv(
     _write_kv_kernel[(key.shape[0],)](
         key, value, k_cache, v_cache, slot_mapping, key.shape[1], float(k_scale), float(v_scale),
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *k_cache.stride(), *v_cache.stride(),
         HEAD_DIM=key.shape[2], BLOCK_H=triton.next_power_of_2(key.shape[1]), BLOCK_SIZE=k_cache.shape[1],
         QUANT=k_cache.dtype == FP8_CACHE, num_warps=4,
     )  # fmt: skip
@@ -137,8 +164,11 @@ def check_write_kv(
     ):
         if t.dtype not in allowed:
             raise ValueError(f"write_kv: {name} dtype {t.dtype} not in {allowed}")
-        if t.stride(-1) != 1:
-            raise ValueError(f"write_kv: {name} must be contiguous in head_dim, strides {t.stride()}")
+        if t.stride(-1) != 1 and not (name == "v_cache" and is_token_major(t)):
+            raise ValueError(
+                f"write_kv: {name} must be contiguous in head_dim (or token-major, for v_cache), "
+                f"strides {t.stride()}"
+            )
         if t.device != key.device:
             raise ValueError(f"write_kv: {name} on {t.device}, key on {key.device}")
     head_dim = key.shape[2]

@@ -37,7 +37,8 @@ def write_kv(
         x = x[valid]
         if cache.dtype == torch.float8_e4m3fn:  # (times the reciprocal: see quantize_fp8_rows)
             x = (x.float() * torch.reciprocal(_tensor(scale, x))).clamp(-FP8_MAX, FP8_MAX)
-        cache.view(-1, *cache.shape[2:])[slots] = x.to(cache.dtype)
+        block_size = cache.shape[1]  # (indexed by block and slot: a token-major view has no flat view)
+        cache[slots // block_size, slots % block_size] = x.to(cache.dtype)
 
 
 def _gather_context(
@@ -47,7 +48,7 @@ def _gather_context(
     num_blocks = math.ceil(num_ctx / block_size)
     ids = block_tables[:, :num_blocks].reshape(-1).long()
     blocks = cache.index_select(0, ids)  # [num_seqs * num_blocks, block_size, H, D]; faster than cache[ids]
-    return blocks.view(block_tables.shape[0], num_blocks * block_size, *cache.shape[2:])[:, :num_ctx]
+    return blocks.reshape(block_tables.shape[0], num_blocks * block_size, *cache.shape[2:])[:, :num_ctx]
 
 
 def paged_attention(

@@ -101,6 +101,7 @@ def _store_slot(
     stride_cb,
     stride_cs,
     stride_ch,
+    stride_cd,  # 1, or block_size for a token-major cache (`kv_cache.cache_view`)
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -112,15 +113,15 @@ def _store_slot(
     if slot >= 0:  # a negative slot (graph padding) is not written
         mask = (heads < num_kv_heads)[:, None] & (offs < HALF)[None, :]
         row = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
-        dst = row + heads[:, None] * stride_ch + offs[None, :]
+        dst = row + heads[:, None] * stride_ch + offs[None, :] * stride_cd
         # (No name from before this runtime `if` is reassigned in it: compiled, it would have to keep
         # its type across both branches.)
         if QUANT:
             tl.store(dst, _e4m3(first, scale), mask=mask)
-            tl.store(dst + HALF, _e4m3(second, scale), mask=mask)
+            tl.store(dst + HALF * stride_cd, _e4m3(second, scale), mask=mask)
         else:
             tl.store(dst, first.to(cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(dst + HALF, second.to(cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst + HALF * stride_cd, second.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -152,9 +153,11 @@ def _rotary_kernel(
     stride_kcb,
     stride_kcs,
     stride_kch,
+    stride_kcd,
     stride_vcb,
     stride_vcs,
     stride_vch,
+    stride_vcd,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
@@ -185,9 +188,9 @@ def _rotary_kernel(
         v1, v2 = _load_heads(v_ptr, token, num_kv_heads, stride_vt, stride_vh, row_scale, v_cols,
                              HALF, BLOCK_HALF, BLOCK_HK, SCALED, DTYPE)  # fmt: skip
         _store_slot(k_cache_ptr, slot, k1, k2, k_scale, num_kv_heads, stride_kcb, stride_kcs, stride_kch,
-                    HALF, BLOCK_HALF, BLOCK_HK, BLOCK_SIZE, QUANT)  # fmt: skip
+                    stride_kcd, HALF, BLOCK_HALF, BLOCK_HK, BLOCK_SIZE, QUANT)  # fmt: skip
         _store_slot(v_cache_ptr, slot, v1, v2, v_scale, num_kv_heads, stride_vcb, stride_vcs, stride_vch,
-                    HALF, BLOCK_HALF, BLOCK_HK, BLOCK_SIZE, QUANT)  # fmt: skip
+                    stride_vcd, HALF, BLOCK_HALF, BLOCK_HK, BLOCK_SIZE, QUANT)  # fmt: skip
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -291,5 +294,5 @@ def _check_scales(
         )
 
 
-def _cache_strides(cache: torch.Tensor) -> tuple[int, int, int]:  # (block, slot, head); 0s for a stand-in
-    return (cache.stride(0), cache.stride(1), cache.stride(2)) if cache.dim() == 4 else (0, 0, 0)
+def _cache_strides(cache: torch.Tensor) -> tuple[int, ...]:  # (block, slot, head, dim); 0s for a stand-in
+    return tuple(cache.stride()) if cache.dim() == 4 else (0, 0, 0, 0)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagoda.kernels.kv_cache import is_token_major
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.llm_engine import LLMEngine
 from pagoda.service.model import load_model
@@ -44,6 +45,9 @@ def test_engine_runs_over_an_fp8_cache(llama_ckpt: Path) -> None:
         for dtype in ("auto", "fp8")
     }
     assert engines["fp8"].runner.runner.kv_cache.dtype == FP8
+    layers = {dtype: e.runner.runner.model.attention_layers()[0] for dtype, e in engines.items()}
+    assert is_token_major(layers["fp8"].v_cache) and not is_token_major(layers["fp8"].k_cache)
+    assert not is_token_major(layers["auto"].v_cache)  # a 16/32-bit V stays slot-major
     assert engines["fp8"].block_manager.num_blocks == 4 * engines["auto"].block_manager.num_blocks
     tokens = {}
     for dtype, engine in engines.items():

@@ -11,12 +11,14 @@ step before sampled, not read by the host yet) is taken from that step's tokens 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from pagoda.kernels.kv_cache import cache_view
 from pagoda.service.engine.block_tables import BlockTables
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.cuda_graphs import StepGraphs
@@ -33,6 +35,16 @@ logger = logging.getLogger(__name__)
 _CPU_DEFAULT_KV_BYTES = 512 << 20
 InputFill = Callable[[torch.Tensor], None]  # writes inputs the host does not have into a step's input ids
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def v_cache_token_major(kv_dtype: torch.dtype) -> bool:
+    """Whether the V cache is kept token-major (`kernels.kv_cache.cache_view`): an fp8 one is, so that
+    attention reads its 8-bit V tiles contiguous along P @ V's reduction, as it reads K. The
+    PAGODA_V_CACHE_TOKEN_MAJOR environment variable, 0 or 1, overrides it (a benchmark knob)."""
+    knob = os.environ.get("PAGODA_V_CACHE_TOKEN_MAJOR", "")
+    if knob not in ("", "0", "1"):
+        raise ValueError(f"PAGODA_V_CACHE_TOKEN_MAJOR must be 0 or 1, got {knob!r}")
+    return knob == "1" if knob else kv_dtype == torch.float8_e4m3fn
 
 
 def resolve_device(name: str) -> torch.device:
@@ -137,19 +149,16 @@ class ModelRunner:
         self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads  # this rank's
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         self.kv = self._kv_cache_layout(agree_num_blocks)
+        # [K/V, layer, block, slot x head x dim]; each layer's K and V seen by `cache_view`.
+        block_elems = config.block_size * self.num_kv_heads * mc.head_dim
         self.kv_cache = torch.empty(
-            2,
-            mc.num_hidden_layers,
-            self.kv.num_blocks,
-            config.block_size,
-            self.num_kv_heads,
-            mc.head_dim,
-            dtype=self.kv_dtype,
-            device=self.device,
+            2, mc.num_hidden_layers, self.kv.num_blocks, block_elems, dtype=self.kv_dtype, device=self.device
         )
+        self.v_token_major = v_cache_token_major(self.kv_dtype)
         for i, layer in enumerate(self.model.attention_layers()):
-            layer.k_cache = self.kv_cache[0, i]
-            layer.v_cache = self.kv_cache[1, i]
+            shape = (config.block_size, self.num_kv_heads, mc.head_dim)
+            layer.k_cache = cache_view(self.kv_cache[0, i], *shape, token_major=False)
+            layer.v_cache = cache_view(self.kv_cache[1, i], *shape, token_major=self.v_token_major)
         self.max_model_len = self._max_model_len()
         max_blocks = -(-self.max_model_len // config.block_size) + 1  # +1: a fork's copy-on-write slack
         self.block_tables = BlockTables(config.max_num_seqs + 64, max_blocks)

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from pagoda.kernels import reference
+from pagoda.kernels import kv_cache, reference
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if not INTERPRET and not torch.cuda.is_available():
@@ -238,6 +238,51 @@ def test_fp8_cache_with_scales(dtype: torch.dtype, num_splits: int, widen: str) 
     check(batch, decode_config=decode_config(num_splits=num_splits, fp8_widen=widen))
     if batch["q"].is_cuda:
         check(batch, decode_config=DecodeConfig(tile_n=128, num_splits=num_splits, fp8_widen=widen))
+
+
+def _token_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same cache in the token-major layout (`kv_cache.cache_view`), values unchanged."""
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    flat = cache.permute(0, 2, 3, 1).contiguous().view(num_blocks, -1)
+    view = kv_cache.cache_view(flat, block_size, num_kv_heads, head_dim, token_major=True)
+    assert kv_cache.is_token_major(view)
+    torch.testing.assert_close(view.float(), cache.float(), rtol=0, atol=0, equal_nan=True)
+    return view
+
+
+def _poison_unwritten_slots(batch: dict, name: str) -> None:
+    """NaN in every slot of each sequence's last block past its context: slots no step wrote yet."""
+    cache = batch[name]
+    block_size = cache.shape[1]
+    for s, ctx in enumerate(batch["seq_lens"].tolist()):
+        if ctx % block_size:
+            cache[int(batch["block_tables"][s, (ctx - 1) // block_size]), ctx % block_size :] = float("nan")
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["float16", "fp8"])
+@pytest.mark.parametrize("block_size", [4, 16, 32])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_token_major_v_cache(fp8: bool, block_size: int, num_splits: int) -> None:
+    """V in the token-major layout, as the engine keeps an fp8 V cache: decode rows (split and not),
+    chunked and whole prefills, with blocks smaller than, equal to and larger than a tile; unwritten
+    slots hold NaN and must not reach the output."""
+    batch = make_batch(
+        [1, 1, 20, 37, 1], [40, 7, 20, 90, 70], num_heads=8, num_kv_heads=2, dtype=torch.float16,
+        block_size=block_size, seed=5,
+    )  # fmt: skip
+    for name in ("k_cache", "v_cache"):
+        _poison_unwritten_slots(batch, name)
+    if fp8:
+        for name in ("k_cache", "v_cache"):
+            batch[name] = (batch[name].float() * 2).to(torch.float8_e4m3fn)
+        batch.update(k_scale=0.5, v_scale=0.5)
+    batch["v_cache"] = _token_major(batch["v_cache"])
+    prefill = PrefillConfig(block_m=16, tile_n=16, num_warps=1, num_stages=1)
+    check(batch, decode_config=decode_config(num_splits=num_splits), prefill_config=prefill)
+    check(batch, decode_config=decode_config(tile_n=32, num_splits=num_splits), prefill_config=prefill)
+    if batch["q"].is_cuda:
+        check(batch, decode_config=DecodeConfig(num_splits=num_splits))
+        check(batch)
 
 
 def test_bad_inputs_are_refused() -> None:

@@ -23,7 +23,7 @@ if not INTERPRET and not torch.cuda.is_available():
 import pagoda.kernels as kernels  # noqa: E402
 from pagoda.kernels import activation  # noqa: E402
 from pagoda.kernels.activation import silu_and_mul  # noqa: E402
-from pagoda.kernels.kv_cache import write_kv  # noqa: E402
+from pagoda.kernels.kv_cache import cache_view, write_kv  # noqa: E402
 from pagoda.kernels.norm import rms_norm  # noqa: E402
 from pagoda.kernels.quant import quantize_fp8_rows, scale_product  # noqa: E402
 from pagoda.kernels.rotary import rotary_embedding  # noqa: E402
@@ -78,9 +78,11 @@ def test_write_kv_strided_inputs_and_dtype_cast() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("scales", [(1.0, 1.0), (0.05, 3.0)], ids=["unit", "scaled"])
-def test_write_kv_fp8_cache(dtype: torch.dtype, scales: tuple[float, float]) -> None:
+@pytest.mark.parametrize("v_token_major", [False, True], ids=["V slot-major", "V token-major"])
+def test_write_kv_fp8_cache(dtype: torch.dtype, scales: tuple[float, float], v_token_major: bool) -> None:
     """Every code as reference.write_kv (PyTorch's cast, ties to even): values that round up into the
-    next binade, subnormals, zeros and values past +-448 that saturate."""
+    next binade, subnormals, zeros and values past +-448 that saturate; V also into the engine's
+    token-major layout for an fp8 cache (`kv_cache.cache_view`)."""
     num_blocks, block_size, num_kv_heads, head_dim, num_tokens = 24, 16, 2, 64, 40
     key = randn(num_tokens, num_kv_heads, head_dim, dtype=dtype) * 4
     value = randn(num_tokens, num_kv_heads, head_dim, dtype=dtype) / 64
@@ -92,6 +94,9 @@ def test_write_kv_fp8_cache(dtype: torch.dtype, scales: tuple[float, float]) -> 
     slots = (torch.randperm(num_blocks * block_size)[:num_tokens]).to(DEVICE)
     slots[5] = -1
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    if v_token_major:
+        flat = torch.zeros(num_blocks, block_size * num_kv_heads * head_dim, device=DEVICE).to(fp8)
+        v_cache = cache_view(flat, block_size, num_kv_heads, head_dim, token_major=True)
     reference.write_kv(key, value, k_ref, v_ref, slots, *scales)
     write_kv(key, value, k_cache, v_cache, slots, *scales)
     assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
@@ -327,33 +332,47 @@ def test_rotary_embedding(dtype: torch.dtype, num_heads: int, num_kv_heads: int,
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("fp8_cache", [False, True], ids=["cache in dtype", "fp8 cache"])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 1, 64), (8, 8, 32), (6, 3, 128)])
+@pytest.mark.parametrize("v_token_major", [False, True], ids=["V slot-major", "V token-major"])
 def test_rotary_embedding_writes_kv(
-    dtype: torch.dtype, fp8_cache: bool, num_heads: int, num_kv_heads: int, head_dim: int
+    dtype: torch.dtype, fp8_cache: bool, num_heads: int, num_kv_heads: int, head_dim: int, v_token_major: bool
 ) -> None:
     """Rotary with `kv_write`: q, k and both caches exactly as rotary_embedding then write_kv, in the
-    engine's layout (q, k, v views into one projection; the caches views into one tensor)."""
+    engine's layout (q, k, v views into one projection; the caches views into one tensor, V in either
+    of `kv_cache.cache_view`'s layouts)."""
     num_tokens, num_blocks, block_size = 13, 6, 16
     cache = cos_sin_cache(512, head_dim)
     positions = torch.randint(0, 512, (num_tokens,), device=DEVICE)
     qkv = randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype) * 3
     q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
-    kv = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, device=DEVICE)
-    kv = kv.to(torch.float8_e4m3fn if fp8_cache else dtype)
+    flat = torch.zeros(2, num_blocks, block_size * num_kv_heads * head_dim, device=DEVICE)
+    flat = flat.to(torch.float8_e4m3fn if fp8_cache else dtype)
+    flat_ref = flat.clone()
+
+    def caches(storage: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            cache_view(storage[0], block_size, num_kv_heads, head_dim, token_major=False),
+            cache_view(storage[1], block_size, num_kv_heads, head_dim, token_major=v_token_major),
+        )
+
     slots = torch.randperm(num_blocks * block_size)[:num_tokens].to(DEVICE)
     slots[4] = -1  # graph padding: rotated, not written
     scales = (0.5, 2.0) if fp8_cache else (1.0, 1.0)
-    qkv_ref, kv_ref = qkv.clone(), kv.clone()
+    qkv_ref = qkv.clone()
     q_ref, k_ref, v_ref = qkv_ref.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
     rotary_embedding(positions, q_ref, k_ref, cache)
-    write_kv(k_ref, v_ref, kv_ref[0], kv_ref[1], slots, *scales)
-    rotary_embedding(positions, q, k, cache, (v, kv[0], kv[1], slots, *scales))
+    write_kv(k_ref, v_ref, *caches(flat_ref), slots, *scales)
+    rotary_embedding(positions, q, k, cache, (v, *caches(flat), slots, *scales))
     assert torch.equal(qkv, qkv_ref)
-    assert torch.equal(
-        kv.view(torch.uint8) if fp8_cache else kv, kv_ref.view(torch.uint8) if fp8_cache else kv_ref
-    )
-    assert kv.float().abs().sum() > 0  # something was written
+    as_bits = (lambda t: t.view(torch.uint8)) if fp8_cache else (lambda t: t)
+    assert torch.equal(as_bits(flat), as_bits(flat_ref))
+    if v_token_major:  # and where the reference puts V
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        expected = torch.zeros(shape, dtype=flat.dtype, device=DEVICE)
+        reference.write_kv(k_ref, v_ref, expected.clone(), expected, slots, *scales)
+        assert torch.equal(as_bits(caches(flat)[1]), as_bits(expected))
+    assert flat.float().abs().sum() > 0  # something was written
     with pytest.raises(ValueError, match="slot_mapping"):
-        rotary_embedding(positions, q, k, cache, (v, kv[0], kv[1], slots[:3], *scales))
+        rotary_embedding(positions, q, k, cache, (v, *caches(flat), slots[:3], *scales))
 
 
 @pytest.mark.parametrize("scaled_dtype", [torch.bfloat16, torch.float16], ids=str)

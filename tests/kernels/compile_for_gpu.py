@@ -83,22 +83,31 @@ def fp8_decode_ptx() -> dict[str, dict[str, int]]:
     (`ld.shared.b8`) are the slow V path `attention._widen_fp8` avoids; `ldmatrix...trans` reads V as
     16-bit. Call with JITFunction.run recording (`main` sets it)."""
     from pagoda.kernels import attention
+    from pagoda.kernels.kv_cache import cache_view
 
     counts = {}
-    for widen in ("cast", "v"):
+    for widen in ("cast", "v", "token-major"):
         recorded.clear()
         q = torch.randn(4, 32, 128).bfloat16()
         cache = torch.randn(64, 16, 8, 128).to(torch.float8_e4m3fn)
+        v_cache = (
+            cache_view(cache.view(64, -1), 16, 8, 128, token_major=True) if widen == "token-major" else cache
+        )
         tables = torch.arange(64, dtype=torch.int32).view(4, 16)
         seq_lens = torch.full((4,), 200, dtype=torch.int32)
         starts = torch.arange(5, dtype=torch.int32)
-        cfg = attention.DecodeConfig(tile_n=64, num_warps=4, num_stages=2, fp8_widen=widen)  # type: ignore[arg-type]
-        attention.paged_attention(q, cache, cache, tables, seq_lens, starts, 0.08, 1, 256, decode_config=cfg)
+        mode = "v" if widen == "token-major" else widen
+        cfg = attention.DecodeConfig(tile_n=64, num_warps=4, num_stages=2, fp8_widen=mode)  # type: ignore[arg-type]
+        attention.paged_attention(
+            q, cache, v_cache, tables, seq_lens, starts, 0.08, 1, 256, decode_config=cfg
+        )
         fn, args, kwargs = recorded[0]
         ptx = build(fn, args, kwargs, aligned=True).asm["ptx"]
         counts[widen] = {
             "ld.shared.b8": ptx.count("ld.shared.b8"),
             "ldmatrix trans": ptx.count(".trans.shared"),
+            "ld.global 16-byte": ptx.count("ld.global.v4.b32"),
+            "ld.global byte": ptx.count("ld.global.b8") + ptx.count("ld.global.u8"),
         }
     return counts
 
@@ -124,14 +133,18 @@ def _launches() -> list[tuple[str, Callable[[], object]]]:
 
     q_scales = (r(4, 1, dtype=f32), r(1, 8 * 128, dtype=f32))
 
-    def attention_call(query_len: int, kv: torch.Tensor, **decode: Any) -> object:
+    v8_token_major = kv_cache.cache_view(r(num_blocks, block * 2 * 128, dtype=fp8), block, 2, 128, True)
+
+    def attention_call(
+        query_len: int, kv: torch.Tensor, v: torch.Tensor | None = None, **decode: Any
+    ) -> object:
         q = r(2 * query_len, 4, 128)
         seq_lens = torch.tensor([20, 30], dtype=torch.int32)
         starts = torch.tensor([0, query_len, 2 * query_len], dtype=torch.int32)
         tables = torch.arange(4, dtype=torch.int32).view(2, 2)
         cfg = attention.DecodeConfig(**decode) if decode else None
         return attention.paged_attention(
-            q, kv, kv, tables, seq_lens, starts, 0.08, query_len, 30, decode_config=cfg
+            q, kv, kv if v is None else v, tables, seq_lens, starts, 0.08, query_len, 30, decode_config=cfg
         )
 
     return [
@@ -174,7 +187,17 @@ def _launches() -> list[tuple[str, Callable[[], object]]]:
             "write_kv fp8",
             lambda: kv_cache.write_kv(r(4, 2, 128), r(4, 2, 128), cache8, cache8.clone(), slots),
         ),
+        (
+            "write_kv fp8 V token-major",
+            lambda: kv_cache.write_kv(r(4, 2, 128), r(4, 2, 128), cache8, v8_token_major, slots),
+        ),
         ("rotary", lambda: rotary.rotary_embedding(positions, r(4, 4, 128), r(4, 2, 128), cos_sin)),
+        (
+            "rotary kv_write fp8 V token-major",
+            lambda: rotary.rotary_embedding(
+                positions, *qkv()[:2], cos_sin, (qkv()[2], cache8, v8_token_major, slots, 1.0, 1.0)
+            ),
+        ),
         (
             "rotary kv_write fp8",
             lambda: rotary.rotary_embedding(
@@ -197,6 +220,8 @@ def _launches() -> list[tuple[str, Callable[[], object]]]:
         ("attention decode fp8", lambda: attention_call(1, cache8)),
         ("attention prefill", lambda: attention_call(7, cache)),
         ("attention prefill fp8", lambda: attention_call(7, cache8)),
+        ("attention decode fp8 V token-major", lambda: attention_call(1, cache8, v=v8_token_major)),
+        ("attention prefill fp8 V token-major", lambda: attention_call(7, cache8, v=v8_token_major)),
         (
             "fp8 w8a16",
             lambda: fp8_gemm.fp8_matmul_w8a16(r(4, 512), r(256, 512, dtype=fp8), r(256, dtype=f32)),
