@@ -1,6 +1,6 @@
 """fp8 projection benchmark at Llama-3-8B shapes: every way to run `Fp8Linear` against bf16, per row count.
 
-    python -m pagoda.kernels.bench_fp8 [--quick] [--sweep] [--activation] [--markdown PATH]
+    python -m pagoda.kernels.bench_fp8 [--quick] [--sweep] [--activation] [--gemm-kernels] [--markdown PATH]
 
 For M in 1..256 rows and the four projections of a decoder layer (qkv 4096->6144, o 4096->4096,
 gate_up 4096->28672, down 14336->4096) it times, in microseconds of CUDA-graph replay (the engine's
@@ -19,6 +19,11 @@ table sums a decode step's projections (32 layers x 4) per method: the number `S
 `service/model/fp8.py` is set from, where the skinny column stops winning. `--sweep` times tile
 variants of the skinny kernel at 1 and 16 rows. Needs only torch and triton; runs in about a minute
 and a half on an H200 (`--quick`: M 1, 16, 256). A method that fails prints its error in its cell.
+
+`--gemm-kernels` lists, per row count and projection, the unit-scale `_scaled_mm` the engine's decode
+steps run: its time, and the kernels and memsets cuBLASLt launches for it (a dynamically scheduled
+kernel zeroes a counter with a memset first, a graph node of its own). cuBLASLt's workspace size is
+read once per process (`CUBLASLT_WORKSPACE_SIZE`, KiB): run it under each setting to compare.
 """
 
 from __future__ import annotations
@@ -49,6 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--activation", action="store_true", help="time only the quantizing SiLU-and-mul")
     parser.add_argument(
         "--rows", type=int, nargs="+", help=f"these row counts instead of {ROWS} (prefill sizes: 4096)"
+    )
+    parser.add_argument(
+        "--gemm-kernels",
+        action="store_true",
+        help="only list the unit-scale fp8 GEMMs' kernels and memsets by rows (default rows 1 64 256)",
     )
     parser.add_argument("--markdown", help="write the tables to this file")
 
@@ -326,6 +336,50 @@ def activation_table(d: int = 14336) -> list[str]:
     return lines
 
 
+def gemm_kernels(rows: tuple[int, ...]) -> list[str]:
+    """Per row count and projection: us of a CUDA-graph replay of the unit-scale `_scaled_mm`, the
+    memsets in it, and its kernels (from one profiled replay)."""
+    import os
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    workspace = os.environ.get("CUBLASLT_WORKSPACE_SIZE", "(default)")
+    lines = [
+        f"unit-scale fp8 GEMMs (one weight each: small ones replay from L2), workspace {workspace} KiB",
+        "",
+        "| rows | projection | us | memsets | kernels |",
+        "| ---: | --- | ---: | ---: | --- |",
+    ]
+    one = torch.ones((), device=DEVICE)
+    for m in rows:
+        for name, (n, k) in SHAPES.items():
+            x = torch.randn(m, k, device=DEVICE).to(torch.float8_e4m3fn)
+            w = (torch.randn(n, k, device=DEVICE) * 0.02).to(torch.float8_e4m3fn)
+
+            def mm(x: Any = x, w: Any = w) -> object:
+                return torch._scaled_mm(x, w.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+            us = _cell(mm)
+            graph = torch.cuda.CUDAGraph()
+            mm()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph):
+                mm()
+            graph.replay()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                graph.replay()
+                torch.cuda.synchronize()
+            names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            memsets = sum("memset" in n.lower() for n in names)
+            kernels = ", ".join(n[:60] for n in names if "memset" not in n.lower())
+            cell = f"{us:.1f}" if isinstance(us, float) else us
+            lines.append(f"| {m} | {name} | {cell} | {memsets} | {kernels} |")
+            print(lines[-1], flush=True)
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     import triton
@@ -339,6 +393,12 @@ def run(args: argparse.Namespace) -> int:
         "us of CUDA-graph replay (weight-read GB/s: bf16 2 bytes, fp8 1 byte a weight)"
     )
     print(header, flush=True)
+    if args.gemm_kernels:
+        out = [header, "", *gemm_kernels(tuple(args.rows or (1, 64, 256)))]
+        if args.markdown:
+            with open(args.markdown, "w") as f:
+                f.write("\n".join(out) + "\n")
+        return 0
     if args.activation:
         out = [header, "", *activation_table()]
         if args.markdown:

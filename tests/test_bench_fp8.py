@@ -12,7 +12,8 @@ from pagoda.kernels import bench_fp8
 def test_help_and_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         bench_fp8.main(["--help"])
-    assert exit_info.value.code == 0 and "--sweep" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert exit_info.value.code == 0 and "--sweep" in printed and "--gemm-kernels" in printed
     with pytest.raises(SystemExit):
         bench_fp8.main(["--rows", "many"])  # row counts are integers
     with pytest.raises(SystemExit):
@@ -22,6 +23,7 @@ def test_help_and_arguments(capsys: pytest.CaptureFixture[str]) -> None:
 def test_needs_a_gpu(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench_fp8.main(["--quick", "--sweep"]) == 2
+    assert bench_fp8.main(["--gemm-kernels", "--rows", "1", "256"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
