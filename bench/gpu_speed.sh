@@ -5,7 +5,8 @@
 # `pagoda bench serve` at concurrency 1..256 from several client processes.
 # Sections: check (the engine's GPU checks: fp32 greedy == transformers, graphs == eager, async == in
 # turn, bf16/fp8 teacher-forced, the fp8 layer paths), kernels (fp8 GEMM paths and attention),
-# attention (attention alone), sweeps (bench_fp8 --activation, bench --sweep splits --sweep fp8), kchecks (tests/kernels on the GPU; KCHECKS_K: a -k expression), bs1, offline, grid, serve.
+# attention (attention alone), sweeps (bench_fp8 --activation and --gemm-kernels with and without cuBLASLt's
+# workspace, bench --sweep splits --sweep fp8), kchecks (tests/kernels on the GPU; KCHECKS_K: a -k expression), bs1, offline, grid, serve.
 # Precision names: bf16, fp8 (W8A8 projections), either with "-kv8" (an fp8 KV cache).
 # Env: BS1_PRECISIONS (bf16 fp8), OFFLINE_VARIANTS (";"-separated extra arguments), GRID_PRECISIONS
 # (fp8-kv8 bf16), GRID_SHAPES (";"-separated "in out prompts"), SERVE_PRECISIONS (bf16), SERVE_CONCURRENCY (1 16 64 128 256), API_SERVERS (1),
@@ -47,8 +48,12 @@ if has kernels || has attention; then
     timeout 120 python3 -m pagoda.kernels.bench ${SPLITS_ARGS:---quick --sweep splits} --markdown "$out/attention.md" 2>&1 | tail -40
     step "attention kernels"
 fi
-if has sweeps; then  # the variants not yet defaults: scaled SiLU-quant layouts, fused split merge, fp8 widening
+if has sweeps; then  # SiLU-quant layouts, decode splits, fp8-cache layouts, cuBLASLt's fp8 kernels by workspace
     timeout 150 python3 -m pagoda.kernels.bench_fp8 --activation --markdown "$out/activation.md" 2>&1 | tail -12
+    for ws in default 0; do
+        ( [ $ws = default ] || export CUBLASLT_WORKSPACE_SIZE=$ws
+          timeout 90 python3 -m pagoda.kernels.bench_fp8 --gemm-kernels --markdown "$out/gemm_kernels_$ws.md" 2>&1 | tail -14 )
+    done
     timeout 330 python3 -m pagoda.kernels.bench --sweep splits --sweep fp8 --sweep-only \
         --markdown "$out/attention_sweeps.md" 2>&1 | grep "^  "
     step "sweeps"
