@@ -26,13 +26,15 @@ so no host code inspects the batch (no `.item()`, CUDA-graph safe):
   over `query_start_loc // BLOCK_Q + s`, which bounds the grid by `num_tokens // BLOCK_Q + num_seqs`.
 
 An fp8 (e4m3) cache holds K / k_scale and V / v_scale: each tile is widened as it is loaded
-(exactly) to float16, q and the probabilities with it (`_dot_dtype`; in decode, V by inline PTX,
-`_widen_fp8`); k_scale is folded into the score scale and v_scale into the output's normalizer, so the
-loop is the same and reads half the bytes.
+(exactly) to float16, q and the probabilities with it (`_dot_dtype`); k_scale is folded into the score
+scale and v_scale into the output's normalizer, so the loop is the same and reads half the bytes.
 
-K/V tiles are gathered token by token through the block table (`pos // block_size` picks the
-block, `pos % block_size` the slot), so a tile may span several cache blocks and any block size
-works. Scores are kept in base 2 (`exp2`, with log2(e) folded into the scale).
+K tiles (and slot-major V tiles) are gathered token by token through the block table
+(`pos // block_size` picks the block, `pos % block_size` the slot), so a tile may span several cache
+blocks and any block size works. The engine keeps an fp8 V cache token-major (`kv_cache.cache_view`):
+its tiles are read in runs of min(block_size, tile) contiguous slots (`_load_v_token_major`), so
+block size and tile must divide one another; a slot-major fp8 V tile is widened by inline PTX in
+decode (`_widen_fp8`). Scores are kept in base 2 (`exp2`, with log2(e) folded into the scale).
 """
 
 from __future__ import annotations
@@ -470,7 +472,8 @@ class DecodeConfig:
     # 256x256 | 64x1k | 640x1.5k | 8x8k (`python -m pagoda.kernels.bench --sweep fp8 --sweep-only`,
     # BENCHMARKS.md 2026-12-02): "v" tile 64 52.8 | 51.6 | 659 | 55.8; "cast" tile 128 70.3 | 65.4 |
     # 845 | 65.2. Dropped as slower: K by PTX too, tile 64 71.6 | 68.8 | 912 | 74.0; V loaded as 16-bit
-    # words, tile 64 59.3 | 59.6 | 716 | 60.4. PAGODA_FP8_WIDEN (cast|v) sets the default.
+    # words, tile 64 59.3 | 59.6 | 716 | 60.4. PAGODA_FP8_WIDEN (cast|v) sets the default. A token-major
+    # V (the engine's fp8 layout) is cast either way, like K (`_load_v_token_major`).
     fp8_widen: Literal["cast", "v"] = _FP8_WIDEN
 
     def __post_init__(self) -> None:
@@ -504,15 +507,16 @@ _INTERPRETER_DECODE = DecodeConfig(tile_n=16, num_warps=1, num_stages=1, program
 _INTERPRETER_PREFILL = PrefillConfig(block_m=16, tile_n=16, num_warps=1, num_stages=1)
 
 
-def _default_configs(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[DecodeConfig, PrefillConfig]:
+def _default_configs(
+    q: torch.Tensor, k_cache: torch.Tensor, v_token_major: bool
+) -> tuple[DecodeConfig, PrefillConfig]:
     if q.device.type != "cuda":
         return _INTERPRETER_DECODE, _INTERPRETER_PREFILL
     head_dim = q.shape[2]
-    if k_cache.dtype == FP8_CACHE and head_dim <= 128 and _FP8_WIDEN == "cast":
-        # Half the bytes per token: twice the tokens per tile keeps as many bytes in flight. H200, batch
-        # 64, us at 1k / 4k context: tile 128 65 / 248, tile 64 85 / 323, tile 32 71 / 265 (bf16 cache,
-        # tile 64: 68 / 252). With V widened by PTX (the default) tile 64 is the faster again: BENCHMARKS.md,
-        # "Decode attention over an fp8 cache" under "the three fusions measured".
+    if k_cache.dtype == FP8_CACHE and head_dim <= 128 and _FP8_WIDEN == "cast" and not v_token_major:
+        # A slot-major V cast, not widened by PTX: twice the tokens per tile keeps as many bytes in
+        # flight. H200, batch 64, us at 1k / 4k context: tile 128 65 / 248, tile 64 85 / 323 (bf16 cache,
+        # tile 64: 68 / 252). By PTX, or token-major, tile 64 is the faster (BENCHMARKS.md, 2026-12-02).
         return DecodeConfig(tile_n=128), PrefillConfig()
     if q.dtype == torch.float32:  # twice the bytes per tile: halve the tiles to stay in shared memory
         return DecodeConfig(tile_n=32), PrefillConfig(block_m=64, tile_n=32, num_warps=4, num_stages=2)
@@ -669,9 +673,15 @@ def paged_attention(
         )
     if num_tokens == 0 or num_seqs == 0 or max_seq_len <= 0:
         return out
-    default_decode, default_prefill = _default_configs(q, k_cache)
+    token_major = is_token_major(v_cache)
+    default_decode, default_prefill = _default_configs(q, k_cache, token_major)
     dcfg = decode_config or default_decode
     pcfg = prefill_config or default_prefill
+    if token_major and any(block_size % t and t % block_size for t in (dcfg.tile_n, pcfg.tile_n)):
+        raise ValueError(
+            f"paged_attention: a token-major v_cache is read in runs of min(block_size, tile) slots: "
+            f"block_size {block_size} and tiles {dcfg.tile_n} / {pcfg.tile_n} must divide one another"
+        )
     if not (k_scale > 0 and v_scale > 0):
         raise ValueError(f"paged_attention: k_scale {k_scale} and v_scale {v_scale} must be positive")
     scale_log2 = scale * math.log2(math.e) * k_scale
@@ -684,7 +694,6 @@ def paged_attention(
     )  # fmt: skip
 
     dot_dtype = _dot_dtype(q, k_cache, dcfg.fp8_dot)
-    token_major = is_token_major(v_cache)
     v_asm = (
         not token_major
         and _COMPILED

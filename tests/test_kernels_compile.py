@@ -38,5 +38,8 @@ def test_fp8_decode_widens_v_before_shared_memory(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
     assert counts["v"]["ld.shared.b8"] == 0 and counts["v"]["ldmatrix trans"] > 0, counts
-    # A token-major V (the engine's fp8 layout) is cast like K; neither is read a byte at a time.
-    assert counts["token-major"]["ld.shared.b8"] == 0, counts
+    # A token-major V (the engine's fp8 layout) is cast like K, and both reach shared memory in 16-byte
+    # copies: its runs of slots must stay vectorized, never byte loads or narrower copies.
+    tm = counts["token-major"]
+    assert tm["ld.shared.b8"] == 0 and tm["ld.global byte"] == 0 and tm["cp.async narrower"] == 0, counts
+    assert tm["cp.async 16-byte"] >= counts["v"]["cp.async 16-byte"] > 0, counts

@@ -12,6 +12,7 @@ import torch
 from pagoda.kernels.kv_cache import is_token_major
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.llm_engine import LLMEngine
+from pagoda.service.engine.model_runner import v_cache_token_major
 from pagoda.service.model import load_model
 from pagoda.service.sampling_params import SamplingParams
 
@@ -35,7 +36,8 @@ def test_fp8_cache_logits_stay_close(llama_ckpt: Path, paged_runner: type) -> No
     assert (full.argmax(-1) == fp8.argmax(-1)).float().mean() > 0.85
 
 
-def test_engine_runs_over_an_fp8_cache(llama_ckpt: Path) -> None:
+def test_engine_runs_over_an_fp8_cache(llama_ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PAGODA_V_CACHE_TOKEN_MAJOR", raising=False)  # the layouts by dtype
     engines = {
         dtype: LLMEngine(
             EngineConfig(
@@ -68,3 +70,16 @@ def test_engine_runs_over_an_fp8_cache(llama_ckpt: Path) -> None:
 def test_unknown_kv_cache_dtype_is_refused() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="int4")  # type: ignore[arg-type]
+
+
+def test_v_cache_layout_by_dtype_and_knob(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8 V token-major, 16-bit slot-major, unless PAGODA_V_CACHE_TOKEN_MAJOR says 0 or 1."""
+    monkeypatch.delenv("PAGODA_V_CACHE_TOKEN_MAJOR", raising=False)
+    assert v_cache_token_major(FP8) and not v_cache_token_major(torch.bfloat16)
+    monkeypatch.setenv("PAGODA_V_CACHE_TOKEN_MAJOR", "0")
+    assert not v_cache_token_major(FP8)
+    monkeypatch.setenv("PAGODA_V_CACHE_TOKEN_MAJOR", "1")
+    assert v_cache_token_major(torch.bfloat16)
+    monkeypatch.setenv("PAGODA_V_CACHE_TOKEN_MAJOR", "yes")
+    with pytest.raises(ValueError, match="0 or 1"):
+        v_cache_token_major(FP8)

@@ -55,7 +55,7 @@ def make_batch(
     else:
         num_blocks = max(num_blocks, total)
         ids = torch.randperm(num_blocks, generator=gen)[:total]
-    # Padding entries point at block 0: they must never be read.
+    # Padding entries point at block 0: what is read there must never reach the output.
     block_tables = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
     used = 0
     for s, n in enumerate(blocks_per_seq):
@@ -251,12 +251,22 @@ def _token_major(cache: torch.Tensor) -> torch.Tensor:
 
 
 def _poison_unwritten_slots(batch: dict, name: str) -> None:
-    """NaN in every slot of each sequence's last block past its context: slots no step wrote yet."""
+    """NaN in every slot no step wrote: each sequence's last block past its context, and every block no
+    sequence holds (block 0 among them, which masked block-table reads fall back to)."""
     cache = batch[name]
     block_size = cache.shape[1]
+    tables = batch["block_tables"]
     for s, ctx in enumerate(batch["seq_lens"].tolist()):
         if ctx % block_size:
-            cache[int(batch["block_tables"][s, (ctx - 1) // block_size]), ctx % block_size :] = float("nan")
+            cache[int(tables[s, (ctx - 1) // block_size]), ctx % block_size :] = float("nan")
+    held = {
+        int(tables[s, b])
+        for s, ctx in enumerate(batch["seq_lens"].tolist())
+        for b in range(-(-ctx // block_size))
+    }
+    free = [b for b in range(cache.shape[0]) if b not in held]
+    assert 0 in free
+    cache[free] = float("nan")
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["float16", "fp8"])
@@ -268,7 +278,7 @@ def test_token_major_v_cache(fp8: bool, block_size: int, num_splits: int) -> Non
     slots hold NaN and must not reach the output."""
     batch = make_batch(
         [1, 1, 20, 37, 1], [40, 7, 20, 90, 70], num_heads=8, num_kv_heads=2, dtype=torch.float16,
-        block_size=block_size, seed=5,
+        block_size=block_size, seed=5, high_block_ids=True,
     )  # fmt: skip
     for name in ("k_cache", "v_cache"):
         _poison_unwritten_slots(batch, name)
@@ -278,6 +288,11 @@ def test_token_major_v_cache(fp8: bool, block_size: int, num_splits: int) -> Non
         batch.update(k_scale=0.5, v_scale=0.5)
     batch["v_cache"] = _token_major(batch["v_cache"])
     prefill = PrefillConfig(block_m=16, tile_n=16, num_warps=1, num_stages=1)
+    if block_size == 4:  # runs of min(block, tile) slots: the two must divide one another
+        with pytest.raises(ValueError, match="divide one another"):
+            paged_attention(
+                **batch, decode_config=decode_config(tile_n=16), prefill_config=PrefillConfig(tile_n=6)
+            )
     check(batch, decode_config=decode_config(num_splits=num_splits), prefill_config=prefill)
     check(batch, decode_config=decode_config(tile_n=32, num_splits=num_splits), prefill_config=prefill)
     if batch["q"].is_cuda:

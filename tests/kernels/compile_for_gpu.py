@@ -106,7 +106,8 @@ def fp8_decode_ptx() -> dict[str, dict[str, int]]:
         counts[widen] = {
             "ld.shared.b8": ptx.count("ld.shared.b8"),
             "ldmatrix trans": ptx.count(".trans.shared"),
-            "ld.global 16-byte": ptx.count("ld.global.v4.b32"),
+            "cp.async 16-byte": ptx.count("cp.async.cg.shared.global"),  # .cg copies 16 bytes only
+            "cp.async narrower": ptx.count("cp.async.ca.shared.global"),
             "ld.global byte": ptx.count("ld.global.b8") + ptx.count("ld.global.u8"),
         }
     return counts
