@@ -213,6 +213,7 @@ def _decode_kernel(
     DOT_DTYPE: tl.constexpr,  # q's dtype, or float16 over an fp8 cache (see _dot_dtype)
     V_ASM: tl.constexpr,  # widen the V tile by inline PTX (`_widen_fp8`); K is cast
     V_SUB: tl.constexpr,  # 0: V slot-major; else token-major: min(BLOCK_SIZE, TILE_N) (`_load_v_token_major`)
+    TAIL_RUNS: tl.constexpr,  # the tile past the context's end as runs of V_SUB (DecodeConfig.tail_runs)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -238,7 +239,8 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     # Whole tiles unmasked, then the one running past `end`, if any, masked: a masked token-major V
-    # tile would take a slower path to the dot (`_load_v_token_major`).
+    # tile takes a slower path to the dot (`_load_v_token_major`). With TAIL_RUNS that rest goes by
+    # runs of V_SUB tokens instead, whole runs unmasked, so only the last run is masked.
     full_end = start + (end - start) // TILE_N * TILE_N
     for tile_start in range(start, full_end, TILE_N):
         m_i, l_i, acc = _decode_tile(
@@ -246,7 +248,21 @@ def _decode_kernel(
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
             BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, DOT_DTYPE, V_ASM, V_SUB, False,
         )  # fmt: skip
-    if full_end < end:
+    if TAIL_RUNS:
+        runs_end = full_end + (end - full_end) // V_SUB * V_SUB
+        for tile_start in range(full_end, runs_end, V_SUB):
+            m_i, l_i, acc = _decode_tile(
+                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, tile_start, end, dims, kv_head,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
+                BLOCK_SIZE, V_SUB, HEAD_DIM, DOT_PRECISION, DOT_DTYPE, V_ASM, V_SUB, False,
+            )  # fmt: skip
+        if runs_end < end:
+            m_i, l_i, acc = _decode_tile(
+                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, runs_end, end, dims, kv_head,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
+                BLOCK_SIZE, V_SUB, HEAD_DIM, DOT_PRECISION, DOT_DTYPE, V_ASM, V_SUB, True,
+            )  # fmt: skip
+    elif full_end < end:
         m_i, l_i, acc = _decode_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, full_end, end, dims, kv_head,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
@@ -465,6 +481,11 @@ class DecodeConfig:
     # from max_seq_len on the host. Inside CUDA graphs max_seq_len is max_model_len, so it ran a
     # batch-1 decode at 1.1k context in one split per kv head (8 programs, ~10 us per layer).
     partition_by: Literal["seq_len", "max_seq_len"] = "seq_len"
+    # Over a token-major V: the part of a split past its last whole tile goes by runs of
+    # min(block_size, tile_n) tokens, only the last masked, instead of one masked tile, whose V takes a
+    # slower path to the dot. Off until timed (the engine's decode kernel at batch 256 over 128-256-token
+    # contexts took 1,555 us a step token-major against 1,402 slot-major, H200); applies from runs of 16.
+    tail_runs: bool = False
     # Over an fp8 cache: "float16" widens the tiles (and q) to float16 for the dots, "q" to q's dtype.
     fp8_dot: Literal["float16", "q"] = "float16"
     # How float16 dots widen fp8 tiles: "v" widens V by inline PTX (`_widen_fp8`) and casts K; "cast"
@@ -702,6 +723,7 @@ def paged_attention(
         and dcfg.fp8_widen == "v"
         and _has_fp8_conversion(q.device)
     )
+    v_sub = min(block_size, dcfg.tile_n) if token_major else 0
     num_splits, min_partition = decode_splits(dcfg, num_seqs, num_kv_heads, max_seq_len, _num_sms(q.device))
     if num_splits > 1:
         part_out = torch.empty(
@@ -715,7 +737,8 @@ def paged_attention(
         scale_log2, float(v_scale), min_partition, num_splits, *strides, out.stride(0), out.stride(1),
         GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, TILE_N=dcfg.tile_n, DOT_PRECISION=precision,
-        DOT_DTYPE=dot_dtype, V_ASM=v_asm, V_SUB=min(block_size, dcfg.tile_n) if token_major else 0,
+        DOT_DTYPE=dot_dtype, V_ASM=v_asm, V_SUB=v_sub,
+        TAIL_RUNS=dcfg.tail_runs and 16 <= v_sub < dcfg.tile_n,
         num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:

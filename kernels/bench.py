@@ -427,7 +427,8 @@ def sweep_fp8(copy_bw: float) -> list[str]:
     from pagoda.kernels.attention import DecodeConfig, paged_attention
     from pagoda.kernels.kv_cache import cache_view
 
-    cases = [(256, 256), (64, 1024), (640, 1536), (8, 8192)]
+    # Contexts of whole 64-token tiles, and two ragged ones, whose last tile is masked.
+    cases = [(256, 256), (64, 1024), (640, 1536), (8, 8192), (256, 200), (640, 1500)]
     fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
     lines = [
         "fp8-cache decode sweep (us, fraction of copy) at batch x ctx "
@@ -469,6 +470,7 @@ def sweep_fp8(copy_bw: float) -> list[str]:
         (f"fp8, V token-major, tile {t}, stages {st}", fp8, True, DecodeConfig(tile_n=t, num_stages=st))
         for t, st in ((64, 2), (128, 2), (64, 3), (32, 2), (128, 3))
     ]
+    variants.insert(3, ("fp8, V token-major, tile 64, tail by runs", fp8, True, DecodeConfig(tail_runs=True)))
     variants += [
         ("fp8, V slot-major, tile 128, widen v", fp8, False, DecodeConfig(tile_n=128, fp8_widen="v")),
         ("fp8, V slot-major, tile 128, widen cast", fp8, False, DecodeConfig(tile_n=128, fp8_widen="cast")),
