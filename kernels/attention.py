@@ -454,6 +454,7 @@ def _prefill_kernel(
 
 _COMPILED = not INTERPRETED
 _FP8_WIDEN = cast(Literal["cast", "v"], os.environ.get("PAGODA_FP8_WIDEN", "v"))
+_TAIL_RUNS = os.environ.get("PAGODA_ATTENTION_TAIL_RUNS", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -485,7 +486,8 @@ class DecodeConfig:
     # min(block_size, tile_n) tokens, only the last masked, instead of one masked tile, whose V takes a
     # slower path to the dot. Off until timed (the engine's decode kernel at batch 256 over 128-256-token
     # contexts took 1,555 us a step token-major against 1,402 slot-major, H200); applies from runs of 16.
-    tail_runs: bool = False
+    # PAGODA_ATTENTION_TAIL_RUNS=1 sets the default (a benchmark knob, for the engine's A/B).
+    tail_runs: bool = _TAIL_RUNS
     # Over an fp8 cache: "float16" widens the tiles (and q) to float16 for the dots, "q" to q's dtype.
     fp8_dot: Literal["float16", "q"] = "float16"
     # How float16 dots widen fp8 tiles: "v" widens V by inline PTX (`_widen_fp8`) and casts K; "cast"
