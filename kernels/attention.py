@@ -213,7 +213,7 @@ def _decode_kernel(
     DOT_DTYPE: tl.constexpr,  # q's dtype, or float16 over an fp8 cache (see _dot_dtype)
     V_ASM: tl.constexpr,  # widen the V tile by inline PTX (`_widen_fp8`); K is cast
     V_SUB: tl.constexpr,  # 0: V slot-major; else token-major: min(BLOCK_SIZE, TILE_N) (`_load_v_token_major`)
-    TAIL_RUNS: tl.constexpr,  # the tile past the context's end as runs of V_SUB (DecodeConfig.tail_runs)
+    TAIL_N: tl.constexpr,  # the tiles past the last whole TILE_N tile: TILE_N, or V_SUB (tail_runs)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -238,9 +238,9 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    # Whole tiles unmasked, then the one running past `end`, if any, masked: a masked token-major V
-    # tile takes a slower path to the dot (`_load_v_token_major`). With TAIL_RUNS that rest goes by
-    # runs of V_SUB tokens instead, whole runs unmasked, so only the last run is masked.
+    # Whole tiles unmasked, then the rest by TAIL_N-token tiles: whole ones unmasked, the one running
+    # past `end`, if any, masked (a masked token-major V tile takes a slower path to the dot,
+    # `_load_v_token_major`). TAIL_N is TILE_N, or V_SUB with DecodeConfig.tail_runs.
     full_end = start + (end - start) // TILE_N * TILE_N
     for tile_start in range(start, full_end, TILE_N):
         m_i, l_i, acc = _decode_tile(
@@ -248,25 +248,20 @@ def _decode_kernel(
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
             BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, DOT_DTYPE, V_ASM, V_SUB, False,
         )  # fmt: skip
-    if TAIL_RUNS:
-        runs_end = full_end + (end - full_end) // V_SUB * V_SUB
-        for tile_start in range(full_end, runs_end, V_SUB):
+    tail_end = full_end
+    if TAIL_N < TILE_N:  # (compiled only then: the default kernel has no second loop)
+        tail_end = full_end + (end - full_end) // TAIL_N * TAIL_N
+        for tile_start in range(full_end, tail_end, TAIL_N):
             m_i, l_i, acc = _decode_tile(
                 q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, tile_start, end, dims, kv_head,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
-                BLOCK_SIZE, V_SUB, HEAD_DIM, DOT_PRECISION, DOT_DTYPE, V_ASM, V_SUB, False,
+                BLOCK_SIZE, TAIL_N, HEAD_DIM, DOT_PRECISION, DOT_DTYPE, V_ASM, V_SUB, False,
             )  # fmt: skip
-        if runs_end < end:
-            m_i, l_i, acc = _decode_tile(
-                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, runs_end, end, dims, kv_head,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
-                BLOCK_SIZE, V_SUB, HEAD_DIM, DOT_PRECISION, DOT_DTYPE, V_ASM, V_SUB, True,
-            )  # fmt: skip
-    elif full_end < end:
+    if tail_end < end:
         m_i, l_i, acc = _decode_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, full_end, end, dims, kv_head,
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, tail_end, end, dims, kv_head,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
-            BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, DOT_DTYPE, V_ASM, V_SUB, True,
+            BLOCK_SIZE, TAIL_N, HEAD_DIM, DOT_PRECISION, DOT_DTYPE, V_ASM, V_SUB, True,
         )  # fmt: skip
 
     out = acc * (v_scale / l_i)[:, None]
@@ -740,7 +735,7 @@ def paged_attention(
         GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, TILE_N=dcfg.tile_n, DOT_PRECISION=precision,
         DOT_DTYPE=dot_dtype, V_ASM=v_asm, V_SUB=v_sub,
-        TAIL_RUNS=dcfg.tail_runs and 16 <= v_sub < dcfg.tile_n,
+        TAIL_N=v_sub if dcfg.tail_runs and 16 <= v_sub < dcfg.tile_n else dcfg.tile_n,
         num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:
