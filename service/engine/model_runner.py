@@ -154,11 +154,11 @@ class ModelRunner:
         self.kv_cache = torch.empty(
             2, mc.num_hidden_layers, self.kv.num_blocks, block_elems, dtype=self.kv_dtype, device=self.device
         )
-        self.v_token_major = v_cache_token_major(self.kv_dtype)
+        v_token_major = v_cache_token_major(self.kv_dtype)
+        shape = (config.block_size, self.num_kv_heads, mc.head_dim)
         for i, layer in enumerate(self.model.attention_layers()):
-            shape = (config.block_size, self.num_kv_heads, mc.head_dim)
             layer.k_cache = cache_view(self.kv_cache[0, i], *shape, token_major=False)
-            layer.v_cache = cache_view(self.kv_cache[1, i], *shape, token_major=self.v_token_major)
+            layer.v_cache = cache_view(self.kv_cache[1, i], *shape, token_major=v_token_major)
         self.max_model_len = self._max_model_len()
         max_blocks = -(-self.max_model_len // config.block_size) + 1  # +1: a fork's copy-on-write slack
         self.block_tables = BlockTables(config.max_num_seqs + 64, max_blocks)
