@@ -337,8 +337,8 @@ def activation_table(d: int = 14336) -> list[str]:
 
 
 def gemm_kernels(rows: tuple[int, ...]) -> list[str]:
-    """Per row count and projection: us of a CUDA-graph replay of the unit-scale `_scaled_mm`, the
-    memsets in it, and its kernels (from one profiled replay)."""
+    """Per row count and projection: us of a CUDA-graph replay of the unit-scale `_scaled_mm`, and the
+    memsets and kernels cuBLASLt launches for it (one profiled call)."""
     import os
 
     import torch
@@ -365,15 +365,8 @@ def gemm_kernels(rows: tuple[int, ...]) -> list[str]:
                 lines.append(f"| {m} | {name} | {us.replace('|', '/')} | | |")
                 print(lines[-1], flush=True)
                 continue
-            graph = torch.cuda.CUDAGraph()
-            mm()
-            torch.cuda.synchronize()
-            with torch.cuda.graph(graph):
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:  # (warm: _cell ran it)
                 mm()
-            graph.replay()
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                graph.replay()
                 torch.cuda.synchronize()
             names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
             memsets = sum("memset" in n.lower() for n in names)
