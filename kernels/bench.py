@@ -425,7 +425,7 @@ def sweep_fp8(copy_bw: float) -> list[str]:
     import torch
 
     from pagoda.kernels.attention import DecodeConfig, paged_attention
-    from pagoda.kernels.kv_cache import cache_view
+    from pagoda.kernels.kv_cache import token_major_copy
 
     # Contexts of whole 64-token tiles, and two ragged ones, whose last tile is masked.
     cases = [(256, 256), (64, 1024), (640, 1536), (8, 8192), (256, 200), (640, 1500)]
@@ -440,11 +440,7 @@ def sweep_fp8(copy_bw: float) -> list[str]:
         b = dict(base[batch, ctx])
         b["k_cache"] = b["k_cache"].to(cache_dtype)
         v = b["v_cache"].to(cache_dtype)
-        if token_major:
-            num_blocks, block_size, heads, dim = v.shape
-            flat = v.permute(0, 2, 3, 1).contiguous().view(num_blocks, -1)
-            v = cache_view(flat, block_size, heads, dim, token_major=True)
-        b["v_cache"] = v
+        b["v_cache"] = token_major_copy(v) if token_major else v
         return b
 
     def cells(cache_dtype: torch.dtype, token_major: bool, cfg: DecodeConfig | None) -> str:

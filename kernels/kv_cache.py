@@ -99,6 +99,13 @@ def cache_view(
     return flat.view(num_blocks, num_kv_heads, head_dim, block_size).permute(0, 3, 1, 2)
 
 
+def token_major_copy(cache: torch.Tensor) -> torch.Tensor:
+    """A slot-major cache's values in a new token-major one (benchmarks and tests)."""
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    flat = cache.permute(0, 2, 3, 1).contiguous().view(num_blocks, -1)
+    return cache_view(flat, block_size, num_kv_heads, head_dim, token_major=True)
+
+
 def is_token_major(cache: torch.Tensor) -> bool:
     """Whether a [num_blocks, block_size, num_kv_heads, head_dim] cache view is `cache_view`'s
     token-major layout: each (block, head, dim)'s slots contiguous."""

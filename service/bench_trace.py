@@ -84,11 +84,6 @@ def _merged(events: list[dict]) -> list[tuple[float, float, str, str]]:
     return merged
 
 
-def busy_intervals(events: list[dict]) -> list[tuple[float, float]]:
-    """The GPU's events merged into disjoint (start, end) intervals, in time order."""
-    return [(start, end) for start, end, _, _ in _merged(events)]
-
-
 def _host_at(host: list[dict], t: float) -> str:
     """The shortest host event covering time t (the innermost call), by name."""
     covering = [e for e in host if float(e["ts"]) <= t < float(e["ts"]) + float(e["dur"])]

@@ -240,16 +240,6 @@ def test_fp8_cache_with_scales(dtype: torch.dtype, num_splits: int, widen: str) 
         check(batch, decode_config=DecodeConfig(tile_n=128, num_splits=num_splits, fp8_widen=widen))
 
 
-def _token_major(cache: torch.Tensor) -> torch.Tensor:
-    """The same cache in the token-major layout (`kv_cache.cache_view`), values unchanged."""
-    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
-    flat = cache.permute(0, 2, 3, 1).contiguous().view(num_blocks, -1)
-    view = kv_cache.cache_view(flat, block_size, num_kv_heads, head_dim, token_major=True)
-    assert kv_cache.is_token_major(view)
-    torch.testing.assert_close(view.float(), cache.float(), rtol=0, atol=0, equal_nan=True)
-    return view
-
-
 def _poison_unwritten_slots(batch: dict, name: str) -> None:
     """NaN in every slot no step wrote: each sequence's last block past its context, and every block no
     sequence holds (block 0 among them, which masked block-table reads fall back to)."""
@@ -286,7 +276,10 @@ def test_token_major_v_cache(fp8: bool, block_size: int, num_splits: int) -> Non
         for name in ("k_cache", "v_cache"):
             batch[name] = (batch[name].float() * 2).to(torch.float8_e4m3fn)
         batch.update(k_scale=0.5, v_scale=0.5)
-    batch["v_cache"] = _token_major(batch["v_cache"])
+    v_cache = kv_cache.token_major_copy(batch["v_cache"])
+    assert kv_cache.is_token_major(v_cache)
+    torch.testing.assert_close(v_cache.float(), batch["v_cache"].float(), rtol=0, atol=0, equal_nan=True)
+    batch["v_cache"] = v_cache
     prefill = PrefillConfig(block_m=16, tile_n=16, num_warps=1, num_stages=1)
     if block_size == 4:  # runs of min(block, tile) slots: the two must divide one another
         with pytest.raises(ValueError, match="divide one another"):
