@@ -213,7 +213,6 @@ def _decode_kernel(
     DOT_DTYPE: tl.constexpr,  # q's dtype, or float16 over an fp8 cache (see _dot_dtype)
     V_ASM: tl.constexpr,  # widen the V tile by inline PTX (`_widen_fp8`); K is cast
     V_SUB: tl.constexpr,  # 0: V slot-major; else token-major: min(BLOCK_SIZE, TILE_N) (`_load_v_token_major`)
-    TAIL_N: tl.constexpr,  # the tiles past the last whole TILE_N tile: TILE_N, or V_SUB (tail_runs)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -238,9 +237,8 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    # Whole tiles unmasked, then the rest by TAIL_N-token tiles: whole ones unmasked, the one running
-    # past `end`, if any, masked (a masked token-major V tile takes a slower path to the dot,
-    # `_load_v_token_major`). TAIL_N is TILE_N, or V_SUB with DecodeConfig.tail_runs.
+    # Whole tiles unmasked, then the one running past `end`, if any, masked (a masked token-major V
+    # tile takes a slower path to the dot, `_load_v_token_major`).
     full_end = start + (end - start) // TILE_N * TILE_N
     for tile_start in range(start, full_end, TILE_N):
         m_i, l_i, acc = _decode_tile(
@@ -248,20 +246,11 @@ def _decode_kernel(
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
             BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, DOT_DTYPE, V_ASM, V_SUB, False,
         )  # fmt: skip
-    tail_end = full_end
-    if TAIL_N < TILE_N:  # (compiled only then: the default kernel has no second loop)
-        tail_end = full_end + (end - full_end) // TAIL_N * TAIL_N
-        for tile_start in range(full_end, tail_end, TAIL_N):
-            m_i, l_i, acc = _decode_tile(
-                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, tile_start, end, dims, kv_head,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
-                BLOCK_SIZE, TAIL_N, HEAD_DIM, DOT_PRECISION, DOT_DTYPE, V_ASM, V_SUB, False,
-            )  # fmt: skip
-    if tail_end < end:
+    if full_end < end:
         m_i, l_i, acc = _decode_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, tail_end, end, dims, kv_head,
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, full_end, end, dims, kv_head,
             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
-            BLOCK_SIZE, TAIL_N, HEAD_DIM, DOT_PRECISION, DOT_DTYPE, V_ASM, V_SUB, True,
+            BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, DOT_DTYPE, V_ASM, V_SUB, True,
         )  # fmt: skip
 
     out = acc * (v_scale / l_i)[:, None]
@@ -449,7 +438,6 @@ def _prefill_kernel(
 
 _COMPILED = not INTERPRETED
 _FP8_WIDEN = cast(Literal["cast", "v"], os.environ.get("PAGODA_FP8_WIDEN", "v"))
-_TAIL_RUNS = os.environ.get("PAGODA_ATTENTION_TAIL_RUNS", "0") == "1"
 
 
 @dataclass(frozen=True)
@@ -477,12 +465,9 @@ class DecodeConfig:
     # from max_seq_len on the host. Inside CUDA graphs max_seq_len is max_model_len, so it ran a
     # batch-1 decode at 1.1k context in one split per kv head (8 programs, ~10 us per layer).
     partition_by: Literal["seq_len", "max_seq_len"] = "seq_len"
-    # Over a token-major V: the part of a split past its last whole tile goes by runs of
-    # min(block_size, tile_n) tokens, only the last masked, instead of one masked tile, whose V takes a
-    # slower path to the dot. Off until timed (the engine's decode kernel at batch 256 over 128-256-token
-    # contexts took 1,555 us a step token-major against 1,402 slot-major, H200); applies from runs of 16.
-    # PAGODA_ATTENTION_TAIL_RUNS=1 sets the default (a benchmark knob, for the engine's A/B).
-    tail_runs: bool = _TAIL_RUNS
+    # Over a token-major V the masked last tile is slower (a select in registers before the dot). Taking
+    # the part past the last whole tile by unmasked 16-token runs instead was tried (c2993b2): the engine's
+    # fp8 + fp8 KV decode step at batch 256 (128-256-token contexts, H200) went 6.39 -> 6.58 ms busy.
     # Over an fp8 cache: "float16" widens the tiles (and q) to float16 for the dots, "q" to q's dtype.
     fp8_dot: Literal["float16", "q"] = "float16"
     # How float16 dots widen fp8 tiles: "v" widens V by inline PTX (`_widen_fp8`) and casts K; "cast"
@@ -735,7 +720,6 @@ def paged_attention(
         GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, TILE_N=dcfg.tile_n, DOT_PRECISION=precision,
         DOT_DTYPE=dot_dtype, V_ASM=v_asm, V_SUB=v_sub,
-        TAIL_N=v_sub if dcfg.tail_runs and 16 <= v_sub < dcfg.tile_n else dcfg.tile_n,
         num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:

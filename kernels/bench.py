@@ -466,7 +466,6 @@ def sweep_fp8(copy_bw: float) -> list[str]:
         (f"fp8, V token-major, tile {t}, stages {st}", fp8, True, DecodeConfig(tile_n=t, num_stages=st))
         for t, st in ((64, 2), (128, 2), (64, 3), (32, 2), (128, 3))
     ]
-    variants.insert(3, ("fp8, V token-major, tile 64, tail by runs", fp8, True, DecodeConfig(tail_runs=True)))
     variants += [
         ("fp8, V slot-major, tile 128, widen v", fp8, False, DecodeConfig(tile_n=128, fp8_widen="v")),
         ("fp8, V slot-major, tile 128, widen cast", fp8, False, DecodeConfig(tile_n=128, fp8_widen="cast")),

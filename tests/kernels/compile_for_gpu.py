@@ -224,10 +224,6 @@ def _launches() -> list[tuple[str, Callable[[], object]]]:
         ("attention decode fp8 V token-major", lambda: attention_call(1, cache8, v=v8_token_major)),
         ("attention prefill fp8 V token-major", lambda: attention_call(7, cache8, v=v8_token_major)),
         (
-            "attention decode fp8 V token-major, tail by runs",
-            lambda: attention_call(1, cache8, v=v8_token_major, tail_runs=True),
-        ),
-        (
             "fp8 w8a16",
             lambda: fp8_gemm.fp8_matmul_w8a16(r(4, 512), r(256, 512, dtype=fp8), r(256, dtype=f32)),
         ),
