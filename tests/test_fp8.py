@@ -4,6 +4,7 @@ float32 emulation that the GPU's kernels are checked against in `pagoda.service.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from pagoda.service.model.fp8 import (
     fuse_input_quantization,
     quantize_model_fp8,
     quantize_rows,
+    run_cublaslt_without_workspace,
 )
 from pagoda.service.sampling_params import SamplingParams
 
@@ -203,3 +205,12 @@ def test_paged_attention_scales_a_product_only_where_it_rotates() -> None:
     scales = (torch.ones(1, 1), torch.ones(1, 32))
     with pytest.raises(ValueError, match="rotary launch only"):
         attn(q, k, k, meta, None, (scales, torch.float32))
+
+
+def test_cublaslt_runs_without_workspace_unless_the_user_chose_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUBLASLT_WORKSPACE_SIZE", raising=False)
+    run_cublaslt_without_workspace()
+    assert os.environ["CUBLASLT_WORKSPACE_SIZE"] == "0"
+    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "4096")
+    run_cublaslt_without_workspace()
+    assert os.environ["CUBLASLT_WORKSPACE_SIZE"] == "4096"

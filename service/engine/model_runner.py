@@ -26,7 +26,7 @@ from pagoda.service.engine.request import PLACEHOLDER
 from pagoda.service.engine.sampler import SampledBatch, Sampler, SampleResult, to_device
 from pagoda.service.engine.scheduler import SchedulerOutput
 from pagoda.service.model.attention import AttentionMetadata
-from pagoda.service.model.fp8 import quantize_model_fp8, supports_fp8_matmul
+from pagoda.service.model.fp8 import quantize_model_fp8, run_cublaslt_without_workspace, supports_fp8_matmul
 from pagoda.service.model.loader import load_model
 from pagoda.service.model.parallel import SINGLE_RANK, TPGroup
 
@@ -139,6 +139,8 @@ class ModelRunner:
         if config.quantization == "fp8":
             # Load in the model dtype on the CPU, quantize layer by layer onto the device: the device
             # never holds more than one layer in 16 bits.
+            if self.device.type == "cuda":
+                run_cublaslt_without_workspace()
             self.model, self.model_config = load_model(model_path, self.dtype, "cpu", tp)
             count = quantize_model_fp8(self.model, self.device)
             path = "Triton + torch._scaled_mm" if supports_fp8_matmul(self.device) else "float32 emulation"
