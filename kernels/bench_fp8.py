@@ -1,7 +1,6 @@
 """fp8 projection benchmark at Llama-3-8B shapes: every way to run `Fp8Linear` against bf16, per row count.
 
-    python -m pagoda.kernels.bench_fp8 [--quick] [--sweep] [--activation] [--gemm-kernels] [--gemv]
-                                       [--markdown PATH]
+    python -m pagoda.kernels.bench_fp8 [--quick] [--sweep] [--activation] [--gemm-kernels] [--markdown PATH]
 
 For M in 1..256 rows and the four projections of a decoder layer (qkv 4096->6144, o 4096->4096,
 gate_up 4096->28672, down 14336->4096) it times, in microseconds of CUDA-graph replay (the engine's
@@ -25,24 +24,14 @@ and a half on an H200 (`--quick`: M 1, 16, 256). A method that fails prints its 
 steps run: its time, and the kernels and memsets cuBLASLt launches for it (a dynamically scheduled
 kernel zeroes a counter with a memset first, a graph node of its own). cuBLASLt's workspace size is
 read once per process (`CUBLASLT_WORKSPACE_SIZE`, KiB): run it under each setting to compare.
-
-`--gemv` times `fp8_gemm.fp8_gemv` (no tensor cores, for 1-8 rows) against the unit-scale `_scaled_mm`
-the engine runs and bf16, per row count (1, 2, 4, 8) and projection: a sweep of its tiles at 1 row
-(tiles x warps, then the best three's pipeline depths, then the best two's split-K), the five best of
-those at 2, 4 and 8 rows, and down_proj with the SiLU-and-mul fused in (`silu_mul=True`) at its best
-tile, against the two launches. Kernels compile in parallel processes ahead of each stage (Triton's
-disk cache); about two to three minutes on an H200.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import math
-import os
 import sys
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 HELP = "time the fp8 projection paths (quantize + _scaled_mm, skinny W8A16) against bf16 on this GPU"
@@ -57,9 +46,6 @@ FP8_METHODS = METHODS[1:]
 DEVICE = "cuda"
 ROTATE_BYTES = 200e6  # 4x an H200's L2
 REP_MS = 20  # graph replay per timing (bench.py's 50 would take this run past two minutes)
-GEMV_ROWS = (1, 2, 4, 8)
-GEMV_SWEEP_REP_MS = 5  # per candidate of the --gemv sweep; each best is timed again at REP_MS
-GEMV_TOP = 5  # --gemv: the best tiles at 1 row that are timed at 2, 4 and 8 rows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,9 +59,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--gemm-kernels",
         action="store_true",
         help="only list the unit-scale fp8 GEMMs' kernels and memsets by rows (default rows 1 64 256)",
-    )
-    parser.add_argument(
-        "--gemv", action="store_true", help="only the fp8 GEMV for 1-8 rows against _scaled_mm and bf16"
     )
     parser.add_argument("--markdown", help="write the tables to this file")
 
@@ -144,25 +127,25 @@ def _methods(m: int, n: int, k: int) -> dict[str, Callable[[], object] | None]:
     }
 
 
-def _time(fn: Callable[[], object], rep_ms: int = REP_MS) -> float:
+def _time(fn: Callable[[], object]) -> float:
     """`bench._time` with shorter replays: median us of CUDA-graph replays, eager if capture fails."""
     import torch
     import triton
 
     try:
-        return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
+        return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=REP_MS, return_mode="median")
     except Exception:
         torch.cuda.synchronize()
-        return 1e3 * triton.testing.do_bench(fn, warmup=10, rep=rep_ms, return_mode="median")
+        return 1e3 * triton.testing.do_bench(fn, warmup=10, rep=REP_MS, return_mode="median")
 
 
-def _cell(fn: Callable[[], object] | None, rep_ms: int = REP_MS) -> float | str:
+def _cell(fn: Callable[[], object] | None) -> float | str:
     """Microseconds, or the error's first words (a method that fails must not stop the others)."""
     if fn is None:
         return math.nan
     try:
         fn()  # compile and check it runs before timing
-        return _time(fn, rep_ms)
+        return _time(fn)
     except Exception as exc:
         first_line = str(exc).splitlines()[0][:80] if str(exc) else ""
         return f"error: {type(exc).__name__}: {first_line}"
@@ -393,228 +376,6 @@ def gemm_kernels(rows: tuple[int, ...]) -> list[str]:
     return lines
 
 
-def gemv_configs() -> list[Any]:
-    """The first stage of the --gemv sweep: tiles x warps, 3 stages, one launch. Skipped as absurd for
-    this kernel: a tile over 32768 weights; under 4 K elements a thread and load (block_k < 128 x
-    num_warps: the narrow loads skip cp.async, whatever num_stages says); under 8 or over 64 weight
-    bytes a thread and iteration (too little in flight, or registers spilled at 8 rows)."""
-    from pagoda.kernels.fp8_gemm import GemvConfig
-
-    configs = []
-    for block_n, block_k, num_warps in itertools.product((4, 8, 16, 32), (256, 512, 1024), (2, 4, 8)):
-        per_thread = block_n * block_k // (32 * num_warps)
-        if block_n * block_k <= 32768 and block_k >= 128 * num_warps and 8 <= per_thread <= 64:
-            configs.append(GemvConfig(block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=3))
-    return configs
-
-
-def _us(us: float | str) -> str:
-    return us.replace("|", "/") if isinstance(us, str) else f"{us:.1f}"
-
-
-def _gbps(us: float | str, weight_bytes: int) -> str:
-    return f"{weight_bytes / (us * 1e3):.0f}" if isinstance(us, float) and us > 0 else ""
-
-
-def _gemv_label(cfg: Any) -> str:
-    return f"n{cfg.block_n} k{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} split{cfg.split_k}"
-
-
-def _warm_gemv(job: tuple[int, Any, bool]) -> None:
-    """Compile one (rows, config, silu_mul) of `fp8_gemv` for the GPU, with the specialization the
-    timed shapes get (N, K and the strides multiples of 16, K of block_k, N of block_n)."""
-    import torch
-
-    from pagoda.kernels.fp8_gemm import fp8_gemv
-
-    rows, cfg, silu_mul = job
-    n, k = 256, 8192
-    x = torch.zeros(rows, 2 * k if silu_mul else k, device=DEVICE, dtype=torch.bfloat16)
-    weight = torch.zeros(n, k, device=DEVICE, dtype=torch.float8_e4m3fn)
-    fp8_gemv(x, weight, torch.ones(n, device=DEVICE), config=cfg, silu_mul=silu_mul)
-    torch.cuda.synchronize()
-
-
-def _precompile(jobs: list[tuple[int, Any, bool]]) -> None:
-    """Compile the next stage's kernels in parallel processes (about a second each on one core), so that
-    this process finds them in Triton's disk cache; on any failure they compile when first timed."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    from pagoda.kernels import bench_fp8  # by its module name: this file may be __main__
-
-    jobs = list(dict.fromkeys(jobs))
-    workers = min(len(jobs), os.cpu_count() or 1, 16)
-    if workers < 2:
-        return
-    try:
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            list(pool.map(bench_fp8._warm_gemv, jobs))
-    except Exception as exc:
-        print(f"  (parallel compilation failed, compiling as timed: {type(exc).__name__}: {exc})", flush=True)
-
-
-def gemv_checks() -> list[str]:
-    """On this GPU: fp8_gemv against the float32 reference, and its fused SiLU against the unfused path."""
-    import torch
-
-    from pagoda.kernels import activation, reference
-    from pagoda.kernels.fp8_gemm import GemvConfig, fp8_gemv
-
-    lines = []
-    try:
-        n, k = SHAPES["down"]
-        w, w_scale = reference.quantize_fp8_rows(torch.randn(n, k, device=DEVICE) * 0.02)
-        for rows, cfg in ((1, GemvConfig()), (3, GemvConfig(split_k=2)), (8, GemvConfig(block_n=4))):
-            x = torch.randn(rows, k, device=DEVICE, dtype=torch.bfloat16)
-            ref = reference.fp8_matmul_w8a16(x.float(), w, w_scale)
-            err = float((fp8_gemv(x, w, w_scale, config=cfg).float() - ref).norm() / ref.norm())
-            lines.append(
-                f"fp8_gemv vs float32 reference, {rows} x {k} -> {n} ({_gemv_label(cfg)}): rel L2 {err:.1e}"
-            )
-        gate_up = torch.randn(2, 2 * k, device=DEVICE, dtype=torch.bfloat16) * 3
-        fused = fp8_gemv(gate_up, w, w_scale, silu_mul=True)
-        unfused = fp8_gemv(activation.silu_and_mul(gate_up), w, w_scale)
-        lines.append(
-            f"fp8_gemv silu_mul == silu_and_mul then fp8_gemv, 2 rows: {torch.equal(fused, unfused)}"
-        )
-    except Exception as exc:
-        lines.append(f"gemv checks failed: {exc!r}")
-    return lines
-
-
-def gemv_tables() -> list[str]:
-    """Per row count, a table of each projection: unit-scale `_scaled_mm`, bf16 `F.linear`, and the best
-    `fp8_gemv` of a sweep (see the module docstring) with its config; then down_proj with its input's
-    SiLU-and-mul fused, against `activation.silu_and_mul` and the GEMV as two launches."""
-    import torch
-    import torch.nn.functional as F
-
-    from pagoda.kernels import activation, reference
-    from pagoda.kernels.fp8_gemm import fp8_gemv
-
-    bf16 = torch.bfloat16
-    one = torch.ones((), device=DEVICE)
-    weights = {name: _Weights(n, k) for name, (n, k) in SHAPES.items()}
-    inputs = {
-        (m, name): torch.randn(m, k, device=DEVICE, dtype=bf16)
-        for m in GEMV_ROWS
-        for name, (_, k) in SHAPES.items()
-    }
-
-    def gemv(m: int, name: str, cfg: Any) -> Callable[[], object]:
-        x, w = inputs[(m, name)], weights[name]
-        return lambda: fp8_gemv(x, *w.next_fp8(), config=cfg)
-
-    def sweep(m: int, name: str, configs: list[Any], times: dict[Any, float]) -> None:
-        for cfg in configs:
-            if cfg not in times:
-                us = _cell(gemv(m, name, cfg), GEMV_SWEEP_REP_MS)
-                times[cfg] = us if isinstance(us, float) else math.inf
-                if isinstance(us, str):
-                    print(f"  rows {m} {name} {_gemv_label(cfg)}: {us}", flush=True)
-        best = min(times, key=times.__getitem__)
-        print(
-            f"  rows {m} {name}: {len(times)} configs, best {times[best]:.1f} us {_gemv_label(best)}",
-            flush=True,
-        )
-
-    def ranked(times: dict[Any, float]) -> list[Any]:
-        return sorted((c for c in times if math.isfinite(times[c])), key=times.__getitem__)
-
-    # Rows 1: tiles x warps, then the best three's pipeline depths, then the best two's split-K.
-    sweeps: dict[tuple[int, str], dict[Any, float]] = {(1, name): {} for name in SHAPES}
-    stage = gemv_configs()
-    print(f"gemv sweep, rows 1: {len(stage)} tiles", flush=True)
-    _precompile([(1, cfg, False) for cfg in stage])
-    for name in SHAPES:
-        sweep(1, name, stage, sweeps[(1, name)])
-    for field, values, best_n in (("num_stages", (1, 2, 4), 3), ("split_k", (2, 4), 2)):
-        stages = {
-            name: [replace(c, **{field: v}) for c in ranked(sweeps[(1, name)])[:best_n] for v in values]
-            for name in SHAPES
-        }
-        print(f"gemv sweep, rows 1: {field} {values} of the best {best_n}", flush=True)
-        _precompile([(1, cfg, False) for cfgs in stages.values() for cfg in cfgs])
-        for name in SHAPES:
-            sweep(1, name, stages[name], sweeps[(1, name)])
-
-    def table(m: int) -> list[str]:
-        lines = [
-            "",
-            f"fp8 GEMV at {m} row(s): us (weight-read GB/s); gemv = `fp8_gemv`'s best config of the sweep",
-            "",
-            "| projection | _scaled_mm unit scales | bf16 F.linear | gemv us | gemv GB/s | gemv config |",
-            "| --- | ---: | ---: | ---: | ---: | --- |",
-        ]
-        print("\n".join(lines), flush=True)
-        sums = {"mm": 0.0, "bf16": 0.0, "gemv": 0.0}
-        for name, (n, k) in SHAPES.items():
-            x, w = inputs[(m, name)], weights[name]
-            xq = reference.quantize_fp8_rows(x)[0]
-
-            def unit_scale_mm(xq: Any = xq, w: _Weights = w) -> object:  # as Fp8Linear._unit_scale_product
-                return torch._scaled_mm(xq, w.next_fp8()[0].t(), scale_a=one, scale_b=one, out_dtype=bf16)
-
-            def linear(x: Any = x, w: _Weights = w) -> object:
-                return F.linear(x, w.next_bf16())
-
-            mm, lin = _cell(unit_scale_mm), _cell(linear)
-            order = ranked(sweeps[(m, name)])
-            best = order[0] if order else None
-            us = _cell(gemv(m, name, best)) if best is not None else "error: no config ran"
-            for key, val in (("mm", mm), ("bf16", lin), ("gemv", us)):
-                sums[key] += val if isinstance(val, float) else math.nan
-            label = _gemv_label(best) if best is not None else ""
-            lines.append(
-                f"| {name} {k}->{n} | {_fmt(mm, n * k)} | {_fmt(lin, 2 * n * k)} | {_us(us)} | "
-                f"{_gbps(us, n * k)} | {label} |"
-            )
-            print(lines[-1], flush=True)
-            if name == "down" and best is not None:
-                gate_up = torch.randn(m, 2 * k, device=DEVICE, dtype=bf16)
-
-                def fused(g: Any = gate_up, w: _Weights = w, cfg: Any = best) -> object:
-                    return fp8_gemv(g, *w.next_fp8(), config=cfg, silu_mul=True)
-
-                def apart(g: Any = gate_up, w: _Weights = w, cfg: Any = best) -> object:
-                    return fp8_gemv(activation.silu_and_mul(g), *w.next_fp8(), config=cfg)
-
-                us, us_apart = _cell(fused), _cell(apart)
-                lines.append(
-                    f"| down, SiLU-and-mul fused (silu_mul) | | | {_us(us)} | {_gbps(us, n * k)} | "
-                    f"{label}; unfused (2 launches) {_us(us_apart)} us |"
-                )
-                print(lines[-1], flush=True)
-        step = {key: f"{NUM_LAYERS * val / 1e3:.2f}" for key, val in sums.items()}
-        lines += [
-            "",
-            f"Per decode step, {NUM_LAYERS} layers x 4 projections (ms): _scaled_mm {step['mm']}, "
-            f"bf16 {step['bf16']}, gemv {step['gemv']}",
-        ]
-        print(lines[-1], flush=True)
-        return lines
-
-    lines = table(1)
-    # Rows 2, 4, 8: the best at 1 row, and the best with half the columns (half the accumulators).
-    candidates = {}
-    for name in SHAPES:
-        top = ranked(sweeps[(1, name)])[:GEMV_TOP]
-        half = [replace(top[0], block_n=top[0].block_n // 2)] if top and top[0].block_n > 4 else []
-        candidates[name] = list(dict.fromkeys(top + half))
-    print(f"gemv sweep, rows {GEMV_ROWS[1:]}: up to {GEMV_TOP + 1} configs a projection", flush=True)
-    _precompile(
-        [(m, c, False) for m in GEMV_ROWS[1:] for cfgs in candidates.values() for c in cfgs]
-        + [(m, c, True) for m in GEMV_ROWS[1:] for c in candidates["down"]]
-    )
-    for m in GEMV_ROWS[1:]:
-        for name in SHAPES:
-            sweeps[(m, name)] = {}
-            sweep(m, name, candidates[name], sweeps[(m, name)])
-        lines += table(m)
-    return lines
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
     import triton
@@ -630,14 +391,6 @@ def run(args: argparse.Namespace) -> int:
     print(header, flush=True)
     if args.gemm_kernels:
         out = [header, "", *gemm_kernels(tuple(args.rows or (1, 64, 256)))]
-        if args.markdown:
-            with open(args.markdown, "w") as f:
-                f.write("\n".join(out) + "\n")
-        return 0
-    if args.gemv:
-        checks_out = gemv_checks()
-        print("\n".join(checks_out), flush=True)
-        out = [header, "", *checks_out, *gemv_tables()]
         if args.markdown:
             with open(args.markdown, "w") as f:
                 f.write("\n".join(out) + "\n")

@@ -337,28 +337,12 @@ def fp8_layer_check() -> tuple[str, str, bool | None, str]:
         layer.use_kernels = False
         emulated = layer(x).float()
         errors.append(float((fast - emulated).norm() / emulated.norm()))
-    # W8A16 up to skinny_max_m rows: the GEMV kernel, and the SiLU-and-mul inside it (down_proj's).
-    layer.skinny_max_m = 8
-    for name, num_rows in (("W8A16 GEMV", 1), ("W8A16 GEMV, padded rows", 5)):
-        paths[name] = num_rows
-        x = torch.randn(num_rows, 4096, device="cuda", dtype=torch.bfloat16)
-        layer.use_kernels = True
-        fast = layer(x).float()
-        layer.use_kernels = False
-        emulated = layer(x).float()
-        errors.append(float((fast - emulated).norm() / emulated.norm()))
-    layer.use_kernels = True
-    gate_up = torch.randn(5, 2 * 4096, device="cuda", dtype=torch.bfloat16)
-    from pagoda import kernels
-
-    gemv_silu_ok = torch.equal(layer.forward_silu_mul(gate_up), layer(kernels.silu_and_mul(gate_up)))
-    layer.skinny_max_m = 0
     detail = ", ".join(
         f"{name} ({n} rows) rel. L2 {e:.2e}" for (name, n), e in zip(paths.items(), errors, strict=True)
     )
-    detail += f"; GEMV with the SiLU inside == SiLU first: {gemv_silu_ok}"
     # A product with its scales deferred: to the SiLU-and-mul that quantizes for down_proj (gate_up's),
     # and to the add + RMSNorm after o_proj and down_proj.
+    from pagoda import kernels
     from pagoda.kernels.quant import quantize_fp8_rows
     from pagoda.service.model.fp8 import ScaledProduct
 
@@ -385,7 +369,7 @@ def fp8_layer_check() -> tuple[str, str, bool | None, str]:
     return (
         "Fp8Linear 4096x4096",
         "GPU kernels == float32 emulation",
-        max(errors) < 1e-2 and silu_ok and norm_ok and gemv_silu_ok,
+        max(errors) < 1e-2 and silu_ok and norm_ok,
         detail,
     )
 

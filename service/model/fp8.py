@@ -30,26 +30,19 @@ row-parallel layer keeps its all-reduce.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from pagoda import kernels
 from pagoda.kernels import reference
 from pagoda.service.model.parallel import RowParallelLinear, TPGroup
 
 FP8_MAX = reference.FP8_MAX
 FP8_DTYPE = torch.float8_e4m3fn
-# Rows up to which a call takes the skinny W8A16 kernels (0: never; see the module docstring).
-# PAGODA_FP8_SKINNY_MAX_M overrides it (a benchmark knob).
-SKINNY_MAX_M = int(os.environ.get("PAGODA_FP8_SKINNY_MAX_M", "0"))
-# Rows up to which W8A16 runs the GEMV kernel (`kernels.fp8_gemm.fp8_gemv`) rather than the tl.dot one.
-GEMV_MAX_M = 8
-# The GEMV's tiles (`kernels.fp8_gemm.GemvConfig` fields as JSON; a benchmark knob).
-GEMV_CONFIG: dict[str, int] = json.loads(os.environ.get("PAGODA_FP8_GEMV_CONFIG", "{}"))
+# Rows up to which a call takes the skinny W8A16 kernel (0: never; see the module docstring).
+SKINNY_MAX_M = 0
 # Rows up to which `_scaled_mm` runs with unit scales and the next op applies them. On an H200
 # (kernels/bench_fp8.py, 8B projections, per step) unit scales take 2.1-2.5 ms up to M=128 against
 # row-wise 3.9-4.4 ms, and at M=256 3.5 ms against 4.7 (row-wise including its input quantization). In
@@ -115,54 +108,38 @@ class Fp8Linear(nn.Module):
         self.register_buffer("unit_scale", torch.ones((), dtype=torch.float32, device=weight.device))
 
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:  # [M, in] or [..., in] -> [..., out]
-        """`x`: activations in the model dtype, or already quantized rows (`takes_quantized_rows`)."""
+        """`x`: activations in the model dtype, or already quantized rows (`fuses_input_quantization`)."""
         if isinstance(x, tuple):
             out, lead = self._w8a8_quantized(*x), x[0].shape[:-1]
         else:
             rows, lead = x.reshape(-1, x.shape[-1]).contiguous(), x.shape[:-1]  # a no-op for the model's
             out = self._w8a16(rows) if rows.shape[0] <= self.skinny_max_m else self._w8a8(rows)
-        return self._finish(out).view(*lead, out.shape[-1])
-
-    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:  # [M, 2 * in] -> [M, out]
-        """`forward(silu(gate) * up)` for `gate_up` = [gate | up] (gate_up_proj's scaled output), W8A16:
-        up to `GEMV_MAX_M` rows on the GPU the activation runs inside the GEMV's loads (no launch of its
-        own, bit-identical to running it first); elsewhere `kernels.silu_and_mul`, then the product."""
-        if self.use_kernels and gate_up.shape[0] <= GEMV_MAX_M:
-            from pagoda.kernels.fp8_gemm import GemvConfig, fp8_gemv
-
-            product = fp8_gemv(
-                gate_up, self.weight, self.weight_scale, config=GemvConfig(**GEMV_CONFIG), silu_mul=True
-            )
-            return self._finish(product)
-        return self._finish(self._w8a16(kernels.silu_and_mul(gate_up)))
-
-    def _finish(self, out: torch.Tensor) -> torch.Tensor:  # the all-reduce of a shard, then the bias
         if self.reduce is not None:
             out = self.reduce.all_reduce(out)
         if self.bias is not None:
             out = out + self.bias
-        return out
+        return out.view(*lead, out.shape[-1])
 
-    def takes_quantized_rows(self, num_rows: int) -> bool:
-        """Whether a call of `num_rows` rows runs W8A8, so the op before it (the norm, the activation)
-        may hand it `QuantizedRows`, quantized in its own launch; up to `skinny_max_m` rows it is W8A16,
-        which takes the activations unquantized."""
-        return num_rows > self.skinny_max_m
+    @property
+    def fuses_input_quantization(self) -> bool:
+        """Whether this layer takes its input as `QuantizedRows` from the op before it (the norm, the
+        activation), which quantizes in the same launch: always W8A8, never the skinny W8A16."""
+        return self.skinny_max_m == 0
 
     @property
     def defers_scales(self) -> bool:
-        """Whether `product_with_scales` may leave the scales to the next op (on a GPU, no all-reduce or
-        bias between the product and that op)."""
-        return self.reduce is None and self.bias is None
+        """Whether `product_with_scales` may leave the scales to the next op (on a GPU, W8A8, no
+        all-reduce or bias between the product and that op)."""
+        return self.fuses_input_quantization and self.reduce is None and self.bias is None
 
     def product_with_scales(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor | ScaledProduct:
         """The product with its scales left to the caller where the unit-scale path runs: the SiLU-and-mul
         after gate_up_proj, the add + RMSNorm after o_proj and down_proj, and the rotary embedding after
         qkv_proj apply them in their own launch (`kernels.silu_and_mul` / `rms_norm` /
         `rotary_embedding`, `scales=`). Elsewhere (more rows, the float32 reference, a shard that
-        reduces or a bias, W8A16's few rows) the scaled output, as `forward`."""
-        num_rows = (x[0] if isinstance(x, tuple) else x).shape[0]
-        if not (self.use_kernels and self.defers_scales and self.skinny_max_m < num_rows <= UNIT_SCALE_MAX_M):
+        reduces or a bias) the scaled output, as `forward`."""
+        rows = x[0] if isinstance(x, tuple) else x
+        if not self.use_kernels or not self.defers_scales or rows.shape[0] > UNIT_SCALE_MAX_M:
             return self.forward(x)
         xq, x_scale = x if isinstance(x, tuple) else self._quantize(x.reshape(-1, x.shape[-1]).contiguous())
         return ScaledProduct(self._unit_scale_product(xq), x_scale, self.weight_scale, self.out_dtype)
@@ -170,10 +147,8 @@ class Fp8Linear(nn.Module):
     def _w8a16(self, rows: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
         if not self.use_kernels:
             return reference.fp8_matmul_w8a16(rows, self.weight, self.weight_scale)
-        from pagoda.kernels.fp8_gemm import GemvConfig, fp8_gemv, fp8_matmul_w8a16
+        from pagoda.kernels.fp8_gemm import fp8_matmul_w8a16
 
-        if rows.shape[0] <= GEMV_MAX_M:
-            return fp8_gemv(rows, self.weight, self.weight_scale, config=GemvConfig(**GEMV_CONFIG))
         return fp8_matmul_w8a16(rows, self.weight, self.weight_scale)
 
     def _w8a8(self, rows: torch.Tensor) -> torch.Tensor:  # [M, in] -> [M, out]
@@ -237,30 +212,23 @@ def quantize_model_fp8(model: nn.Module, device: torch.device) -> int:
 
 
 def fuse_input_quantization(layer: nn.Module) -> None:
-    """Let the ops in front of a decoder layer's fp8 projections hand them quantized rows where they
-    run W8A8 (above `skinny_max_m` rows): the two norms (before qkv_proj and gate_up_proj) and the
-    SiLU-and-mul (before down_proj), which also applies gate_up_proj's scales
-    (`Fp8Linear.product_with_scales`). o_proj quantizes its own input, the attention output; its scales
-    and down_proj's go to the add + RMSNorm after each (the next layer's for down_proj, or the final
-    norm), and qkv_proj's to the rotary embedding that writes the KV cache. Up to down_proj's
-    `skinny_max_m` rows the SiLU-and-mul runs inside down_proj's W8A16 GEMV instead. Undone where a
-    projection is not an `Fp8Linear`."""
+    """Let the ops in front of a decoder layer's fp8 projections hand them quantized rows: the two
+    norms (before qkv_proj and gate_up_proj) and the SiLU-and-mul (before down_proj), which also applies
+    gate_up_proj's scales (`Fp8Linear.product_with_scales`). o_proj quantizes its own input, the
+    attention output; its scales and down_proj's go to the add + RMSNorm after each (the next layer's
+    for down_proj, or the final norm), and qkv_proj's to the rotary embedding that writes the KV cache.
+    Undone where a projection is not an `Fp8Linear` that takes them."""
     attn: Any = layer.self_attn
     mlp: Any = layer.mlp
 
-    def skinny_max_m(linear: object) -> int | None:  # None: not fp8, never quantized rows
-        return linear.skinny_max_m if isinstance(linear, Fp8Linear) else None
+    def takes(linear: object) -> bool:
+        return isinstance(linear, Fp8Linear) and linear.fuses_input_quantization
 
-    for norm, linear in (
-        (layer.input_layernorm, attn.qkv_proj),
-        (layer.post_attention_layernorm, mlp.gate_up_proj),
-    ):
-        norm.quantize = skinny_max_m(linear) is not None  # type: ignore[union-attr]
-        norm.quantize_above = skinny_max_m(linear) or 0  # type: ignore[union-attr]
-    mlp.silu_in_down_max_m = skinny_max_m(mlp.down_proj) or 0
-    mlp.quantize_act = skinny_max_m(mlp.down_proj) is not None
+    layer.input_layernorm.quantize = takes(attn.qkv_proj)  # type: ignore[union-attr]
+    layer.post_attention_layernorm.quantize = takes(mlp.gate_up_proj)  # type: ignore[union-attr]
+    mlp.quantize_act = takes(mlp.down_proj)
     # The SiLU-and-mul that quantizes for down_proj also scales gate_up_proj's product.
-    mlp.scale_in_activation = skinny_max_m(mlp.gate_up_proj) is not None and mlp.quantize_act
+    mlp.scale_in_activation = takes(mlp.gate_up_proj) and mlp.quantize_act
     # o_proj's and down_proj's products go to an add + RMSNorm, which scales them; qkv_proj's to the
     # rotary embedding that writes the KV cache.
     attn.defer_qkv_scales = isinstance(attn.qkv_proj, Fp8Linear) and attn.qkv_proj.defers_scales

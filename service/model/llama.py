@@ -69,21 +69,17 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
-        # Hand the next layer fp8 rows when more than `quantize_above` arrive (fp8.fuse_input_quantization).
-        self.quantize = False
-        self.quantize_above = 0
+        self.quantize = False  # hand the next layer fp8 rows (fp8.fuse_input_quantization)
 
     def forward(
         self, x: torch.Tensor | ScaledProduct, residual: torch.Tensor | None = None
     ) -> tuple[Any, torch.Tensor | None]:  # (normed, or its fp8 rows; x + residual)
         """`x`: hidden states, or an fp8 projection's product whose scales the norm applies first."""
-        rows = x.acc if isinstance(x, ScaledProduct) else x
-        quantize = self.quantize and rows.shape[0] > self.quantize_above
         if isinstance(x, ScaledProduct):
             return kernels.rms_norm(
-                x.acc, self.weight, self.eps, residual, quantize, scales=x.scales, scaled_dtype=x.dtype
+                x.acc, self.weight, self.eps, residual, self.quantize, scales=x.scales, scaled_dtype=x.dtype
             )
-        return kernels.rms_norm(x, self.weight, self.eps, residual, quantize=quantize)
+        return kernels.rms_norm(x, self.weight, self.eps, residual, quantize=self.quantize)
 
 
 class LlamaAttention(nn.Module):
@@ -133,11 +129,8 @@ class LlamaMLP(nn.Module):
         self.quantize_act = False  # hand down_proj fp8 rows (fp8.fuse_input_quantization)
         self.scale_in_activation = False  # the SiLU applies gate_up_proj's fp8 scales (the same)
         self.defer_down_scales = False  # down_proj's fp8 scales go to the next norm (the same)
-        self.silu_in_down_max_m = 0  # rows up to which down_proj's W8A16 GEMV runs the SiLU (the same)
 
     def forward(self, x: Any) -> torch.Tensor | ScaledProduct:
-        if (x[0] if isinstance(x, tuple) else x).shape[0] <= self.silu_in_down_max_m:
-            return self.down_proj.forward_silu_mul(self.gate_up_proj(x))  # type: ignore[operator]
         if self.scale_in_activation:
             h = self.gate_up_proj.product_with_scales(x)
             if isinstance(h, ScaledProduct):

@@ -227,26 +227,6 @@ def _launches() -> list[tuple[str, Callable[[], object]]]:
             "fp8 w8a16",
             lambda: fp8_gemm.fp8_matmul_w8a16(r(4, 512), r(256, 512, dtype=fp8), r(256, dtype=f32)),
         ),
-        ("fp8 gemv", lambda: fp8_gemm.fp8_gemv(r(1, 4096), r(256, 4096, dtype=fp8), r(256, dtype=f32))),
-        (
-            "fp8 gemv 8 rows split-k, ragged",
-            lambda: fp8_gemm.fp8_gemv(
-                r(8, 3000),
-                r(250, 3000, dtype=fp8),
-                r(250, dtype=f32),
-                config=fp8_gemm.GemvConfig(block_n=8, block_k=1024, split_k=2, num_stages=1),
-            ),
-        ),
-        (
-            "fp8 gemv silu_mul",
-            lambda: fp8_gemm.fp8_gemv(
-                r(2, 2 * 1024), r(256, 1024, dtype=fp8), r(256, dtype=f32), silu_mul=True
-            ),
-        ),
-        (
-            "fp8 gemv float32",
-            lambda: fp8_gemm.fp8_gemv(r(3, 512, dtype=f32), r(64, 512, dtype=fp8), r(64, dtype=f32)),
-        ),
     ]
 
 
