@@ -195,6 +195,10 @@ def test_sigkill_of_an_api_server_process_or_the_core_fails_health(
     os.kill(others[0] if victim == "api server 1" else core[0], signal.SIGKILL)
     live, ready = f"{server.base_url}/v1/health/live", f"{server.base_url}/v1/health/ready"
     assert wait_for(lambda: not set(others) & set(group_members(pgid)), 30), server.log()[-3000:]
+    # Under CPU load the first probes after the others died have been seen to get no answer at all (a
+    # connection-level error, None here; 2 of 6 runs beside two busy loops, cause not found):
+    # what must hold is that once anything answers, every answer is process 0's 503.
+    assert wait_for(lambda: status(live) is not None, 10), server.log()[-3000:]
     statuses = [(status(live), status(ready)) for _ in range(6)]
     assert statuses == [(503, 503)] * 6, (statuses, server.log()[-3000:])
     server.stop()
