@@ -186,8 +186,9 @@ def run_cublaslt_without_workspace() -> None:
     kernel that zeroes a tile counter with a memset node first (5.5 us of idle a layer) and splits
     down_proj's K at one row; without one it takes a static kernel and no split, faster in both places
     (H200, `python -m pagoda.kernels.bench_fp8 --gemm-kernels`: gate_up at 256 rows 53.0 -> 51.5 us,
-    down at 1 row 20.3 -> 18.3 us). In the engine (8B-shaped, fp8 + fp8 KV): batch-1 decode 3.48 ->
-    3.35 ms a step, offline 256 x 128/128 23,208 -> 23,505 tok/s (decode step idle 0.53 -> 0.44 ms).
+    down at 1 row 20.3 -> 18.3 us). In the engine (8B-shaped): batch-1 decode 3.48 -> 3.35 ms a
+    step; with an fp8 KV cache, offline 256 x 128/128 23,208 -> 23,505 tok/s (decode idle 0.53 -> 0.44
+    ms a step). bf16 engines gained nothing from it (BENCHMARKS.md), so only fp8 ones set it.
     Process-wide: any other GEMM torch hands cuBLASLt runs without one too (in an fp8 model the bf16
     one is the LM head's; the figures above include it)."""
     os.environ.setdefault("CUBLASLT_WORKSPACE_SIZE", "0")
