@@ -234,7 +234,9 @@ class Sampler:
         logits = logits / to_device(temperature, torch.float32, device).view(-1, 1)
 
         top_k = [min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size for p in params]
-        top_p = [p.top_p for p in params]
+        # top_p = 1 keeps everything: no threshold, which a float cumsum can reach (rounding) and drop
+        # the tail (seen with torch 2.15, a row at temperature 0.7 beside top-p rows).
+        top_p = [p.top_p if p.top_p < 1.0 else float("inf") for p in params]
         if any(k < self.vocab_size for k in top_k) or any(p < 1.0 for p in top_p):
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             ranks = torch.arange(self.vocab_size, device=device).view(1, -1)
