@@ -49,8 +49,7 @@ def tokenizer_files(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path
     """A folder with SmolLM2's `tokenizer.json` and `tokenizer_config.json`, rebuilt from the GGUF."""
     from pagoda.service.model import write_default_tokenizer
 
-    assert smollm2_gguf.is_file()
-    return write_default_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+    return write_default_tokenizer(tmp_path_factory.mktemp("tokenizer"), smollm2_gguf)
 
 
 def _build(

@@ -56,13 +56,14 @@ def default_model_path() -> Path:
     )
 
 
-def write_default_tokenizer(folder: Path) -> Path:
+def write_default_tokenizer(folder: Path, gguf: Path | None = None) -> Path:
     """The embedded SmolLM2's tokenizer, rebuilt from its GGUF, as a checkpoint folder holds it
     (`tokenizer.json`, `tokenizer_config.json` with the chat template): what the tests' random-weight
-    checkpoints and the GPU scripts' `TOKENIZER_DIR` take. Returns `folder`."""
+    checkpoints and the GPU scripts' `TOKENIZER_DIR` take. `gguf`: that file, if already found.
+    Returns `folder`."""
     import json
 
-    tokenizer = load_tokenizer(default_model_path())
+    tokenizer = load_tokenizer(gguf or default_model_path())
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer.backend.save(str(folder / "tokenizer.json"))
     config = {
