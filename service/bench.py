@@ -16,6 +16,7 @@ import gc
 import platform
 import random
 import shlex
+import statistics
 import sys
 import time
 from collections.abc import Iterator
@@ -49,6 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cuda-graph-max-tokens", type=int, default=2048, help="0: only decode steps replay CUDA graphs"
     )
     offline.add_argument("--peer", choices=["transformers", "none"], default="transformers")
+    offline.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="time the largest batch this many times on the loaded engine (a row each, and their median): "
+        "runs of one engine differ by a few percent",
+    )
     offline.add_argument(
         "--async-scheduling",
         choices=["auto", "on", "off", "both"],
@@ -168,8 +176,16 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
     tokens: dict[tuple[int, bool], list[list[int]]] = {}  # (batch, async) -> every request's tokens
     for batch in (1, args.num_prompts):
         prompts = _prompts(batch, args.input_len, vocab)
-        for repeat, is_async in enumerate(modes[args.async_scheduling]):
+        runs = [(repeat, is_async) for repeat, is_async in enumerate(modes[args.async_scheduling])]
+        if batch > 1 and args.repeat > 1:
+            runs = [(repeat, is_async) for _ in range(args.repeat) for repeat, is_async in runs]
+        for run, (repeat, is_async) in enumerate(runs):
             core.is_async = is_async
+            # Every timed run computes its prompts in full: the repeats and the modes of `both` run
+            # the same prompts, which the prefix cache would otherwise hand them (it did before 2026-12-02:
+            # `both`'s second and third runs skipped most of their prefill).
+            if not llm.reset_prefix_cache():
+                raise RuntimeError("bench offline: requests still hold KV blocks between runs")
             _sync(runner.device)
             preempted = core.scheduler.num_preemptions
             start = time.perf_counter()
@@ -190,6 +206,8 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
                 ttft_ms = 1000 * (m.first_token_time - m.arrival_time)
             name = "pagoda" + ("" if len(modes[args.async_scheduling]) == 1 else _mode_name(is_async))
             name += " again" if repeat == 2 else ""
+            per_round = len(modes[args.async_scheduling])
+            name += f", run {run // per_round + 1}" if len(runs) > per_round else ""
             preempted = core.scheduler.num_preemptions - preempted
             output_tokens = batch * args.output_len
             results.append(Result(name, batch, seconds, output_tokens, decode_ms, ttft_ms, preempted))
@@ -481,6 +499,13 @@ def run(args: argparse.Namespace) -> int:
             f"| {r.system} | {r.batch} | {r.seconds:.2f} | {r.tokens_per_second:.1f} | {ttft} | {decode} "
             f"| {preempted} |"
         )
+    repeated = [r.tokens_per_second for r in results if ", run " in r.system]
+    if repeated:
+        lines += [
+            "",
+            f"{len(repeated)} runs at {args.num_prompts} requests: median {statistics.median(repeated):.1f} "
+            f"output tok/s, {min(repeated):.1f}-{max(repeated):.1f}.",
+        ]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.output:

@@ -31,6 +31,11 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prompt prefixes (see `BlockManager.reset_prefix_cache`); False while
+        requests are running, which `generate` never leaves behind."""
+        return self.engine.block_manager.reset_prefix_cache()
+
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -36,6 +36,27 @@ def test_offline_table_and_prefill_profile(
     assert "--profile-prefill" in command[1].split() and "True" not in command[1].split()  # a flag, no value
 
 
+def test_repeat_times_the_largest_batch_again_on_the_same_engine(
+    llama_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--repeat 3`: the batch of N requests runs three times (a row each) and the table gives their
+    median; the single stream runs once."""
+    out = tmp_path / "bench.md"
+    args = ["offline", "--model", str(llama_ckpt), "--device", "cpu", "--dtype", "float32", "--peer", "none",
+            "--num-prompts", "2", "--input-len", "6", "--output-len", "2", "--repeat", "3",
+            "--output", str(out)]  # fmt: skip
+    assert bench.main(args) == 0
+    table = out.read_text()
+    rows = [r.split("|") for r in table.splitlines() if r.startswith("| pagoda")]
+    assert [(r[1].strip(), r[2].strip()) for r in rows] == [
+        ("pagoda", "1"), ("pagoda, run 1", "2"), ("pagoda, run 2", "2"), ("pagoda, run 3", "2"),
+    ]  # fmt: skip
+    rates = sorted(float(r[4]) for r in rows[1:])
+    median = re.search(r"3 runs at 2 requests: median ([\d.]+) output tok/s, ([\d.]+)-([\d.]+)\.", table)
+    assert median is not None, table
+    assert [float(median[i]) for i in (2, 1, 3)] == pytest.approx(rates, abs=0.1)
+
+
 def test_projection_params_counts_the_projection_weights(llama_ckpt: Path) -> None:
     model, config = load_model(llama_ckpt, dtype=torch.float32)
     names = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")

@@ -63,11 +63,24 @@ def test_decode_registers_each_block_once_it_fills_and_again_after_preemption() 
         compute(bm, req, 1)
     assert bm.num_cached_prefix_tokens(make(list(range(9)), "probe2")) == 8
     bm.free(req)  # preempted: its blocks are free but findable; it recomputes with new blocks
-    for block in bm.blocks:  # forget them, as if other requests had taken those blocks
-        block.block_hash = None
-    bm._hash_to_block.clear()
+    assert bm.reset_prefix_cache()  # forget them, as if other requests had taken those blocks
     compute(bm, req, len(req.token_ids))
     assert bm.num_cached_prefix_tokens(make([*range(9), 100], "probe3")) == 8
+
+
+def test_reset_prefix_cache_forgets_only_when_no_request_holds_a_block() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = make(list(range(9)), "a")
+    compute(bm, a, 9)
+    assert not bm.reset_prefix_cache()  # `a` still holds its blocks: nothing forgotten
+    assert bm.num_cached_prefix_tokens(make(list(range(9)), "probe1")) == 8
+    bm.free(a)
+    assert bm.num_cached_prefix_tokens(make(list(range(9)), "probe2")) == 8  # freed, still findable
+    assert bm.reset_prefix_cache()
+    assert bm.num_cached_prefix_tokens(make(list(range(9)), "probe3")) == 0
+    b = make(list(range(9)), "b")
+    compute(bm, b, 9)  # computed in full, and cached again
+    assert b.block_ids and bm.num_cached_prefix_tokens(make(list(range(9)), "probe4")) == 8
 
 
 def test_freed_blocks_stay_findable_until_reused() -> None:

@@ -179,3 +179,21 @@ def test_prompt_logprobs_match_transformers_across_chunks(llama_ckpt: Path) -> N
     for lp, row in zip(scored[1:], logprobs, strict=True):
         assert lp is not None and [t.token_id for t in lp.top] == row.topk(3).indices.tolist()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_llm_reset_prefix_cache_makes_a_repeated_prompt_compute_in_full(llama_ckpt: Path) -> None:
+    """`LLM.reset_prefix_cache()`: the same prompt again takes its full blocks from the cache, and
+    after a reset computes them all (what `bench offline` does before each timed run)."""
+    llm = LLM(model=str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=8 << 20)
+    prompt = random_prompts([40], seed=12)[0]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    bm = llm.engine.block_manager
+    first = llm.generate([prompt], params)[0].outputs[0].token_ids
+    hits = bm.prefix_hits_tokens
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == first
+    assert bm.prefix_hits_tokens - hits == 32  # two full 16-token blocks
+    assert llm.reset_prefix_cache()
+    hits = bm.prefix_hits_tokens
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == first
+    assert bm.prefix_hits_tokens == hits
+    llm.shutdown()

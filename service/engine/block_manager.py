@@ -160,6 +160,18 @@ class BlockManager:
             block.token_ids = tuple(req.token_ids[i * bs : (i + 1) * bs])
             self._hash_to_block[hashes[i]] = block.block_id
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's `LLM.reset_prefix_cache()`), so the next requests compute
+        their prompts in full, as benchmarks that repeat prompts need. Only while no request holds a
+        block: otherwise it forgets nothing and returns False."""
+        if len(self._free) != self.num_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+            block.token_ids = None
+        self._hash_to_block.clear()
+        return True
+
     def fork(self, parent: Request, child: Request) -> None:
         """`child` shares every block of `parent` (n > 1 after the shared prompt is computed)."""
         for block_id in parent.block_ids:
