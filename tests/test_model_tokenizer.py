@@ -126,6 +126,30 @@ def test_incremental_detokenizer_holds_back_split_characters(gguf_pair) -> None:
     assert detok.push(ids) == "𓀀"  # several tokens in one push
 
 
+def test_finish_many_adds_what_push_then_flush_would(gguf_pair) -> None:
+    """The final-only streams of one step, decoded in two batched calls, end with the text that
+    `push(ids)` then `flush()` gives each: split characters, mid-stream state and either setting of
+    `skip_special_tokens` alike."""
+    tokenizer, _ = gguf_pair
+    prompt = tokenizer.encode("<|im_start|>assistant\n")
+    streams = [tokenizer.encode(t) for t in (*TEXTS, "𓀀 x 𓀀")] + [tokenizer.encode("𓀀")[:-1]]
+    cases = [(ids, skip, split) for ids in streams for skip in (True, False) for split in (0, 3)]
+    one_by_one, together = [], []
+    for ids, skip, split in cases:
+        pair = [IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip) for _ in range(2)]
+        for detok in pair:  # some tokens already streamed, some held back
+            detok.push(ids[:split])
+        one_by_one.append(pair[0].push(ids[split:]) + pair[0].flush())
+        together.append(pair[1])
+    deltas = IncrementalDetokenizer.finish_many(together, [ids[split:] for ids, _, split in cases])
+    assert deltas == one_by_one
+    assert [d.text for d in together] == [
+        tokenizer.decode(ids, skip_special_tokens=skip) for ids, skip, _ in cases
+    ]
+    assert "\ufffd" in deltas[-1]  # a stream that ends inside a character shows the broken bytes
+    assert IncrementalDetokenizer.finish_many([], []) == []
+
+
 def test_missing_tokenizer_files(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
         load_tokenizer(tmp_path)

@@ -114,6 +114,7 @@ class OutputProcessor:
                 self._add_prompt_logprobs(client, scored.position, scored.scores)
         touched: dict[str, ClientRequest] = {}
         stops: list[tuple[str, int]] = []
+        finishing: list[CompletionState] = []  # final-only completions that end in this step
         for token in outputs:
             client = self.requests.get(token.request_id)
             if client is None:
@@ -121,10 +122,17 @@ class OutputProcessor:
             c = client.completions[token.index]
             if c.finish_reason is not None:
                 continue  # a stop string ended it; the core's abort was on its way
-            self._process_token(client, c, token, now)
+            self._process_token(client, c, token, now, finishing)
             if c.finish_reason is not None and token.finish_reason is None:
                 stops.append((client.request_id, c.index))
             touched[client.request_id] = client
+        if finishing:
+            deltas = IncrementalDetokenizer.finish_many(
+                [c.detokenizer for c in finishing], [c.undecoded for c in finishing]
+            )
+            for c, delta in zip(finishing, deltas, strict=True):
+                c.text += delta
+                c.undecoded = []
         changed = [c for c in touched.values() if not c.final_only or c.is_finished]
         return [self._output(client, now) for client in changed], stops
 
@@ -168,7 +176,12 @@ class OutputProcessor:
         client.prompt_logprobs += [self._logprob(s) for s in scores[max(known - position, 0) :]]
 
     def _process_token(
-        self, client: ClientRequest, c: CompletionState, token: TokenOutput, now: float
+        self,
+        client: ClientRequest,
+        c: CompletionState,
+        token: TokenOutput,
+        now: float,
+        finishing: list[CompletionState],
     ) -> None:
         params, sample = client.params, token.sample
         c.token_ids.append(sample.token_id)
@@ -199,8 +212,10 @@ class OutputProcessor:
             if c.finish_reason is None and token.finish_reason is not None:
                 c.finish_reason = token.finish_reason
         if c.finish_reason is not None and not isinstance(c.stop_reason, str):
-            self._decode_undecoded(c)
-            c.text += c.detokenizer.flush()  # a held-back partial character, if the stream ends in one
+            if client.final_only:  # its text is decoded with the others' that end in this step
+                finishing.append(c)
+            else:
+                c.text += c.detokenizer.flush()  # a held-back partial character, if the stream ends in one
 
     @staticmethod
     def _decode_undecoded(c: CompletionState) -> None:
