@@ -496,11 +496,16 @@ class DecodeConfig:
 @dataclass(frozen=True)
 class PrefillConfig:
     # Measured at Llama-3-8B shapes (bf16, causal): 64/64/4/3 ran 425, 464 and 191 us on 1x4096,
-    # 4x2048 and 16x512 tokens; 128/64/8/3 ran 463, 501 and 204 us.
+    # 4x2048 and 16x512 tokens; 128/64/8/3 ran 463, 501 and 204 us. Two stages instead of three
+    # (H200, us a layer at 32x128 | 26x128 | 8x512 | 2x2048 tokens, a scratch sweep, BENCHMARKS.md
+    # 2026-12-02): bf16 cache 61.8 | 51.5 | 97.8 | 241.9 against 63.8 | 53.4 | 99.9 | 244.7; fp8 cache
+    # (V token-major) 61.2 | 51.2 | 109.7 | 298.9 against 69.7 | 58.3 | 120.0 | 318.5. One stage wins the
+    # 128-token prompts (56.7, 57.6 at 32x128) and loses long ones (305 at 2x2048); block_m 32 or 128,
+    # tile 32 or 128 and 8 warps were slower.
     block_m: int = 64
     tile_n: int = 64
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 2
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
