@@ -4,7 +4,7 @@
 # profile of a steady decode step and of the prefill), the offline grid, then `pagoda serve` loaded by
 # `pagoda bench serve` at concurrency 1..256 from several client processes.
 # Sections: check (the engine's GPU checks: fp32 greedy == transformers, graphs == eager, async == in
-# turn, bf16/fp8 teacher-forced, the fp8 layer paths), kernels (fp8 GEMM paths and attention),
+# turn, bf16/fp8 teacher-forced, the fp8 layer paths; the sampler against transformers' processors), kernels (fp8 GEMM paths and attention),
 # attention (attention alone), sweeps (bench_fp8 --activation and --gemm-kernels with and without cuBLASLt's
 # workspace, bench --sweep splits --sweep fp8), kchecks (tests/kernels on the GPU; KCHECKS_K: a -k expression), bs1, offline, grid, serve.
 # Precision names: bf16, fp8 (W8A8 projections), either with "-kv8" (an fp8 KV cache).
@@ -34,6 +34,8 @@ model=(--model /tmp/llama-8b-random --dtype bfloat16 --peer none)
 if has check; then
     timeout "${CHECK_TIMEOUT:-240}" python3 -m pagoda.service.gpu_check --tokenizer "$tok" --only llama-gqa4-d64-llama3rope \
         2>&1 | tee "$out/engine_check.log" | grep -v Loading | tail -14
+    # The batched sampler against transformers' logits processors, each test on the CPU and on the GPU.
+    timeout 120 python3 -m pytest -q -p no:cacheprovider "$root"/tests/test_sampler_reference.py 2>&1 | tail -2
     step check
 fi
 if has kchecks; then  # the Triton kernels against their references, on the GPU (tests/kernels)

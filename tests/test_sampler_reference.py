@@ -2,7 +2,8 @@
 (temperature, top-k, top-p, min-p, repetition penalty) and OpenAI's documented formula for presence
 and frequency penalties, applied one row at a time, on the same logits. Every row of the batch has
 its own settings, as a real batch does. Then the draws themselves: sampled tokens follow the
-filtered distribution."""
+filtered distribution. On a machine with a CUDA GPU every test runs there as well (the GPU machine:
+`python -m pytest tests/test_sampler_reference.py`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pagoda.service.engine.request import Request
 from pagoda.service.engine.sampler import Sampler
 from pagoda.service.sampling_params import SamplingParams
 
+DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 VOCAB = 64
 EOS = 2
 PROMPT = [5, 9, 9, 17, 30]
@@ -66,54 +68,61 @@ def _reference(logits: torch.Tensor, settings: dict[str, float | int]) -> torch.
     return scores.softmax(dim=-1)[0]
 
 
-def _ours(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def _ours(logits: torch.Tensor, reqs: list[Request], device: str = "cpu") -> torch.Tensor:
+    """Our filtered distribution, computed on `device`, returned on the CPU."""
     sampler = Sampler(VOCAB, {EOS})
+    logits = logits.to(device)
     probs = sampler.filtered_probs(sampler.adjusted_logits(logits, reqs), reqs)
-    return probs / probs.sum(dim=-1, keepdim=True)
+    return (probs / probs.sum(dim=-1, keepdim=True)).cpu()
 
 
-def test_each_row_of_a_mixed_batch_matches_transformers_processors() -> None:
+def test_each_row_of_a_mixed_batch_matches_transformers_processors(device: str) -> None:
     torch.manual_seed(0)
     logits = torch.randn(len(SETTINGS), VOCAB) * 3
     reqs = [_request(SamplingParams(max_tokens=8, **s), i) for i, s in enumerate(SETTINGS)]  # type: ignore[arg-type]
-    ours = _ours(logits, reqs)
+    ours = _ours(logits, reqs, device)
     for i, settings in enumerate(SETTINGS):
         expected = _reference(logits[i], settings)
         assert torch.equal(ours[i] > 0, expected > 0), f"row {i} {settings}: a different set of tokens kept"
         torch.testing.assert_close(ours[i], expected, atol=1e-5, rtol=1e-4, msg=f"row {i} {settings}")
 
 
-def test_a_row_does_not_depend_on_its_neighbours() -> None:
+def test_a_row_does_not_depend_on_its_neighbours(device: str) -> None:
     """The same request alone and in the mixed batch: the same distribution."""
     torch.manual_seed(1)
     logits = torch.randn(len(SETTINGS), VOCAB) * 3
     reqs = [_request(SamplingParams(max_tokens=8, **s), i) for i, s in enumerate(SETTINGS)]  # type: ignore[arg-type]
-    batch = _ours(logits, reqs)
+    batch = _ours(logits, reqs, device)
     for i in range(len(SETTINGS)):
-        torch.testing.assert_close(batch[i], _ours(logits[i : i + 1], reqs[i : i + 1])[0])
+        torch.testing.assert_close(batch[i], _ours(logits[i : i + 1], reqs[i : i + 1], device)[0])
 
 
 @pytest.mark.parametrize("settings", [{}, {"temperature": 0.6, "top_k": 8}, {"top_p": 0.7, "min_p": 0.02}])
-def test_draws_follow_the_filtered_distribution(settings: dict[str, float]) -> None:
+def test_draws_follow_the_filtered_distribution(settings: dict[str, float], device: str) -> None:
     """20,000 rows drawn at once: the empirical distribution is within sampling noise of the filtered
     one (total variation under 0.03; its expected size here is about 0.02 at most), and no token
     outside it is ever drawn."""
     torch.manual_seed(2)
     rows = 20_000
-    logits = (torch.randn(VOCAB) * 2).expand(rows, VOCAB).contiguous()
+    logits = (torch.randn(VOCAB) * 2).expand(rows, VOCAB).contiguous().to(device)
     params = SamplingParams(max_tokens=8, **settings)  # type: ignore[arg-type]
     reqs = [_request(params, 0)] * rows
     sampler = Sampler(VOCAB, {EOS})
     tokens = sampler(logits, reqs).results()
     drawn = torch.bincount(torch.tensor([t.token_id for t in tokens]), minlength=VOCAB).float() / rows
-    expected = _ours(logits[:1], reqs[:1])[0]
+    expected = _ours(logits[:1], reqs[:1], device)[0]
     assert drawn[expected == 0].sum() == 0
     assert 0.5 * (drawn - expected).abs().sum() < 0.03
 
 
-def test_greedy_rows_logit_bias_and_min_tokens_in_one_batch() -> None:
+def test_greedy_rows_logit_bias_and_min_tokens_in_one_batch(device: str) -> None:
     torch.manual_seed(3)
-    logits = torch.randn(4, VOCAB)
+    logits = torch.randn(4, VOCAB, device=device)
     logits[:, EOS] = 50.0  # EOS is everyone's favourite
     reqs = [
         _request(SamplingParams(temperature=0.0, max_tokens=8), 0),  # greedy: EOS
