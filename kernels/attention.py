@@ -302,7 +302,12 @@ def _reduce_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
+# Triton specializes integer arguments on being 1 or a multiple of 16: one compile per combination.
+# The batch's sequence count and its block table's row stride change from step to step, so a served
+# step could meet a new combination and compile mid-traffic (an H200 engine start-up compiled this
+# kernel 7 times, and once more in its first ragged batch; BENCHMARKS.md 2026-12-02). Both only bound a
+# search and offset a row: nothing to gain from specializing them. Untimed on a GPU.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
