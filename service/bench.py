@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     offline.add_argument("--peer", choices=["transformers", "none"], default="transformers")
     offline.add_argument(
         "--repeat",
-        type=int,
+        type=_at_least_one,
         default=1,
         help="time the largest batch this many times on the loaded engine (a row each, and their median): "
         "runs of one engine differ by a few percent",
@@ -107,6 +107,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     bench_grammar.add_arguments(grammar)
     kernels = sub.add_parser("kernels", help="Triton kernels vs references and SDPA (needs a CUDA GPU)")
     kernels.add_argument("args", nargs=argparse.REMAINDER, help="passed to pagoda.kernels.bench")
+
+
+def _at_least_one(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a count of at least 1, got {text!r}")
+    return int(text)
 
 
 @dataclass
@@ -176,9 +182,7 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
     tokens: dict[tuple[int, bool], list[list[int]]] = {}  # (batch, async) -> every request's tokens
     for batch in (1, args.num_prompts):
         prompts = _prompts(batch, args.input_len, vocab)
-        runs = [(repeat, is_async) for repeat, is_async in enumerate(modes[args.async_scheduling])]
-        if batch > 1 and args.repeat > 1:
-            runs = [(repeat, is_async) for _ in range(args.repeat) for repeat, is_async in runs]
+        runs = list(enumerate(modes[args.async_scheduling])) * (args.repeat if batch > 1 else 1)
         for run, (repeat, is_async) in enumerate(runs):
             core.is_async = is_async
             # Every timed run computes its prompts in full: the repeats and the modes of `both` run

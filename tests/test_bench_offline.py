@@ -55,6 +55,10 @@ def test_repeat_times_the_largest_batch_again_on_the_same_engine(
     median = re.search(r"3 runs at 2 requests: median ([\d.]+) output tok/s, ([\d.]+)-([\d.]+)\.", table)
     assert median is not None, table
     assert [float(median[i]) for i in (2, 1, 3)] == pytest.approx(rates, abs=0.1)
+    for bad in ("0", "-2", "two"):
+        with pytest.raises(SystemExit):
+            bench.main([*args[:-4], "--repeat", bad])
+    assert "expected a count of at least 1" in capsys.readouterr().err
 
 
 def test_projection_params_counts_the_projection_weights(llama_ckpt: Path) -> None:
