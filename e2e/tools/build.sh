@@ -2,6 +2,7 @@
 # Builds the pinned Kubernetes control plane (kube-apiserver, kube-controller-manager, kube-scheduler,
 # kubectl), etcd, kwok and helm from the Go module proxy into a cache outside the clone:
 #   ${PAGODA_CACHE:-~/.cache/pagoda}/k8s/<k8s version>-<hash of the inputs>/bin
+# Each binary is stamped on its own (steps.sh): an interrupted or failed build resumes where it stopped.
 # The `.done` stamp is written last; a second run finds it and builds nothing. The last line of stdout is
 # always the bin directory.
 #
@@ -17,6 +18,8 @@ NEEDED=(kube-apiserver kube-controller-manager kube-scheduler kubectl etcd kwok 
 
 here=$(cd "$(dirname "$0")" && pwd)
 log() { echo "build.sh: $*" >&2; }
+# shellcheck source-path=SCRIPTDIR source=steps.sh
+source "$here/steps.sh"
 
 # A user-provided set of binaries wins. KUBEBUILDER_ASSETS (envtest) usually holds only etcd,
 # kube-apiserver and kubectl: accept it only when the whole set is there.
@@ -37,7 +40,7 @@ for var in PAGODA_K8S_BIN KUBEBUILDER_ASSETS; do
     log "KUBEBUILDER_ASSETS=$dir lacks ${missing[*]}; building the full set instead"
 done
 
-key=$(cat "$0" "$here"/kube/go.mod "$here"/kube/go.sum "$here"/etcd/go.mod "$here"/etcd/go.sum \
+key=$(cat "$0" "$here"/steps.sh "$here"/kube/go.mod "$here"/kube/go.sum "$here"/etcd/go.mod "$here"/etcd/go.sum \
     "$here"/etcd/main.go | sha256sum | cut -c1-12)
 cache=${PAGODA_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pagoda}/k8s/$K8S_VERSION-$key
 if [[ -f $cache/.done ]]; then
@@ -54,9 +57,8 @@ fi
 
 export GOTOOLCHAIN=local GOWORK=off CGO_ENABLED=0
 export GOFLAGS=${PAGODA_GOFLAGS:--p=2}
-rm -rf "$cache"
-mkdir -p "$cache/bin.partial"
-out=$cache/bin.partial
+out=$cache/bin
+mkdir -p "$out"
 start=$SECONDS
 
 minor=$(echo "$K8S_VERSION" | cut -d. -f2)
@@ -65,47 +67,47 @@ for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
     ldf+=" -X $p.gitVersion=$K8S_VERSION -X $p.gitMajor=1 -X $p.gitMinor=$minor"
     ldf+=" -X $p.gitTreeState=clean -X $p.buildDate=1970-01-01T00:00:00Z"
 done
-log "kube-apiserver, kube-controller-manager, kube-scheduler, kubectl $K8S_VERSION (one go build)"
-(cd "$here/kube" && go build -mod=readonly -trimpath -ldflags "$ldf" -o "$out/" \
-    k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
-    k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl)
-log "  done after $((SECONDS - start))s"
+build_kube() {
+    (cd "$here/kube" && go build -mod=readonly -trimpath -ldflags "$ldf" -o "$out/" \
+        k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
+        k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl)
+}
+step "kube-$K8S_VERSION" build_kube
 
-log "etcd $ETCD_VERSION"
-(cd "$here/etcd" && go build -mod=readonly -trimpath -ldflags "-s -w" -o "$out/etcd" .)
-log "  done after $((SECONDS - start))s"
+build_etcd() { (cd "$here/etcd" && go build -mod=readonly -trimpath -ldflags "-s -w" -o "$out/etcd" .); }
+step "etcd-$ETCD_VERSION" build_etcd
 
-log "kwok $KWOK_VERSION"
 kv=${K8S_VERSION#v}
-GOBIN=$out go install -trimpath \
-    -ldflags "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=${KWOK_VERSION#v} -X sigs.k8s.io/kwok/pkg/consts.KubeVersion=$kv" \
-    "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
-# The bare kwok binary has no built-in stages (kwokctl embeds them): keep kwok's own default stages next
-# to the binaries, read from the module that was just downloaded.
-kwok_src=$(go mod download -json "sigs.k8s.io/kwok@$KWOK_VERSION" |
-    python3 -c 'import json,sys;print(json.load(sys.stdin)["Dir"])')
-mkdir -p "$cache/kwok-stages"
-for s in node/fast node/heartbeat-with-lease pod/fast; do
-    for f in "$kwok_src/kustomize/stage/$s"/*.yaml; do
-        [[ $(basename "$f") == kustomization.yaml ]] && continue
-        cp "$f" "$cache/kwok-stages/${s//\//-}-$(basename "$f")"
+build_kwok() {
+    local kwok_src f s
+    GOBIN=$out go install -trimpath \
+        -ldflags "-s -w -X sigs.k8s.io/kwok/pkg/consts.Version=${KWOK_VERSION#v} -X sigs.k8s.io/kwok/pkg/consts.KubeVersion=$kv" \
+        "sigs.k8s.io/kwok/cmd/kwok@$KWOK_VERSION"
+    # The bare kwok binary has no built-in stages (kwokctl embeds them): keep kwok's own default stages
+    # next to the binaries, read from the module that was just downloaded.
+    kwok_src=$(go mod download -json "sigs.k8s.io/kwok@$KWOK_VERSION" |
+        python3 -c 'import json,sys;print(json.load(sys.stdin)["Dir"])')
+    mkdir -p "$cache/kwok-stages"
+    for s in node/fast node/heartbeat-with-lease pod/fast; do
+        for f in "$kwok_src/kustomize/stage/$s"/*.yaml; do
+            [[ $(basename "$f") == kustomization.yaml ]] && continue
+            cp "$f" "$cache/kwok-stages/${s//\//-}-$(basename "$f")"
+        done
     done
-done
-chmod -R u+w "$cache/kwok-stages"
-log "  done after $((SECONDS - start))s"
+    chmod -R u+w "$cache/kwok-stages"
+}
+step "kwok-$KWOK_VERSION" build_kwok
 
-log "helm $HELM_VERSION"
 hl="-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION -X helm.sh/helm/v3/internal/version.gitTreeState=clean"
 for p in helm.sh/helm/v3/pkg/lint/rules helm.sh/helm/v3/pkg/chartutil; do
     hl+=" -X $p.k8sVersionMajor=1 -X $p.k8sVersionMinor=$minor"
 done
-GOBIN=$out go install -trimpath -ldflags "$hl" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
-log "  done after $((SECONDS - start))s"
+build_helm() { GOBIN=$out go install -trimpath -ldflags "$hl" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"; }
+step "helm-$HELM_VERSION" build_helm
 
-"$out/kube-apiserver" --version >&2
-"$out/etcd" --version | head -1 >&2
-"$out/helm" version --short >&2
-mv "$out" "$cache/bin"
+log "$(first_line "$out/kube-apiserver" --version)"
+log "$(first_line "$out/etcd" --version)"
+log "$(first_line "$out/helm" version --short)"
 echo "k8s=$K8S_VERSION etcd=$ETCD_VERSION kwok=$KWOK_VERSION helm=$HELM_VERSION seconds=$((SECONDS - start))" \
     >"$cache/.done"
 log "built in $((SECONDS - start))s: $cache/bin ($(du -sh "$cache/bin" | cut -f1))"
