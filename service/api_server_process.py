@@ -6,9 +6,11 @@ HTTP stack share one event loop and one GIL), below what the engine core steps. 
 
 - API process 0 is the one `pagoda serve` starts: it binds both ports, starts the core with one pair
   of sockets per API process (`CoreLink`) and, once its ports are known (`--port 0` resolved), spawns
-  processes 1..N-1 through `ApiServerProcesses`. Each runs `serve()` as process 0 does, on the same
-  ports (SO_REUSEPORT: the kernel spreads new connections over the processes), with an engine that
-  attaches to the running core. Process 0 turns ready once every other process is.
+  processes 1..N-1 through `ApiServerProcesses`. Each runs `serve()` as process 0 does, with an engine
+  that attaches to the running core: on process 0's own HTTP listening socket (inherited, one accept
+  queue: a process that dies leaves the connections waiting in it to the others) and on the same gRPC
+  port (grpc sets SO_REUSEPORT itself; grpcio cannot adopt a socket). Process 0 turns ready once every
+  other process is.
 - Liveness, one rule: any process dying fails the server. The others die with process 0
   (PR_SET_PDEATHSIG); when the core or another process dies, process 0 kills the rest and answers 503
   to both probes, so Kubernetes restarts the pod. SIGTERM to process 0 goes on to the others, every
@@ -32,6 +34,7 @@ import functools
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -63,10 +66,11 @@ class ApiServerProcesses:
         self._ready: list[asyncio.Future[bool]] = []
         self._stopping = False
 
-    def start(self, http_port: int, grpc_port: int, on_exit: Callable[[str], None]) -> None:
-        """Spawn the processes on these (resolved) ports; `on_exit(message)` when one exits before
-        `terminate` or `kill`. Call from the event loop's thread: they die with that thread."""
+    def start(self, http_socket: socket.socket, grpc_port: int, on_exit: Callable[[str], None]) -> None:
+        """Spawn the processes on this listening socket and (resolved) gRPC port; `on_exit(message)` when
+        one exits before `terminate` or `kill`. Call from the event loop's thread: they die with it."""
         loop = asyncio.get_running_loop()
+        http_port = http_socket.getsockname()[1]
         config = dataclasses.replace(self.server_config, port=http_port, grpc_port=grpc_port)
         for index in range(1, self.server_config.api_server_count):
             read_fd, write_fd = os.pipe()
@@ -82,9 +86,12 @@ class ApiServerProcesses:
                 str(os.getpid()),
                 "--ready-fd",
                 str(write_fd),
+                "--http-fd",
+                str(http_socket.fileno()),
             ]
             env = {**os.environ, "PYTHONSAFEPATH": "1"}  # the repo's operator/ must not shadow the stdlib
-            proc = subprocess.Popen(command, env=env, pass_fds=(write_fd,), stdin=subprocess.PIPE)
+            fds = (write_fd, http_socket.fileno())
+            proc = subprocess.Popen(command, env=env, pass_fds=fds, stdin=subprocess.PIPE)
             os.close(write_fd)
             # On stdin, not the command line, where `ps` would show the API keys.
             assert proc.stdin is not None
@@ -168,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket-dir", required=True, help="the folder of the core's ipc sockets")
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--ready-fd", type=int, required=True, help="write b'1' here once serving")
+    parser.add_argument("--http-fd", type=int, required=True, help="process 0's HTTP listening socket")
     args = parser.parse_args(argv)
     die_with_parent(args.parent_pid)
     # Ctrl-C reaches the whole process group: process 0 forwards it as SIGTERM, which drains this one;
@@ -197,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             api_server_index=args.index,
             on_loaded=signal_ready,
             stop_signals=(signal.SIGTERM,),
+            http_socket=socket.socket(fileno=args.http_fd),
         )
     )
 

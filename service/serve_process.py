@@ -121,5 +121,14 @@ class ServeProcess:
     def __enter__(self) -> ServeProcess:
         return self.start()
 
-    def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
-        self.stop()
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        """Stop it; a server that did not exit 0 (a hang killed past the timeout is -9) raises, unless
+        the block is already raising."""
+        code = self.stop()
+        if code != 0 and exc_type is None:
+            raise RuntimeError(f"pagoda serve exited with {code}:\n{self.log()[-4000:]}")

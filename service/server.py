@@ -74,12 +74,14 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
-def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+def _bind(host: str, port: int) -> socket.socket:
+    """The HTTP listening socket. With several API processes, process 0 makes it and the others inherit
+    it (as vLLM and uvicorn's own workers do): one accept queue, so a connection waiting in it is
+    taken by whichever process lives. SO_REUSEPORT gave each process its own queue, and the
+    connections queued at a process that died were reset."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if reuse_port:  # several API processes on one port: the kernel spreads connections over them
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     # Accepted connections inherit this. Without it the first SSE chunk after the response headers
     # waits for the client's delayed ACK (40 ms on Linux): measured 48 ms instead of 4 ms to first token.
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -99,11 +101,12 @@ async def serve(
     api_servers: ApiServerProcesses | None = None,
     on_loaded: Callable[[], Awaitable[None]] | None = None,
     stop_signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT),
+    http_socket: socket.socket | None = None,
 ) -> int:
     """Run until SIGTERM/SIGINT (or `stop_event`); return the exit code. `api_servers`: process 0's
     further API server processes, started once the ports are known; `on_loaded`: awaited after the
     engine started, before this process turns ready; `stop_signals`: what starts the drain (a second one
-    aborts what is left)."""
+    aborts what is left); `http_socket`: the listening socket process 0 made (processes 1..N-1)."""
     stop = stop_event or asyncio.Event()
     is_multi = server_config.api_server_count > 1
     client = EngineClient(
@@ -112,7 +115,7 @@ async def serve(
         server_config.max_waiting_requests,
         tool_call_parser=server_config.tool_call_parser,
     )
-    sock = _bind(server_config.host, server_config.port, reuse_port=is_multi)
+    sock = http_socket or _bind(server_config.host, server_config.port)
     http = _Uvicorn(
         uvicorn.Config(
             build_app(
@@ -142,7 +145,7 @@ async def serve(
         grpc_server.port,
     )
     if api_servers is not None:
-        api_servers.start(sock.getsockname()[1], grpc_server.port, on_exit=client.fail)
+        api_servers.start(sock, grpc_server.port, on_exit=client.fail)
         on_loaded = api_servers.wait_ready
     loop = asyncio.get_running_loop()
     if install_signal_handlers:
@@ -164,6 +167,10 @@ async def serve(
         logger.error("the HTTP server stopped unexpectedly")
         exit_code = 1
 
+    if exit_code == 0 and client.state is ServingState.UNHEALTHY:
+        # Stopped after the engine died (a crashed core or worker): not a clean exit, say so.
+        logger.error("stopping with the engine failed")
+        exit_code = 1
     # Drain: not-ready first, then let in-flight requests finish; a second signal aborts them.
     logger.info("shutting down: draining %d in-flight requests", client.num_in_flight)
     force = asyncio.Event()

@@ -18,6 +18,10 @@ from process_group import children, cmdline, group_members, status, wait_for
 from pagoda.service.serve_process import ServeProcess
 
 
+# Well past a drain with nothing in flight (about a second); well short of the 30 s grace a pod gets.
+STOP_TIMEOUT_S = 20.0
+
+
 def start(llama_ckpt: Path, tmp_path: Path, tp: int = 1) -> ServeProcess:
     args = ["--model", str(llama_ckpt), "--device", "cpu", "--kv-cache-memory-bytes", str(8 << 20)]
     args += ["--tensor-parallel-size", str(tp)]
@@ -66,7 +70,8 @@ def test_a_dead_engine_process_fails_readiness_and_liveness(
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=10)
     assert refused.value.code == 503
-    server.stop()
+    code = server.stop(timeout_s=STOP_TIMEOUT_S)
+    assert code == 1, f"exit code {code} (-9: killed after {STOP_TIMEOUT_S} s)\n{server.log()[-3000:]}"
     assert wait_for(lambda: not group_members(pgid), 10), group_members(pgid)
 
 

@@ -208,7 +208,10 @@ class AsyncEngine:
             await asyncio.to_thread(self._proc.wait)
         if self._proc is not None and self._proc.poll() is None:
             # Past `_send`'s check: failed by another API process's death, this one's core still runs.
-            self._inputs.send(self._encode(Shutdown()))
+            # Never a blocking send: a core that closed its sockets on its way out leaves the PUSH socket
+            # without a peer, where a blocking send waits for ever (it hung `pagoda serve` after a
+            # tensor-parallel worker died). Either way the wait below sees the exit.
+            self._send_now(Shutdown())
             try:
                 await asyncio.wait_for(self._exited.wait(), _SHUTDOWN_TIMEOUT_S)
             except TimeoutError:
@@ -279,8 +282,17 @@ class AsyncEngine:
             stream.put_nowait(final)
 
     def _send(self, message: CoreInput) -> None:
-        if self._error is None:
-            self._inputs.send(self._encode(message), copy=False)
+        if self._error is None and not self._send_now(message):
+            self.fail("the engine core closed its connection")
+
+    def _send_now(self, message: CoreInput) -> bool:
+        """Queue `message` for the core without waiting: False when the core has no connection open.
+        With no high-water mark a send waits only for a missing peer, which is a core gone or going."""
+        try:
+            self._inputs.send(self._encode(message), flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        return True
 
     async def _receive_outputs(self) -> None:
         assert self._output_processor is not None
