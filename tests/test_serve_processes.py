@@ -17,7 +17,6 @@ from process_group import children, cmdline, group_members, status, wait_for
 
 from pagoda.service.serve_process import ServeProcess
 
-
 # Well past a drain with nothing in flight (about a second); well short of the 30 s grace a pod gets.
 STOP_TIMEOUT_S = 20.0
 
