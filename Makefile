@@ -10,7 +10,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 # standard library's `operator` (Python >= 3.11).
 export PYTHONSAFEPATH := 1
 
-.PHONY: setup demo test test-fast lint e2e cluster cluster-down demo-cluster gpu-check bench-kernels clean
+.PHONY: setup demo test test-fast lint e2e mutation cluster cluster-down demo-cluster gpu-check bench-kernels clean
 
 $(UV):
 	$(PY) -m venv $(VENV)
@@ -40,8 +40,17 @@ lint: setup
 	$(VENV)/bin/mypy
 	$(VENV)/bin/shellcheck -x e2e/tools/*.sh
 
+# Two workers (pytest-xdist), a module to a worker (tests/conftest.py): 2 cores, and many tests wait on
+# servers in other processes. PYTEST_WORKERS=0 runs in one process (a debugger, -x).
+PYTEST_WORKERS ?= 2
 test-fast: setup
-	$(VENV)/bin/pytest tests
+	$(VENV)/bin/pytest tests -n $(PYTEST_WORKERS) --dist loadgroup
+
+# Planted bugs against the fast tests of the modules that matter (tests/mutation/run.py; not in CI: tens
+# of minutes). It edits those files in place while it runs: run nothing else in this tree meanwhile.
+# TARGETS="block_manager api_keys_http" picks some; the kill rates go to docs/testing.md by hand.
+mutation: setup
+	$(VENV)/bin/python tests/mutation/run.py $(TARGETS)
 
 # k8s-bin first: the chart tests of the fast tier run the cluster's helm.
 test: lint k8s-bin test-fast e2e

@@ -7,19 +7,34 @@ template), so it loads exactly like a real one. Hidden size 64 keeps each model 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    # One intra-op thread: on a shared 2-core machine OpenMP threads that wait for a descheduled peer
-    # make small ops 100x slower, and a fixed thread count keeps float reductions in one order, so
-    # the engine-vs-transformers comparisons are reproducible.
-    import torch
+# `make test-fast` runs `pytest -n 2 --dist loadgroup`: each module goes whole to one worker, so its
+# module-scoped server or engine starts once, except these, whose tests share nothing costly and are
+# spread one by one (the interpreter kernel shards, a server per operator profile).
+SPREAD_MODULES = frozenset({"test_kernels_interpret.py", "test_operator_contract.py"})
 
-    torch.set_num_threads(1)
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name not in SPREAD_MODULES:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> None:
+    """One intra-op thread wherever a test uses torch: on a shared 2-core machine OpenMP threads that
+    wait for a descheduled peer make small ops 100x slower, and a fixed thread count keeps float
+    reductions in one order, so the engine-vs-transformers comparisons are reproducible. Only once
+    torch is imported: pytest's start-up imports no torch (2-3 s), so the torch-free tests start fast."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
 
 
 VOCAB_SIZE = 49152  # SmolLM2's tokenizer

@@ -123,3 +123,29 @@ def test_fork_shares_then_copies_on_write() -> None:
     bm.free(parent)
     bm.free(child)
     assert bm.num_free_blocks == 8
+
+
+def test_a_block_is_its_tokens_and_everything_before_them() -> None:
+    """A cached block is keyed by its whole prefix: the same four tokens at another offset, or after
+    other blocks, hold other KV (positions, attention context) and must never hit."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    x, y, z = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+    a = make([*x, *y, *z, 0], "a")
+    compute(bm, a, 13)
+    assert bm.num_cached_prefix_tokens(make([*x, *y, *z, 99], "same")) == 12
+    assert bm.num_cached_prefix_tokens(make([*y, *z, 99], "shifted")) == 0  # y at offset 0, not 4
+    assert bm.num_cached_prefix_tokens(make([*z, 99], "z first")) == 0
+    assert bm.num_cached_prefix_tokens(make([*x, *z, 99], "skips y")) == 4  # x only: z after x is new
+    assert bm.num_cached_prefix_tokens(make([13, 14, 15, 16, *y, *z, 99], "other head")) == 0
+
+
+def test_a_prefix_registered_by_a_finished_request_is_found_by_the_next() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = make(list(range(9)), "a")
+    compute(bm, a, 9)
+    held = list(a.block_ids)
+    bm.free(a)
+    b = make([*range(8), 42], "b")
+    assert bm.num_cached_prefix_tokens(b) == 8
+    bm.allocate(b, 1)
+    assert b.block_ids[:2] == held[:2] and b.num_computed_tokens == 8

@@ -1,0 +1,130 @@
+"""`make mutation`: plant small bugs in the modules that matter and count how many the tests catch.
+
+Each target is one source file and the fast tests that should catch a bug in it. cosmic-ray (chosen
+over mutmut 3, which copies sources to mutants/ by path and cannot follow pyproject's package-dir map)
+mutates the file in place, one mutant at a time (an operator swapped, a constant changed, a condition
+negated, a `break` turned `continue`, ...), runs those tests, and restores the file. A mutant the tests
+fail on is killed; one they pass on survived. The kill rate per target goes to stdout as a Markdown table
+(docs/testing.md keeps the latest), and survivors with `--survivors`.
+
+Too slow for CI (minutes per target on 2 cores): run it when a target's module or its tests change.
+
+    .venv/bin/python tests/mutation/run.py                    # every target
+    .venv/bin/python tests/mutation/run.py block_manager api_keys --survivors
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+WORK = ROOT / ".mutation"  # sessions and configs; ignored by git
+BIN = Path(sys.executable).parent
+
+
+@dataclass(frozen=True)
+class Target:
+    source: str  # the file mutated, relative to the repo root
+    tests: tuple[str, ...]  # pytest arguments: the files (and -k selections) that should catch its bugs
+    timeout_s: float = 120.0  # per mutant: a mutant that hangs the tests counts as killed
+
+
+TARGETS: dict[str, Target] = {
+    "block_manager": Target("service/engine/block_manager.py", ("tests/test_block_manager.py",)),
+    "scheduler": Target("service/engine/scheduler.py", ("tests/test_scheduler.py",)),
+    "sampler": Target("service/engine/sampler.py", ("tests/test_sampler_reference.py",), 300.0),
+    "output_processor": Target(
+        "service/engine/output_processor.py",
+        ("tests/test_output_processor.py", "tests/test_output_stream.py"),
+    ),
+    "api_keys_http": Target("service/api/http_guards.py", ("tests/test_api_guards.py",)),
+    "api_keys_grpc": Target("service/api/grpc_server.py", ("tests/test_api_guards.py",)),
+    "tool_calls": Target(
+        "service/api/tool_calls.py",
+        ("tests/test_serve_openai_tools.py", "-k", "auto_parsers or plain_text_streams"),
+    ),
+    "profile": Target("operator/profile.py", ("tests/test_profile.py",)),
+    "status": Target("operator/status.py", ("tests/test_operator_reconcile.py",)),
+    "manifests": Target("operator/manifests.py", ("tests/test_operator_manifests.py",)),
+}
+
+
+def _config(name: str, target: Target) -> Path:
+    pytest = f"{sys.executable} -m pytest -x -q -p no:cacheprovider {' '.join(target.tests)}"
+    path = WORK / f"{name}.toml"
+    path.write_text(
+        textwrap.dedent(
+            f"""\
+            [cosmic-ray]
+            module-path = "{ROOT / target.source}"
+            timeout = {target.timeout_s}
+            excluded-modules = []
+            test-command = "{pytest}"
+
+            [cosmic-ray.distributor]
+            name = "local"
+            """
+        )
+    )
+    return path
+
+
+def run(name: str, target: Target) -> None:
+    WORK.mkdir(exist_ok=True)
+    config, session = _config(name, target), WORK / f"{name}.sqlite"
+    if not session.exists():
+        subprocess.run([str(BIN / "cosmic-ray"), "init", str(config), str(session)], check=True, cwd=ROOT)
+    # Resumes a session that was interrupted: exec only runs the mutants without a result.
+    subprocess.run([str(BIN / "cosmic-ray"), "exec", str(config), str(session)], check=True, cwd=ROOT)
+
+
+def summary(name: str, show_survivors: bool) -> tuple[int, int, int]:
+    """(killed, survived, incompetent) of a finished session; prints each survivor when asked."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome
+
+    killed = survived = incompetent = 0
+    with use_db(str(WORK / f"{name}.sqlite"), WorkDB.Mode.open) as db:
+        for item, result in db.completed_work_items:
+            if result.test_outcome is TestOutcome.KILLED:
+                killed += 1
+            elif result.test_outcome is TestOutcome.SURVIVED:
+                survived += 1
+                if show_survivors:
+                    print(f"--- survived: {name} job {item.job_id}\n{result.diff}")
+            else:
+                incompetent += 1
+    return killed, survived, incompetent
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("targets", nargs="*", choices=[[], *TARGETS], help="default: all")
+    parser.add_argument("--survivors", action="store_true", help="print the diff of every survivor")
+    parser.add_argument("--fresh", action="store_true", help="start the sessions again")
+    args = parser.parse_args()
+    names = args.targets or list(TARGETS)
+    rows = []
+    for name in names:
+        if args.fresh:
+            (WORK / f"{name}.sqlite").unlink(missing_ok=True)
+        run(name, TARGETS[name])
+        killed, survived, incompetent = summary(name, args.survivors)
+        total = killed + survived
+        rate = 100.0 * killed / total if total else 0.0
+        rows.append(f"| {name} | `{TARGETS[name].source}` | {total} | {killed} | {survived} | {rate:.0f}% |")
+        if incompetent:
+            rows[-1] += f" ({incompetent} incompetent: the mutant did not import)"
+    print("| target | module | mutants | killed | survived | kill rate |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    print("\n".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""The API-key check of both transports, on its own: HTTP's `APIKeyGuard` (ASGI middleware) and gRPC's
+`APIKeyInterceptor` must accept exactly `Bearer <one of the keys>`, and nothing near it: a prefix of
+the key, the key with more after it, an empty token, another scheme. The servers' own tests
+(test_serve_http, test_serve_grpc) check the same guards in place with real clients."""
+
+from __future__ import annotations
+
+import pytest
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from pagoda.service.api.grpc_server import APIKeyInterceptor
+from pagoda.service.api.http_guards import APIKeyGuard
+
+KEYS = ("secret-key", "second-key")
+CASES = [
+    ("Bearer secret-key", True),
+    ("bearer secret-key", True),  # the scheme is case-insensitive (RFC 7235)
+    ("BEARER second-key", True),  # any of the keys
+    ("Bearer secret-key ", True),  # surrounding blanks are not part of the token
+    ("Bearer secret", False),  # a prefix of the key
+    ("Bearer secret-key2", False),  # the key and more
+    ("Bearer SECRET-KEY", False),  # keys are case-sensitive
+    ("Bearer ", False),
+    ("Bearer", False),
+    ("", False),
+    ("secret-key", False),  # no scheme
+    ("Basic secret-key", False),
+    ("Token secret-key", False),
+    ("Bearersecret-key", False),
+    ("Bearer secret-key second-key", False),
+]
+
+
+@pytest.mark.parametrize(("value", "expected"), CASES)
+def test_http_and_grpc_accept_exactly_bearer_and_a_key(value: str, expected: bool) -> None:
+    http = APIKeyGuard(app=None, keys=KEYS)  # type: ignore[arg-type]
+    assert http.authorized([(b"authorization", value.encode())]) is expected
+    grpc = APIKeyInterceptor(KEYS)
+    assert grpc.authorized([("authorization", value)]) is expected
+    assert grpc.authorized([("authorization", value.encode())]) is expected
+
+
+def test_no_authorization_header_or_the_key_elsewhere_is_refused() -> None:
+    http = APIKeyGuard(app=None, keys=KEYS)  # type: ignore[arg-type]
+    grpc = APIKeyInterceptor(KEYS)
+    assert not http.authorized([])
+    assert not http.authorized([(b"x-api-key", b"secret-key"), (b"cookie", b"Bearer secret-key")])
+    assert not grpc.authorized(None)
+    assert not grpc.authorized([("x-api-key", "secret-key")])
+
+
+@pytest.fixture(scope="module")
+def client() -> TestClient:
+    async def hello(request: object) -> PlainTextResponse:
+        return PlainTextResponse("hello")
+
+    paths = ["/v1/models", "/v1/health/live", "/v1/health/ready", "/metrics", "/version"]
+    app = Starlette(routes=[Route(p, hello, methods=["GET", "OPTIONS"]) for p in paths])
+    return TestClient(APIKeyGuard(app, KEYS))
+
+
+def test_http_guard_answers_401_in_openai_shape_and_leaves_probes_open(client: TestClient) -> None:
+    refused = client.get("/v1/models", headers={"Authorization": "Bearer secret"})
+    assert refused.status_code == 401
+    assert refused.headers["www-authenticate"] == "Bearer"
+    assert refused.json()["error"]["code"] == "invalid_api_key"
+    assert client.get("/v1/models").status_code == 401
+    assert client.get("/v1/models", headers={"Authorization": "Bearer second-key"}).text == "hello"
+    for path in ("/v1/health/live", "/v1/health/ready", "/metrics", "/version"):
+        assert client.get(path).status_code == 200, path  # the kubelet and Prometheus hold no key
+    assert client.get("/v1/health/live/../../v1/models").status_code == 401
+    assert client.options("/v1/models").status_code == 200  # CORS preflights carry no credentials
