@@ -28,7 +28,10 @@ from pagoda.kernels.attention import (  # noqa: E402
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 # The triton 3.9 interpreter computes bf16 tl.dot wrongly; bf16 is checked on the GPU only.
-DTYPES = [torch.float32, torch.float16] + ([] if INTERPRET else [torch.bfloat16])
+# The interpreter runs each program in numpy, the same control flow for every dtype: there float16 alone
+# (inputs cast, the float32 accumulators and the casts back all exercised) halves the CI's slowest
+# check (3 min on 2 cores); on a GPU every dtype runs, bfloat16 too.
+DTYPES = [torch.float16] if INTERPRET else [torch.float32, torch.float16, torch.bfloat16]
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
