@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 
-
 # `make test-fast` runs `pytest -n 2 --dist loadgroup`: each module goes whole to one worker, so its
 # module-scoped server or engine starts once, except these, whose tests share nothing costly and are
 # spread one by one (the interpreter kernel shards, a server per operator profile).

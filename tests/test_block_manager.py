@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pagoda.service.engine.block_manager import BlockManager
 from pagoda.service.engine.request import Request
 from pagoda.service.sampling_params import SamplingParams
@@ -149,3 +151,91 @@ def test_a_prefix_registered_by_a_finished_request_is_found_by_the_next() -> Non
     assert bm.num_cached_prefix_tokens(b) == 8
     bm.allocate(b, 1)
     assert b.block_ids[:2] == held[:2] and b.num_computed_tokens == 8
+
+
+def test_usage_and_the_size_check() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    assert bm.usage == 0.0
+    compute(bm, make(list(range(10)), "a"), 10)  # 3 blocks
+    assert bm.num_free_blocks == 5 and bm.usage == 3 / 8
+    assert BlockManager(num_blocks=1, block_size=4).num_free_blocks == 1
+    with pytest.raises(ValueError, match="at least one block"):
+        BlockManager(num_blocks=0, block_size=4)
+
+
+def test_can_allocate_counts_exactly_the_blocks_a_running_request_still_needs() -> None:
+    bm = BlockManager(num_blocks=3, block_size=4, enable_prefix_caching=False)
+    req = make(list(range(20)), "a")
+    compute(bm, req, 5)  # 5 tokens in 2 blocks, 1 block free
+    assert bm.can_allocate(req, 3)  # up to 8 tokens: no new block
+    assert bm.can_allocate(req, 7)  # 12 tokens: the free block
+    assert not bm.can_allocate(req, 8)  # 13 tokens: a fourth block
+    compute(bm, req, 3)
+    other = make(list(range(100, 104)), "b")
+    compute(bm, other, 4)  # takes the last block
+    assert bm.num_free_blocks == 0
+    assert not bm.can_allocate(req, 1)  # 9 tokens need a third block
+    partial = make(list(range(200, 210)), "c")
+    bm2 = BlockManager(num_blocks=1, block_size=4, enable_prefix_caching=False)
+    compute(bm2, partial, 2)
+    assert bm2.num_free_blocks == 0 and bm2.can_allocate(partial, 2)  # room left in its own block
+
+
+def test_copy_on_write_needs_a_block_only_while_the_block_is_shared() -> None:
+    bm = BlockManager(num_blocks=2, block_size=4, enable_prefix_caching=False)
+    parent = make([1, 2, 3, 4, 5, 6], "p")
+    compute(bm, parent, 6)  # 2 blocks, the second half full: nothing free
+    child = make([1, 2, 3, 4, 5, 6], "c")
+    bm.fork(parent, child)
+    assert not bm.can_allocate(child, 1)  # writing into the shared half block copies it first
+    bm.free(parent)
+    assert bm.num_free_blocks == 0  # the child still holds both
+    assert bm.can_allocate(child, 1)  # its own now: written in place
+    assert bm.allocate(child, 1) == []
+
+
+def test_cached_blocks_that_are_free_still_count_against_the_free_list() -> None:
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = make(list(range(9)), "a")
+    compute(bm, a, 9)
+    bm.free(a)  # 4 free, 2 of them holding a's cached prefix
+    assert bm.can_allocate(make([*range(8), *range(50, 55)], "b"), 5)  # 13 tokens: 2 hits + 2 new
+    assert not bm.can_allocate(make([*range(8), *range(50, 59)], "c"), 9)  # 17 tokens: 3 new, 2 left
+    b = make([*range(8), *range(50, 55)], "b")
+    bm.allocate(b, 5)
+    assert bm.num_free_blocks == 0  # the two hits left the free list and two more were taken
+    assert [bm.blocks[i].ref_count for i in b.block_ids] == [1, 1, 1, 1]
+    assert (bm.prefix_queries_tokens, bm.prefix_hits_tokens) == (9 + 13, 8)  # a asked for 9, hit none
+
+
+def test_freed_blocks_without_a_hash_are_reused_first() -> None:
+    bm = BlockManager(num_blocks=3, block_size=4)
+    a = make(list(range(9)), "a")  # two full, hashed blocks and one partial
+    compute(bm, a, 9)
+    bm.free(a)
+    assert a.num_computed_tokens == 0 and a.block_ids == []
+    compute(bm, make([70, 71, 72], "other"), 3)  # takes the partial block
+    assert bm.num_cached_prefix_tokens(make([*range(8), 99], "again")) == 8
+
+
+def test_a_block_after_a_shared_one_is_cached_too() -> None:
+    """b takes a's first block from the cache and computes its own second one: that one is registered as
+    well, and a third request that shares b's second block finds both."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    x, y, q = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+    compute(bm, make([*x, *y, 0], "a"), 9)
+    b = make([*x, *q, 0], "b")
+    assert bm.can_allocate(b, 5)
+    bm.allocate(b, 5)
+    b.num_computed_tokens += 5
+    bm.cache_computed_blocks(b)
+    assert bm.num_cached_prefix_tokens(make([*x, *q, 99], "c")) == 8
+    assert bm.num_cached_prefix_tokens(make([*x, *y, 99], "d")) == 8
+
+
+def test_a_collision_with_any_other_tokens_is_a_miss() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = make([5, 6, 7, 8, 9], "a")
+    compute(bm, a, 5)
+    bm.blocks[a.block_ids[0]].token_ids = (0, 0, 0, 0)  # sorts before the real tokens
+    assert bm.num_cached_prefix_tokens(make([5, 6, 7, 8, 9], "b")) == 0

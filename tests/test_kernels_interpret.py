@@ -37,12 +37,26 @@ def test_kernel_matches_reference_in_interpreter(name: str, shard: str) -> None:
     path = KERNELS / f"check_{name}.py"
     env = {**os.environ, "TRITON_INTERPRET": "1", "PAGODA_KERNELS": "triton", "PYTHONSAFEPATH": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "shard", "--shard", shard, str(path)],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "shard",
+            "--shard",
+            shard,
+            str(path),
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
     )
-    assert proc.returncode == 0, f"{path.name} --shard {shard} failed:\n{proc.stdout[-12000:]}\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, (
+        f"{path.name} --shard {shard} failed:\n{proc.stdout[-12000:]}\n{proc.stderr[-4000:]}"
+    )
     assert " passed" in proc.stdout.splitlines()[-1], proc.stdout[-2000:]  # not all deselected or skipped

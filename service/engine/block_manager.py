@@ -85,7 +85,7 @@ class BlockManager:
             start = req.num_computed_tokens
             needed = -(-(start + num_new_tokens) // bs) - len(req.block_ids)
             if start % bs and start // bs < len(req.block_ids):
-                needed += self.blocks[req.block_ids[start // bs]].ref_count < 1  # copy on write
+                needed += self.blocks[req.block_ids[start // bs]].ref_count > 1  # copy on write
             return max(needed, 0) <= len(self._free)
         hits = self._cached_prefix(req)
         num_hits_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)

@@ -38,7 +38,9 @@ class Target:
 TARGETS: dict[str, Target] = {
     # The block manager's tests as they were at 1df8297 (before the prefix-identity tests), for the
     # before/after figure in docs/testing.md.
-    "block_manager_before": Target("service/engine/block_manager.py", ("tests/mutation/before_test_block_manager.py",)),
+    "block_manager_before": Target(
+        "service/engine/block_manager.py", ("tests/mutation/before_test_block_manager.py",)
+    ),
     "block_manager": Target("service/engine/block_manager.py", ("tests/test_block_manager.py",)),
     "scheduler": Target("service/engine/scheduler.py", ("tests/test_scheduler.py",)),
     "sampler": Target("service/engine/sampler.py", ("tests/test_sampler_reference.py",), 300.0),
@@ -88,7 +90,9 @@ def run(name: str, target: Target) -> None:
     source = ROOT / target.source
     if subprocess.run(["git", "diff", "--quiet", "HEAD", "--", target.source], cwd=ROOT).returncode != 0:
         # Also what a run killed inside a mutant leaves behind: never take a mutant for the original.
-        raise SystemExit(f"{target.source} differs from HEAD: commit or stash it first (it is edited in place)")
+        raise SystemExit(
+            f"{target.source} differs from HEAD: commit or stash it first (it is edited in place)"
+        )
     original = source.read_bytes()
     try:
         if not session.exists():
