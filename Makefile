@@ -48,7 +48,7 @@ test-fast: setup
 
 # Planted bugs against the fast tests of the modules that matter (tests/mutation/run.py; not in CI: tens
 # of minutes). It edits those files in place while it runs: run nothing else in this tree meanwhile.
-# TARGETS="block_manager api_keys_http" picks some; the kill rates go to docs/testing.md by hand.
+# TARGETS="block_manager http_guards" picks some; the kill rates go to docs/testing.md by hand.
 mutation: setup
 	$(VENV)/bin/python tests/mutation/run.py $(TARGETS)
 

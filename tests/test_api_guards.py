@@ -5,14 +5,17 @@ the key, the key with more after it, an empty token, another scheme. The servers
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 from starlette.applications import Starlette
+from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from pagoda.service.api.grpc_server import APIKeyInterceptor
-from pagoda.service.api.http_guards import APIKeyGuard
+from pagoda.service.api.http_guards import APIKeyGuard, BodyLimit
 
 KEYS = ("secret-key", "second-key")
 CASES = [
@@ -54,11 +57,11 @@ def test_no_authorization_header_or_the_key_elsewhere_is_refused() -> None:
 
 @pytest.fixture(scope="module")
 def client() -> TestClient:
-    async def hello(request: object) -> PlainTextResponse:
+    async def hello(request: Request) -> PlainTextResponse:
         return PlainTextResponse("hello")
 
     paths = ["/v1/models", "/v1/health/live", "/v1/health/ready", "/metrics", "/version"]
-    app = Starlette(routes=[Route(p, hello, methods=["GET", "OPTIONS"]) for p in paths])
+    app = Starlette(routes=[Route(p, hello, methods=["GET", "POST", "PUT", "OPTIONS"]) for p in paths])
     return TestClient(APIKeyGuard(app, KEYS))
 
 
@@ -73,3 +76,46 @@ def test_http_guard_answers_401_in_openai_shape_and_leaves_probes_open(client: T
         assert client.get(path).status_code == 200, path  # the kubelet and Prometheus hold no key
     assert client.get("/v1/health/live/../../v1/models").status_code == 401
     assert client.options("/v1/models").status_code == 200  # CORS preflights carry no credentials
+    for method in ("POST", "PUT"):  # methods that sort after OPTIONS are no preflight
+        assert client.request(method, "/v1/models").status_code == 401, method
+
+
+LIMIT = 64
+
+
+@pytest.fixture(scope="module")
+def echo() -> TestClient:
+    async def echo_body(request: Request) -> PlainTextResponse:
+        body = await request.body()
+        return PlainTextResponse(f"{len(body)}:{body[:8].decode()}")
+
+    app = Starlette(routes=[Route("/v1/completions", echo_body, methods=["POST"])])
+    return TestClient(BodyLimit(app, LIMIT))
+
+
+def _chunks(*sizes: int) -> Iterator[bytes]:
+    """A body without Content-Length (chunked transfer): only the bytes read so far are known."""
+    for i, size in enumerate(sizes):
+        yield bytes([ord("a") + i]) * size
+
+
+def test_body_limit_by_content_length_and_while_reading_a_chunked_body(echo: TestClient) -> None:
+    url = "/v1/completions"
+    assert echo.post(url, content=b"x" * LIMIT).text == f"{LIMIT}:xxxxxxxx"  # the limit itself passes
+    too_large = echo.post(url, content=b"x" * (LIMIT + 1))
+    assert too_large.status_code == 413
+    assert too_large.json()["error"]["code"] == "request_too_large"
+    assert f"{LIMIT + 1} bytes" in too_large.json()["error"]["message"]
+    assert echo.post(url, content=_chunks(30, 34)).text == "64:aaaaaaaa"  # the route gets every chunk
+    chunked = echo.post(url, content=_chunks(30, 30, 5))
+    assert chunked.status_code == 413
+    assert f"more than {LIMIT} bytes" in chunked.json()["error"]["message"]
+    assert echo.post(url, content=b"").text == "0:"
+
+
+def test_no_body_limit_when_it_is_zero() -> None:
+    async def size(request: Request) -> PlainTextResponse:
+        return PlainTextResponse(str(len(await request.body())))
+
+    app = Starlette(routes=[Route("/", size, methods=["POST"])])
+    assert TestClient(BodyLimit(app, 0)).post("/", content=b"y" * 10_000).text == "10000"

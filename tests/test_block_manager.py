@@ -209,12 +209,16 @@ def test_cached_blocks_that_are_free_still_count_against_the_free_list() -> None
 
 
 def test_freed_blocks_without_a_hash_are_reused_first() -> None:
+    """An unhashed block freed after a cached prefix still goes before it in the free queue."""
     bm = BlockManager(num_blocks=3, block_size=4)
-    a = make(list(range(9)), "a")  # two full, hashed blocks and one partial
-    compute(bm, a, 9)
+    a = make(list(range(8)), "a")  # two full, hashed blocks
+    compute(bm, a, 8)
+    b = make([60, 61, 62], "b")  # one partial, unhashed block
+    compute(bm, b, 3)
     bm.free(a)
+    bm.free(b)
     assert a.num_computed_tokens == 0 and a.block_ids == []
-    compute(bm, make([70, 71, 72], "other"), 3)  # takes the partial block
+    compute(bm, make([70, 71, 72], "other"), 3)  # must take b's block, not a's
     assert bm.num_cached_prefix_tokens(make([*range(8), 99], "again")) == 8
 
 
