@@ -44,7 +44,7 @@ lint: setup
 # servers in other processes. PYTEST_WORKERS=0 runs in one process (a debugger, -x).
 PYTEST_WORKERS ?= 2
 test-fast: setup
-	$(VENV)/bin/pytest tests -n $(PYTEST_WORKERS) --dist loadgroup
+	$(VENV)/bin/pytest tests -n $(PYTEST_WORKERS) -p by_module --dist loadscope
 
 # Planted bugs against the fast tests of the modules that matter (tests/mutation/run.py; not in CI: tens
 # of minutes). It edits those files in place while it runs: run nothing else in this tree meanwhile.

@@ -7,22 +7,14 @@ template), so it loads exactly like a real one. Hidden size 64 keeps each model 
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-# `make test-fast` runs `pytest -n 2 --dist loadgroup`: each module goes whole to one worker, so its
-# module-scoped server or engine starts once, except these, whose tests share nothing costly and are
-# spread one by one (the interpreter kernel shards, a server per operator profile).
-SPREAD_MODULES = frozenset({"test_kernels_interpret.py", "test_operator_contract.py"})
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.path.name not in SPREAD_MODULES:
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
 
 
 @pytest.fixture(autouse=True)
@@ -58,30 +50,81 @@ def smollm2_gguf() -> Path:
     return default_model_path()  # `make setup` installs it; its absence is a failure, not a skip
 
 
+def shared_folder(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], Any]) -> Path:
+    """The folder `name`, made by `make(folder)` once per test run: under xdist the first worker to ask
+    makes it while the others wait on a lock, and every worker reads that one copy (a worker's own tmp
+    folder would make it once per worker: 3-5 s of transformers each). Readers must not change it."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        root = root.parent  # the run's folder, above each worker's popen-gwN
+    folder = root / "shared" / name
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{folder}.lock"):
+        if not folder.is_dir():
+            partial = folder.with_name(f"{name}.partial")
+            shutil.rmtree(partial, ignore_errors=True)
+            make(partial)
+            partial.rename(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tokenizer_files(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> Path:
     """A folder with SmolLM2's `tokenizer.json` and `tokenizer_config.json`, rebuilt from the GGUF."""
     from pagoda.service.model import write_default_tokenizer
 
-    return write_default_tokenizer(tmp_path_factory.mktemp("tokenizer"), smollm2_gguf)
+    return shared_folder(tmp_path_factory, "tokenizer", lambda f: write_default_tokenizer(f, smollm2_gguf))
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers(tmp_path_factory: pytest.TempPathFactory, smollm2_gguf: Path) -> Path:
+    """transformers' own reading of the embedded GGUF (its dequantization, its inverse q/k permutation),
+    saved once as a float32 checkpoint folder: reading the GGUF takes transformers ~15 s, this ~1 s."""
+
+    def make(folder: Path) -> None:
+        import torch
+        from safetensors.torch import save_model
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
+        )
+        # save_pretrained refuses a model read from a GGUF ("quantized with gguf"): its weights are
+        # plain float32 by now, so they and the config without the quantization entry are saved as is.
+        folder.mkdir()
+        save_model(model, str(folder / "model.safetensors"))
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        type(model.config).from_dict(config).save_pretrained(folder)
+
+    return shared_folder(tmp_path_factory, "smollm2_transformers", make)
 
 
 def _build(
-    folder: Path, tokenizer_files: Path, config: Any, max_shard_size: str | None = None, seed: int = 0
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    tokenizer_files: Path,
+    config: Any,
+    max_shard_size: str | None = None,
+    seed: int = 0,
 ) -> Path:
-    import shutil
+    """A random-weight checkpoint folder, made once per test run (`shared_folder`)."""
 
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    def make(folder: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, GenerationConfig
 
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(folder, **kwargs)
-    GenerationConfig(bos_token_id=BOS_ID, eos_token_id=[EOS_ID], do_sample=False).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_files / name, folder / name)
-    return folder
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+        model.save_pretrained(folder, **kwargs)
+        GenerationConfig(bos_token_id=BOS_ID, eos_token_id=[EOS_ID], do_sample=False).save_pretrained(folder)
+        for file in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tokenizer_files / file, folder / file)
+
+    return shared_folder(tmp_path_factory, name, make)
 
 
 @pytest.fixture(scope="session")
@@ -104,7 +147,7 @@ def llama_ckpt(tmp_path_factory: pytest.TempPathFactory, tokenizer_files: Path) 
         },
         tie_word_embeddings=False,
     )
-    return _build(tmp_path_factory.mktemp("llama"), tokenizer_files, config, seed=1)
+    return _build(tmp_path_factory, "llama", tokenizer_files, config, seed=1)
 
 
 @pytest.fixture(scope="session")
@@ -120,7 +163,7 @@ def qwen2_ckpt(tmp_path_factory: pytest.TempPathFactory, tokenizer_files: Path) 
         rope_theta=1000000.0,
         tie_word_embeddings=False,
     )
-    return _build(tmp_path_factory.mktemp("qwen2"), tokenizer_files, config, seed=2)
+    return _build(tmp_path_factory, "qwen2", tokenizer_files, config, seed=2)
 
 
 @pytest.fixture(scope="session")
@@ -136,7 +179,7 @@ def tied_llama_ckpt(tmp_path_factory: pytest.TempPathFactory, tokenizer_files: P
         head_dim=32,
         tie_word_embeddings=True,
     )
-    return _build(tmp_path_factory.mktemp("tied_llama"), tokenizer_files, config, seed=3)
+    return _build(tmp_path_factory, "tied_llama", tokenizer_files, config, seed=3)
 
 
 @pytest.fixture(scope="session")
@@ -152,9 +195,7 @@ def sharded_llama_ckpt(tmp_path_factory: pytest.TempPathFactory, tokenizer_files
         rope_scaling={"rope_type": "linear", "factor": 2.0},
         tie_word_embeddings=False,
     )
-    return _build(
-        tmp_path_factory.mktemp("sharded_llama"), tokenizer_files, config, max_shard_size="1MB", seed=4
-    )
+    return _build(tmp_path_factory, "sharded_llama", tokenizer_files, config, max_shard_size="1MB", seed=4)
 
 
 @pytest.fixture(scope="session")
@@ -170,7 +211,7 @@ def mistral_ckpt(tmp_path_factory: pytest.TempPathFactory, tokenizer_files: Path
         sliding_window=None,
         tie_word_embeddings=False,
     )
-    return _build(tmp_path_factory.mktemp("mistral"), tokenizer_files, config, seed=5)
+    return _build(tmp_path_factory, "mistral", tokenizer_files, config, seed=5)
 
 
 _BLOCK_SIZE = 4  # small, so a prompt spans several blocks

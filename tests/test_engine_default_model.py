@@ -26,12 +26,13 @@ def test_answers_paris(llm: LLM) -> None:
     assert out.finish_reason == "stop"
 
 
-def test_greedy_matches_transformers_on_the_same_gguf(llm: LLM, smollm2_gguf: Path, hf_greedy: Any) -> None:
+def test_greedy_matches_transformers_on_the_same_gguf(
+    llm: LLM, smollm2_transformers: Path, hf_greedy: Any
+) -> None:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
-    ).eval()
+    # transformers' reading of the embedded GGUF, saved once per run by conftest.py
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_transformers, dtype=torch.float32).eval()
     tok = llm.tokenizer
     prompts = [
         tok.encode(tok.apply_chat_template(QUESTION), add_special_tokens=False),

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 KERNELS = ROOT / "tests" / "kernels"
 # Each check file in shards of about a minute (tests/pytest_plugins/shard.py: every N-th test), so that
 # `pytest -n 2` runs them side by side: paged attention alone took 3 min, the small kernels 1.5.
-SHARDS = {"paged_attention": 2, "small_kernels": 2, "fp8_kernels": 1}
+SHARDS = {"paged_attention": 2, "small_kernels": 1, "fp8_kernels": 1}
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 

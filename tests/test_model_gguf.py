@@ -18,11 +18,11 @@ def ours(smollm2_gguf: Path):
 
 
 @pytest.fixture(scope="module")
-def theirs(smollm2_gguf: Path):
+def theirs(smollm2_transformers: Path):
+    """transformers' reading of the same GGUF (conftest.py saves it once per run)."""
     from transformers import AutoModelForCausalLM
 
-    folder, name = smollm2_gguf.parent, smollm2_gguf.name
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(smollm2_transformers, dtype=torch.float32).eval()
 
 
 def test_config_from_gguf_metadata(ours) -> None:

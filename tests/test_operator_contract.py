@@ -11,7 +11,6 @@ import argparse
 import functools
 import os
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -243,8 +242,9 @@ def test_a_stored_int8_object_is_an_invalid_spec() -> None:
 @pytest.fixture(scope="session")
 def tp8_llama_ckpt(tmp_path_factory: pytest.TempPathFactory, tokenizer_files: Path) -> Path:
     """Llama with 16 query and 8 KV heads: at TP 8 each rank holds one KV head, as 70B and 405B do."""
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
+
+    from tests.conftest import _build
 
     config = LlamaConfig(
         vocab_size=49152,
@@ -259,13 +259,7 @@ def tp8_llama_ckpt(tmp_path_factory: pytest.TempPathFactory, tokenizer_files: Pa
         eos_token_id=2,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("tp8_llama")
-    LlamaForCausalLM(config).save_pretrained(folder)
-    GenerationConfig(bos_token_id=1, eos_token_id=[2], do_sample=False).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_files / name, folder / name)
-    return folder
+    return _build(tmp_path_factory, "tp8_llama", tokenizer_files, config, seed=0)
 
 
 # Every precision at TP 1 and 2, where sharding meets each dtype (and fp8's per-shard scales); TP 4 and

@@ -97,3 +97,129 @@ def test_fork_shares_prompt_blocks() -> None:
     for r in [leader, *children]:
         sched.finish(r)
     assert bm.num_free_blocks == 32
+
+
+def order(sched: Scheduler) -> list[str]:
+    """What `schedule` returns, in batch order (a dict comparison would not see the order)."""
+    out = sched.schedule()
+    for req in sched.advance(out):
+        req.token_ids[-1] = 7
+    return [f"{r.request_id}:{n}" for r, n in zip(out.requests, out.num_scheduled_tokens, strict=True)]
+
+
+def test_a_chunked_leader_stops_at_the_fork_point() -> None:
+    sched = Scheduler(BlockManager(32, 4), max_num_seqs=8, max_num_batched_tokens=4)
+    leader = make(10, "x#0")
+    leader.pending_forks = [make(10, "x#1")]
+    sched.add(leader)
+    assert order(sched) == ["x#0:4"]
+    assert order(sched) == ["x#0:4"]
+    assert order(sched) == ["x#0:1"]  # 9 computed: the fork point, not the whole 4-token budget
+    assert order(sched) == ["x#0:1", "x#1:1"]  # forked: each computes the last prompt token
+    assert [r.num_tokens for r in sched.running] == [11, 11]
+
+
+def test_forks_from_a_cached_prefix_join_right_after_their_leader() -> None:
+    bm = BlockManager(32, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    sched.add(make(9, "first"))  # computes and caches blocks 0-7 of the prompt the siblings share
+    assert order(sched) == ["first:9"]
+    sched.finish(sched.running[0])
+    sched.add(make(3, "other", start=500))
+    assert order(sched) == ["other:3"]
+    leader = make(9, "x#0")
+    leader.pending_forks = [make(9, "x#1"), make(9, "x#2")]
+    sched.add(leader)
+    # The cache holds everything up to the fork point (8 tokens): the leader forks at once, and nothing
+    # of the group runs this step.
+    assert order(sched) == ["other:1"]
+    assert [r.request_id for r in sched.running] == ["other", "x#0", "x#1", "x#2"]
+    assert all(r.status is RequestStatus.RUNNING for r in sched.running)
+    assert order(sched) == ["other:1", "x#0:1", "x#1:1", "x#2:1"]
+    assert leader.num_cached_tokens == 8
+
+
+def test_a_partly_cached_leader_computes_only_up_to_the_fork_point() -> None:
+    sched = Scheduler(BlockManager(32, 4), max_num_seqs=8, max_num_batched_tokens=100)
+    sched.add(make(10, "first"))
+    assert order(sched) == ["first:10"]
+    sched.finish(sched.running[0])
+    leader = make(10, "x#0")  # 8 of its tokens are cached; the fork point is 9
+    leader.pending_forks = [make(10, "x#1")]
+    sched.add(leader)
+    assert order(sched) == ["x#0:1"]
+    assert order(sched) == ["x#0:1", "x#1:1"]
+
+
+def test_an_exhausted_budget_schedules_nothing_more() -> None:
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=5)
+    sched.add(make(5, "a"))
+    sched.add(make(4, "b", start=100))
+    assert order(sched) == ["a:5"]  # no zero-token row for "b", which keeps waiting
+    assert [r.request_id for r in sched.waiting] == ["b"]
+    assert sched.waiting[0].status is RequestStatus.WAITING
+    assert order(sched) == ["a:1", "b:4"]
+    assert order(sched) == ["a:1", "b:1"]
+
+
+def test_the_last_token_of_the_budget_is_used() -> None:
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=6)
+    sched.add(make(5, "a"))
+    sched.add(make(4, "b", start=100))
+    assert order(sched) == ["a:5", "b:1"]  # one token left: a one-token chunk of "b"
+    sched.add(make(4, "c", start=200))
+    assert order(sched) == ["a:1", "b:3", "c:2"]
+    sched.add(make(4, "d", start=300))
+    assert order(sched) == ["a:1", "b:1", "c:2", "d:2"]
+    assert order(sched) == ["a:1", "b:1", "c:1", "d:2"]
+    # Three decodes and a decode-sized budget: the last decode still gets the budget's last token.
+    sched.finish(next(r for r in sched.running if r.request_id == "a"))
+    assert order(sched) == ["b:1", "c:1", "d:1"]
+
+
+def test_the_spent_mixed_prefill_cap_admits_nothing() -> None:
+    """Beside decodes, once a running chunk has spent the mixed-prefill cap no prompt is admitted."""
+    sched = Scheduler(BlockManager(64, 4), 8, max_num_batched_tokens=32, max_mixed_prefill_tokens=2)
+    sched.add(make(3, "dec"))
+    assert order(sched) == ["dec:3"]
+    sched.add(make(6, "p1", start=100))
+    sched.add(make(6, "p2", start=200))
+    assert order(sched) == ["dec:1", "p1:2"]  # the cap is spent on p1: p2 waits
+    assert order(sched) == ["dec:1", "p1:2"]  # p1 running takes the cap again; p2 still waits
+    sched.add(make(2, "tail", start=300))
+    assert [r.request_id for r in sched.waiting] == ["p2", "tail"]
+
+
+def test_a_fork_waits_for_its_leader_to_reach_the_fork_point() -> None:
+    sched = Scheduler(BlockManager(32, 4), max_num_seqs=8, max_num_batched_tokens=3)
+    leader = make(8, "x#0")
+    child = make(8, "x#1")
+    leader.pending_forks = [child]
+    sched.add(leader)
+    assert order(sched) == ["x#0:3"]  # 3 computed, below the fork point 7: no fork yet
+    assert child.status is RequestStatus.WAITING and sched.running == [leader]
+    assert order(sched) == ["x#0:3"]
+    assert order(sched) == ["x#0:1"]
+    assert order(sched) == ["x#0:1", "x#1:1"]
+
+
+def test_finish_frees_waiting_siblings_and_preemption_counts_once() -> None:
+    bm = BlockManager(32, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    leader = make(10, "x#0")
+    child = make(10, "x#1")
+    leader.pending_forks = [child]
+    sched.add(leader)
+    assert sched.has_unfinished
+    assert order(sched) == ["x#0:9"]
+    sched.finish(leader)  # aborted before its siblings forked: they end with it
+    assert child.status is RequestStatus.FINISHED and leader.pending_forks == []
+    assert not sched.has_unfinished and bm.num_free_blocks == 32
+    assert sched.num_preemptions == 0
+    sched.add(make(3, "only-waiting"))
+    assert sched.has_unfinished and not sched.running  # waiting alone counts as unfinished
+    victim = make(4, "v", start=50)
+    sched.add(victim)
+    order(sched)
+    sched._preempt(victim)
+    assert victim.num_preemptions == 1 and sched.num_preemptions == 1

@@ -18,8 +18,8 @@ from pagoda.service.grpc_gen import inference_pb2 as pb
 from pagoda.service.grpc_gen import inference_pb2_grpc as pb_grpc
 from pagoda.service.serve_process import ServeProcess
 
-NUM_STREAMS = 16
-MAX_TOKENS = 300
+NUM_STREAMS = 8
+MAX_TOKENS = 96
 
 
 def _server(llama_ckpt: Path, tmp_path: Path, *flags: str) -> ServeProcess:

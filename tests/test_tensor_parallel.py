@@ -43,7 +43,7 @@ def one_kv_head_ckpt(tmp_path_factory: pytest.TempPathFactory, tokenizer_files: 
         num_key_value_heads=1,
         tie_word_embeddings=False,
     )
-    return _build(tmp_path_factory.mktemp("one_kv_head"), tokenizer_files, config, seed=6)
+    return _build(tmp_path_factory, "one_kv_head", tokenizer_files, config, seed=6)
 
 
 def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:

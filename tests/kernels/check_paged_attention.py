@@ -290,7 +290,8 @@ def test_token_major_v_cache(fp8: bool, block_size: int, num_splits: int) -> Non
                 **batch, decode_config=decode_config(tile_n=16), prefill_config=PrefillConfig(tile_n=6)
             )
     check(batch, decode_config=decode_config(num_splits=num_splits), prefill_config=prefill)
-    check(batch, decode_config=decode_config(tile_n=32, num_splits=num_splits), prefill_config=prefill)
+    if not INTERPRET:  # 16-slot tiles already meet blocks smaller than, equal to and larger than a tile
+        check(batch, decode_config=decode_config(tile_n=32, num_splits=num_splits), prefill_config=prefill)
     if batch["q"].is_cuda:
         check(batch, decode_config=DecodeConfig(num_splits=num_splits))
         check(batch)
