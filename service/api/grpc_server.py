@@ -3,7 +3,6 @@ the same engine client as HTTP."""
 
 from __future__ import annotations
 
-import hmac
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -13,6 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 
+from pagoda.service.api.api_keys import APIKeys
 from pagoda.service.api.engine_client import APIError, EngineClient, ServingState
 from pagoda.service.api.structured_output import grammar_from_proto
 from pagoda.service.api.tool_calls import (
@@ -258,15 +258,12 @@ class APIKeyInterceptor(grpc.aio.ServerInterceptor):
     OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
     def __init__(self, keys: Sequence[str]) -> None:
-        self.keys = [k.encode() for k in keys]
+        self.keys = APIKeys(keys)
 
     def authorized(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
         for name, value in metadata or ():
             if name == "authorization":
-                raw = value if isinstance(value, bytes) else value.encode()
-                scheme, _, token = raw.partition(b" ")
-                matches = [hmac.compare_digest(token.strip(), key) for key in self.keys]
-                return scheme.lower() == b"bearer" and any(matches)
+                return self.keys.accept(value)
         return False
 
     async def intercept_service(

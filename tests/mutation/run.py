@@ -48,11 +48,12 @@ TARGETS: dict[str, Target] = {
         "service/engine/output_processor.py",
         ("tests/test_output_processor.py", "tests/test_output_stream.py"),
     ),
-    # The API key and body-size guards of HTTP. gRPC's key check (APIKeyInterceptor.authorized) is held
-    # to the same table by tests/test_api_guards.py, but grpc_server.py is mostly the servicer, whose
-    # tests start a server: not a target yet.
+    # The API-key check both transports call (HTTP's APIKeyGuard, gRPC's APIKeyInterceptor), then
+    # HTTP's guards around it (which header, which paths are open, the body size limit).
+    "api_keys": Target("service/api/api_keys.py", ("tests/test_api_guards.py",)),
     # 30 s: a mutant that never ends the body loop hangs its test client (the tests take 5 s).
     "http_guards": Target("service/api/http_guards.py", ("tests/test_api_guards.py",), 30.0),
+    "grammar": Target("service/grammar.py", ("tests/test_grammar.py",)),
     "tool_calls": Target(
         "service/api/tool_calls.py",
         ("tests/test_serve_openai_tools.py", "-k", "auto_parsers or plain_text_streams"),

@@ -1,0 +1,158 @@
+"""`pagoda.service.grammar` on its own (no model, no server): what each front door builds, what
+llguidance is handed, and the 400s for grammars and logit_bias that cannot be served. The served paths
+are in tests/test_structured_output.py; this is the fast target of `make mutation` for grammar handling."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from llguidance import LLMatcher
+
+from pagoda.service.grammar import (
+    LOGIT_BIAS_LIMIT,
+    Grammar,
+    check_logit_bias,
+    parse_logit_bias,
+    validate_grammar,
+)
+from pagoda.service.sampling_params import InvalidRequestError
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+def test_each_constructor_keeps_its_kind_source_and_parameter() -> None:
+    assert Grammar.json_schema(SCHEMA) == Grammar("json_schema", json.dumps(SCHEMA), "response_format")
+    assert Grammar.json_schema(True, "tools").param == "tools"
+    assert Grammar.json_object() == Grammar("json_schema", '{"type": "object"}', "response_format")
+    assert Grammar.regex("[0-9]+") == Grammar("regex", "[0-9]+", "guided_regex")
+    assert Grammar.choice(["a", "b"]) == Grammar("choice", '["a", "b"]', "guided_choice")
+    assert Grammar.lark('start: "x"') == Grammar("lark", 'start: "x"', "guided_grammar")
+    assert Grammar.regex("x", "guided_regex_other").param == "guided_regex_other"
+
+
+@pytest.mark.parametrize(
+    ("build", "param"),
+    [
+        (lambda: Grammar.json_schema([1, 2]), "response_format"),  # type: ignore[arg-type]
+        (lambda: Grammar.json_schema("{}", "guided_json"), "guided_json"),  # type: ignore[arg-type]
+        (lambda: Grammar.choice([]), "guided_choice"),
+        (lambda: Grammar.choice(["a", 1]), "guided_choice"),  # type: ignore[list-item]
+        (lambda: Grammar.lark("root ::= ("), "guided_grammar"),
+    ],
+)
+def test_malformed_input_is_refused_naming_its_parameter(build, param: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        build()
+    assert info.value.param == param and param in str(info.value)
+
+
+def test_gbnf_is_converted_to_lark_and_lark_is_kept() -> None:
+    converted = Grammar.lark('root ::= "yes" | "no"')
+    assert converted.kind == "lark" and "::=" not in converted.source
+    validate_grammar(converted)
+    lark = 'start: "a" "b"'
+    assert Grammar.lark(lark).source == lark  # no rule ::= in it: left as it is
+
+
+@pytest.fixture(scope="module")
+def accepts(tokenizer_files: Path) -> Callable[[Grammar, str], bool]:
+    """Whether the compiled `grammar` takes exactly `text`, tokenized by SmolLM2's tokenizer."""
+    from llguidance import LLTokenizer
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_file(str(tokenizer_files / "tokenizer.json"))
+    ll_tokenizer = LLTokenizer(backend.to_str(), eos_token=2)
+
+    def check(grammar: Grammar, text: str) -> bool:
+        matcher = LLMatcher(ll_tokenizer, grammar.to_llguidance(), log_level=0)
+        ids = backend.encode(text, add_special_tokens=False).ids
+        return not matcher.is_error() and matcher.consume_tokens(ids) and matcher.is_accepting()
+
+    return check
+
+
+@pytest.mark.parametrize(
+    ("grammar", "good", "bad"),
+    [
+        (Grammar.json_schema(SCHEMA), '{"a":12}', '{"a":"12"}'),
+        (Grammar.json_object(), '{"k":[1,2]}', "[1,2]"),
+        (Grammar.regex("[0-9]{3}"), "123", "12"),
+        (Grammar.choice(["red", "blue"]), "blue", "green"),
+        (Grammar.lark('start: "x" | "y"'), "y", "z"),
+        (Grammar.lark('root ::= "yes" | "no"'), "no", "maybe"),
+    ],
+    ids=["json_schema", "json_object", "regex", "choice", "lark", "gbnf"],
+)
+def test_the_compiled_grammar_takes_what_it_should_and_nothing_else(
+    accepts: Callable[[Grammar, str], bool], grammar: Grammar, good: str, bad: str
+) -> None:
+    assert accepts(grammar, good)
+    assert not accepts(grammar, bad)
+
+
+def test_json_is_compact(accepts: Callable[[Grammar, str], bool]) -> None:
+    """No free whitespace between JSON tokens: a small model cannot loop on newlines."""
+    assert accepts(Grammar.json_schema(SCHEMA), '{"a":1}')
+    assert not accepts(Grammar.json_schema(SCHEMA), '{ "a": 1 }')
+
+
+@pytest.mark.parametrize(
+    ("grammar", "needle"),
+    [
+        (Grammar.json_schema(SCHEMA), '"integer"'),
+        (Grammar.regex("[0-9]{3}"), "[0-9]{3}"),
+        (Grammar.choice(["red", "blue"]), '"red" | "blue"'),
+        (Grammar.lark('start: "x" | "y"'), 'start: "x" | "y"'),
+    ],
+)
+def test_each_kind_reaches_llguidance_as_its_own_grammar(grammar: Grammar, needle: str) -> None:
+    serialized = grammar.to_llguidance()
+    assert LLMatcher.validate_grammar(serialized) == ""
+    assert needle in serialized, serialized
+
+
+@pytest.mark.parametrize(
+    ("grammar", "param"),
+    [
+        (Grammar.regex("(", "guided_regex"), "guided_regex"),
+        (Grammar.lark("start: undefined_rule", "guided_grammar"), "guided_grammar"),
+        (Grammar("json_schema", "{not json", "response_format"), "response_format"),
+        (Grammar.json_schema({"type": "no-such-type"}, "guided_json"), "guided_json"),
+    ],
+)
+def test_a_grammar_that_cannot_compile_is_a_400_naming_it(grammar: Grammar, param: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        validate_grammar(grammar)
+    assert info.value.param == param
+    assert str(info.value).startswith(f"{param} is invalid: ") and len(str(info.value)) > len(param) + 13
+
+
+def test_a_valid_grammar_passes() -> None:
+    for grammar in (Grammar.json_schema(SCHEMA), Grammar.regex("a+"), Grammar.choice(["x"])):
+        validate_grammar(grammar)
+
+
+def test_logit_bias_bounds() -> None:
+    check_logit_bias(None, 10)
+    check_logit_bias({}, 10)
+    check_logit_bias({0: -LOGIT_BIAS_LIMIT, 9: LOGIT_BIAS_LIMIT}, 10)  # both ends are allowed
+    for bad in ({10: 1.0}, {-1: 1.0}):
+        with pytest.raises(InvalidRequestError, match=r"out of range \[0, 10\)") as info:
+            check_logit_bias(bad, 10)
+        assert info.value.param == "logit_bias"
+    for value in (LOGIT_BIAS_LIMIT + 0.5, -LOGIT_BIAS_LIMIT - 0.5):
+        with pytest.raises(InvalidRequestError, match=r"\[-100, 100\]") as info:
+            check_logit_bias({3: value}, 10)
+        assert info.value.param == "logit_bias"
+    assert LOGIT_BIAS_LIMIT == 100.0
+
+
+def test_logit_bias_keys_arrive_as_strings() -> None:
+    assert parse_logit_bias(None) is None and parse_logit_bias({}) is None
+    assert parse_logit_bias({"5": 2, "7": -1.5}) == {5: 2.0, 7: -1.5}
+    with pytest.raises(InvalidRequestError) as info:
+        parse_logit_bias({"the": 1.0})
+    assert info.value.param == "logit_bias"
