@@ -223,3 +223,96 @@ def test_finish_frees_waiting_siblings_and_preemption_counts_once() -> None:
     order(sched)
     sched._preempt(victim)
     assert victim.num_preemptions == 1 and sched.num_preemptions == 1
+
+
+def test_siblings_of_a_running_leader_come_before_the_requests_after_it() -> None:
+    sched = Scheduler(BlockManager(32, 4), max_num_seqs=8, max_num_batched_tokens=6)
+    leader = make(10, "x#0")
+    leader.pending_forks = [make(10, "x#1"), make(10, "x#2")]
+    sched.add(leader)
+    sched.add(make(2, "other", start=100))
+    assert order(sched) == ["x#0:6"]
+    # 6 computed, the fork point is 9: 3 more tokens, not the 4 that remain nor the 6 of the budget.
+    assert order(sched) == ["x#0:3", "other:2"]
+    assert order(sched) == ["x#0:1", "x#1:1", "x#2:1", "other:1"]
+
+
+def test_a_cached_prefix_that_is_not_the_whole_prompt() -> None:
+    sched = Scheduler(BlockManager(32, 4), max_num_seqs=8, max_num_batched_tokens=100)
+    sched.add(make(6, "first"))  # caches one full block: tokens 0-3
+    assert order(sched) == ["first:6"]
+    sched.finish(sched.running[0])
+    sched.add(make(10, "y"))  # tokens 0-9: 4 cached, 6 to compute
+    assert order(sched) == ["y:6"]
+    sched.finish(sched.running[0])
+    leader = make(10, "x#0")  # 8 cached now; the fork point is 9
+    leader.pending_forks = [make(10, "x#1")]
+    sched.add(leader)
+    assert order(sched) == ["x#0:1"]
+
+
+def test_a_cached_fork_lets_the_next_waiting_request_in() -> None:
+    sched = Scheduler(BlockManager(32, 4), max_num_seqs=8, max_num_batched_tokens=100)
+    sched.add(make(9, "first"))
+    assert order(sched) == ["first:9"]
+    sched.finish(sched.running[0])
+    leader = make(9, "x#0")
+    leader.pending_forks = [make(9, "x#1")]
+    sched.add(leader)
+    sched.add(make(3, "late", start=100))
+    assert order(sched) == ["late:3"]  # the group forked without a row, and the queue went on
+    assert [r.request_id for r in sched.running] == ["x#0", "x#1", "late"]
+
+
+def test_decodes_share_out_the_budget_to_its_last_token() -> None:
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=6)
+    for i, name in enumerate("abc"):
+        sched.add(make(2, name, start=10 * i))
+    assert order(sched) == ["a:2", "b:2", "c:2"]
+    sched.max_num_batched_tokens = 2
+    assert order(sched) == ["a:1", "b:1"]  # no zero-token row for "c"
+    assert order(sched) == ["a:1", "b:1"]
+
+
+def test_the_cap_applies_beside_decodes_only_even_to_a_two_token_chunk() -> None:
+    # No decode running: a running chunk takes the whole budget, whatever its counts.
+    for prompt, budget in ((7, 3), (7, 4)):
+        sched = Scheduler(BlockManager(64, 4), 8, max_num_batched_tokens=budget, max_mixed_prefill_tokens=2)
+        sched.add(make(prompt, "p"))
+        assert order(sched) == [f"p:{budget}"]
+        assert order(sched) == [f"p:{min(budget, prompt - budget)}"]
+    # Beside a decode, a cap of 1 holds a 2-token chunk to 1 token.
+    sched = Scheduler(BlockManager(64, 4), 8, max_num_batched_tokens=16, max_mixed_prefill_tokens=1)
+    sched.add(make(2, "dec"))
+    sched.add(make(4, "p", start=100))
+    assert order(sched) == ["dec:2", "p:4"]
+    sched.add(make(2, "q", start=200))
+    assert order(sched) == ["dec:1", "p:1", "q:1"]
+    assert order(sched) == ["dec:1", "p:1", "q:1"]
+
+
+def test_advance_skips_a_request_finished_meanwhile_and_goes_on() -> None:
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=100)
+    for i, name in enumerate("abc"):
+        sched.add(make(3, name, start=10 * i))
+    out = sched.schedule()
+    assert not out.is_empty and out.total_num_tokens == 9
+    middle = out.requests[1]
+    sched.finish(middle)  # e.g. aborted while its step ran
+    grew = sched.advance(out)
+    assert [r.request_id for r in grew] == ["a", "c"]
+    assert middle.num_computed_tokens == 0 and out.requests[2].num_computed_tokens == 3
+    assert sched.schedule().total_num_tokens == 2
+    empty = Scheduler(BlockManager(8, 4), 8, 100).schedule()
+    assert empty.is_empty and empty.total_num_tokens == 0
+
+
+def test_a_long_prompt_samples_when_its_last_chunk_is_computed() -> None:
+    """Token counts past 256, where CPython's small-int cache ends: compared by value, not identity."""
+    sched = Scheduler(BlockManager(128, 4), max_num_seqs=8, max_num_batched_tokens=200)
+    req = make(300, "long")
+    sched.add(req)
+    assert order(sched) == ["long:200"]
+    assert req.num_tokens == 300
+    assert order(sched) == ["long:100"]
+    assert req.num_tokens == 301 and req.token_ids[-1] == 7
