@@ -143,6 +143,9 @@ def test_logit_bias_bounds() -> None:
         with pytest.raises(InvalidRequestError, match=r"out of range \[0, 10\)") as info:
             check_logit_bias(bad, 10)
         assert info.value.param == "logit_bias"
+    with pytest.raises(InvalidRequestError) as info:
+        check_logit_bias({t: 1.0 for t in range(10, 17)}, 10)  # seven bad ids: the first five are named
+    assert str(info.value).endswith("[10, 11, 12, 13, 14]")
     for value in (LOGIT_BIAS_LIMIT + 0.5, -LOGIT_BIAS_LIMIT - 0.5):
         with pytest.raises(InvalidRequestError, match=r"\[-100, 100\]") as info:
             check_logit_bias({3: value}, 10)
