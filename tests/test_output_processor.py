@@ -162,3 +162,158 @@ def test_request_metrics_are_observed_from_the_deltas_as_they_stream(tokenizer_f
     assert (
         metrics.registry.get_sample_value("pagoda_requests_finished_total", {"finish_reason": "length"}) == 1
     )
+
+
+# --- edges found by mutation testing ------------------------------------------------------------------
+
+
+def test_held_back_is_the_longest_suffix_that_starts_a_stop_string() -> None:
+    from pagoda.service.engine.output_processor import held_back
+
+    assert held_back("hello wor", ["world"]) == 3
+    assert held_back("hello", ["x"]) == 0  # a one-character stop string is never held back
+    assert held_back("ab", ["abcdef"]) == 2  # the whole text may be held back
+    assert held_back("xab", ["abc", "b!"]) == 2  # the longest of several
+    assert held_back("aa", ["aaa"]) == 2  # not the shorter "a" found after it
+    assert held_back("sto", ["stop"]) == 3
+    assert held_back("xstop", ["stop"]) == 0  # a whole stop string is found, not held back
+    assert held_back("abc", []) == 0
+
+
+def _feed(processor: OutputProcessor, rid: str, ids: list[int], **token: object) -> list[RequestOutput]:
+    produced = []
+    for i, t in enumerate(ids):
+        out, _ = processor.process([TokenOutput(rid, 0, SampleResult(t), **token)], [], now=float(i))  # type: ignore[arg-type]
+        produced += out
+    return produced
+
+
+def test_a_stop_string_is_found_at_the_start_and_across_the_shown_text(tokenizer_files: Path) -> None:
+    tokenizer = Tokenizer.from_path(tokenizer_files)
+    processor = OutputProcessor(tokenizer, max_model_len=64)
+    processor.add_request("first", None, [1], SamplingParams(max_tokens=50, stop=["Hello"]), 0.0)
+    (final,) = _feed(processor, "first", tokenizer.encode("Hello there", add_special_tokens=False))[:1]
+    assert final.finished and final.outputs[0].text == "" and final.outputs[0].stop_reason == "Hello"
+    # Nine characters shown, "9" held back, then "abcd" completes "9abc": the search must start before
+    # the shown text ends (at 9 - 4), not after it.
+    processor.add_request("digits", None, [1], SamplingParams(max_tokens=50, stop=["9abc"]), 0.0)
+    ids = tokenizer.encode("0123456789abcd and more", add_special_tokens=False)
+    outputs = _feed(processor, "digits", ids)
+    assert outputs[-1].finished and outputs[-1].outputs[0].text == "012345678"
+    assert "".join(o.outputs[0].text_delta for o in outputs) == "012345678"
+
+
+def test_text_is_shown_as_it_comes_less_what_may_start_a_stop_string(tokenizer_files: Path) -> None:
+    tokenizer = Tokenizer.from_path(tokenizer_files)
+    processor = OutputProcessor(tokenizer, max_model_len=64)
+    processor.add_request("r", None, [1], SamplingParams(max_tokens=50, stop=["world!"]), 0.0)
+    ids = tokenizer.encode("hello wor", add_special_tokens=False)
+    outputs = _feed(processor, "r", ids)
+    assert "".join(o.outputs[0].text_delta for o in outputs) == "hello "  # "wor" is held back
+
+
+def test_tokens_of_aborted_or_stopped_requests_do_not_stop_the_others(tokenizer_files: Path) -> None:
+    tokenizer = Tokenizer.from_path(tokenizer_files)
+    processor = OutputProcessor(tokenizer, max_model_len=64)
+    processor.add_request("stopped", None, [1], SamplingParams(max_tokens=50, stop=[" two"]), 0.0)
+    processor.add_request("live", None, [1], SamplingParams(max_tokens=50), 0.0)
+    ids = tokenizer.encode(" one two three", add_special_tokens=False)
+    for i, t in enumerate(ids[:2]):
+        processor.process([TokenOutput("stopped", 0, SampleResult(t))], [], now=float(i))
+    assert "stopped" not in processor.requests  # " two" ended it
+    processor.add_request("late", None, [1], SamplingParams(max_tokens=50, stop=["zz"]), 0.0)
+    processor.process([TokenOutput("late", 0, SampleResult(ids[0]))], [], now=3.0)
+    processor.requests["late"].completions[0].finish_reason = "stop"  # as a stop string leaves it
+    step = [
+        TokenOutput("gone", 0, SampleResult(ids[0])),  # aborted while the step ran
+        TokenOutput("late", 0, SampleResult(ids[1])),  # stopped; the core's abort is on its way
+        TokenOutput("live", 0, SampleResult(ids[0])),
+    ]
+    produced, stops = processor.process(step, [], now=4.0)
+    assert [o.request_id for o in produced] == ["live"] and stops == []
+    assert produced[0].outputs[0].token_ids_delta == [ids[0]]
+
+
+def test_abort_and_fail_end_only_the_completions_still_going(tokenizer_files: Path) -> None:
+    processor = OutputProcessor(Tokenizer.from_path(tokenizer_files), max_model_len=64)
+    assert processor.abort("unknown", 1.0) is None and processor.fail("unknown", "boom", 1.0) is None
+    for end in ("abort", "fail"):
+        processor.add_request(end, None, [1], SamplingParams(n=2, max_tokens=5), 0.0)
+        processor.process([TokenOutput(end, 0, SampleResult(300), "length")], [], now=1.0)
+        out = processor.abort(end, 2.0) if end == "abort" else processor.fail(end, "boom", 2.0)
+        assert out is not None and out.finished
+        assert [c.finish_reason for c in out.outputs] == ["length", "abort" if end == "abort" else "error"]
+        assert (out.error == "boom") is (end == "fail")
+        assert end not in processor.requests
+
+
+def test_prompt_logprobs_in_chunks_and_after_a_recompute(tokenizer_files: Path) -> None:
+    processor = OutputProcessor(Tokenizer.from_path(tokenizer_files), max_model_len=64)
+    processor.add_request("r", None, [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=5, prompt_logprobs=0), 0.0)
+
+    def scores(first: int, count: int) -> list[SampleResult]:
+        return [SampleResult(100 + p, -float(p)) for p in range(first, first + count)]
+
+    processor.process([], [PromptLogprobs("r", 1, scores(1, 3))], now=1.0)  # positions 1-3
+    processor.process([], [PromptLogprobs("r", 1, scores(1, 5))], now=2.0)  # preempted: 1-5 again
+    logprobs = processor.requests["r"].prompt_logprobs
+    assert logprobs is not None and logprobs[0] is None
+    assert [lp.token_id for lp in logprobs[1:]] == [101, 102, 103, 104, 105]  # each position once
+    processor.process([], [PromptLogprobs("r", 1, [SampleResult(7, None)])], now=3.0)
+    assert len(logprobs) == 6  # nothing new
+
+
+def test_logprobs_only_when_asked_and_with_their_top_tokens(tokenizer_files: Path) -> None:
+    tokenizer = Tokenizer.from_path(tokenizer_files)
+    processor = OutputProcessor(tokenizer, max_model_len=64)
+    processor.add_request("plain", None, [1], SamplingParams(max_tokens=1), 0.0)
+    processor.add_request("scored", None, [1], SamplingParams(max_tokens=1, logprobs=1), 0.0)
+    sample = SampleResult(300, -0.25, [(300, -0.25), (301, -2.0)])
+    produced, _ = processor.process(
+        [TokenOutput("plain", 0, sample, "length"), TokenOutput("scored", 0, sample, "length")], [], 1.0
+    )
+    plain, scored = (o.outputs[0] for o in produced)
+    assert plain.logprobs is None and plain.logprobs_delta is None
+    (lp,) = scored.logprobs or []
+    assert (lp.token_id, lp.token, lp.logprob) == (300, tokenizer.id_to_token(300), -0.25)
+    assert [(t.token_id, t.logprob) for t in lp.top] == [(300, -0.25), (301, -2.0)]
+    assert processor._logprob(SampleResult(5)).logprob == 0.0  # an unscored token reads as 0
+
+
+def test_a_final_only_output_carries_every_token_as_its_delta(tokenizer_files: Path) -> None:
+    processor = OutputProcessor(Tokenizer.from_path(tokenizer_files), max_model_len=64)
+    processor.add_request("r", None, [1], SamplingParams(max_tokens=3, logprobs=0), 0.0, final_only=True)
+    for i in range(3):
+        produced, _ = processor.process(
+            [TokenOutput("r", 0, SampleResult(300 + i, -1.0), "length" if i == 2 else None)], [], float(i)
+        )
+    (out,) = produced
+    assert out.outputs[0].token_ids_delta == [300, 301, 302]
+    assert [lp.token_id for lp in out.outputs[0].logprobs_delta or []] == [300, 301, 302]
+
+
+def test_queue_time_is_the_first_sequence_s(tokenizer_files: Path) -> None:
+    processor = OutputProcessor(Tokenizer.from_path(tokenizer_files), max_model_len=64)
+    processor.add_request("r", None, [1], SamplingParams(n=2, max_tokens=5), 0.0)
+    processor.process([TokenOutput("r", 0, SampleResult(300), scheduled_time=0.5)], [], 1.0)
+    processor.process([TokenOutput("r", 1, SampleResult(300), scheduled_time=0.7)], [], 2.0)
+    processor.process([TokenOutput("r", 0, SampleResult(301))], [], 3.0)
+    metrics = processor.requests["r"].metrics
+    assert (metrics.scheduled_time, metrics.first_token_time, metrics.last_token_time) == (0.5, 1.0, 3.0)
+
+
+def test_a_character_split_across_tokens_is_shown_whole(tokenizer_files: Path) -> None:
+    """A stop token id (finish_reason "stop", whatever string object carries it) hides the token; a
+    character whose bytes span tokens is held until it is whole, never shown as U+FFFD."""
+    tokenizer = Tokenizer.from_path(tokenizer_files)
+    processor = OutputProcessor(tokenizer, max_model_len=64)
+    processor.add_request("r", None, [1], SamplingParams(max_tokens=50), 0.0)
+    text = "a 🦜 b"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text.split())  # the parrot's four bytes take more than one token
+    outputs = _feed(processor, "r", ids)
+    assert all("\ufffd" not in o.outputs[0].text_delta for o in outputs)
+    stop = "".join(["st", "op"])  # not the interned literal: compared by value
+    end, _ = processor.process([TokenOutput("r", 0, SampleResult(2), stop, 2)], [], now=99.0)
+    assert "".join(o.outputs[0].text_delta for o in [*outputs, *end]) == text
+    assert end[0].outputs[0].finish_reason == "stop" and end[0].outputs[0].stop_reason == 2
