@@ -93,6 +93,14 @@ def test_the_compiled_grammar_takes_what_it_should_and_nothing_else(
     assert not accepts(grammar, bad)
 
 
+def test_a_grammar_that_crossed_a_process_boundary_compiles_the_same() -> None:
+    """The core gets its Grammar unpickled: its kind is an equal string, not the same object."""
+    for grammar in (Grammar.json_schema(SCHEMA), Grammar.regex("a+"), Grammar.choice(["x", "y"])):
+        copy = Grammar("".join(list(grammar.kind)), grammar.source, grammar.param)
+        assert copy.kind is not grammar.kind
+        assert copy.to_llguidance() == grammar.to_llguidance()
+
+
 def test_json_is_compact(accepts: Callable[[Grammar, str], bool]) -> None:
     """No free whitespace between JSON tokens: a small model cannot loop on newlines."""
     assert accepts(Grammar.json_schema(SCHEMA), '{"a":1}')
@@ -146,6 +154,12 @@ def test_logit_bias_bounds() -> None:
     with pytest.raises(InvalidRequestError) as info:
         check_logit_bias({t: 1.0 for t in range(10, 17)}, 10)  # seven bad ids: the first five are named
     assert str(info.value).endswith("[10, 11, 12, 13, 14]")
+    for token in (1000, 1001):  # past the small-int cache: compared by value
+        with pytest.raises(InvalidRequestError):
+            check_logit_bias({int(str(token)): 1.0}, int("1000"))
+    with pytest.raises(InvalidRequestError) as info:
+        check_logit_bias({t: 200.0 + t for t in range(7)}, 10)
+    assert str(info.value).endswith("[200.0, 201.0, 202.0, 203.0, 204.0]")
     for value in (LOGIT_BIAS_LIMIT + 0.5, -LOGIT_BIAS_LIMIT - 0.5):
         with pytest.raises(InvalidRequestError, match=r"\[-100, 100\]") as info:
             check_logit_bias({3: value}, 10)

@@ -251,6 +251,18 @@ def test_a_cached_prefix_that_is_not_the_whole_prompt() -> None:
     assert order(sched) == ["x#0:1"]
 
 
+def test_a_leader_with_one_cached_block_computes_up_to_the_fork_point() -> None:
+    sched = Scheduler(BlockManager(32, 4), max_num_seqs=8, max_num_batched_tokens=100)
+    sched.add(make(6, "first"))  # caches tokens 0-3
+    assert order(sched) == ["first:6"]
+    sched.finish(sched.running[0])
+    leader = make(10, "x#0")  # 4 cached; the fork point is 9: 5 to compute, not all 6 left
+    leader.pending_forks = [make(10, "x#1")]
+    sched.add(leader)
+    assert order(sched) == ["x#0:5"]
+    assert order(sched) == ["x#0:1", "x#1:1"]
+
+
 def test_a_cached_fork_lets_the_next_waiting_request_in() -> None:
     sched = Scheduler(BlockManager(32, 4), max_num_seqs=8, max_num_batched_tokens=100)
     sched.add(make(9, "first"))
