@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import shlex
 import signal
 import subprocess
 import sys
@@ -69,8 +70,13 @@ TARGETS: dict[str, Target] = {
 _PLUGINS_OFF = "-p no:hypothesispytest -p no:schemathesis -p no:anyio -p no:xdist -p no:xdist.looponfail"
 
 
+def _test_command(target: Target) -> str:
+    args = " ".join(shlex.quote(a) for a in target.tests)  # a `-k` expression has spaces
+    return f"{sys.executable} -m pytest -x -q -p no:cacheprovider {_PLUGINS_OFF} {args}"
+
+
 def _config(name: str, target: Target) -> Path:
-    pytest = f"{sys.executable} -m pytest -x -q -p no:cacheprovider {_PLUGINS_OFF} {' '.join(target.tests)}"
+    pytest = _test_command(target)
     path = WORK / f"{name}.toml"
     path.write_text(
         textwrap.dedent(
@@ -107,6 +113,10 @@ def run(name: str, target: Target) -> None:
         raise SystemExit(
             f"{target.source} differs from HEAD: commit or stash it first (it is edited in place)"
         )
+    # The tests must pass on the unmutated source, or every mutant would count as killed.
+    baseline = subprocess.run(shlex.split(_test_command(target)), cwd=ROOT, capture_output=True, text=True)
+    if baseline.returncode != 0:
+        raise SystemExit(f"{name}: the tests fail without a mutant:\n{baseline.stdout[-3000:]}")
     original = source.read_bytes()
     try:
         if not session.exists():
