@@ -61,7 +61,9 @@ TARGETS: dict[str, Target] = {
         ("tests/test_serve_openai_tools.py", "-k", "auto_parsers or plain_text_streams"),
     ),
     "profile": Target("operator/profile.py", ("tests/test_profile.py",)),
-    "status": Target("operator/status.py", ("tests/test_operator_reconcile.py",)),
+    "status": Target(
+        "operator/status.py", ("tests/test_operator_status.py", "tests/test_operator_reconcile.py")
+    ),
     "manifests": Target("operator/manifests.py", ("tests/test_operator_manifests.py",)),
 }
 
