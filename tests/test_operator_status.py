@@ -189,3 +189,46 @@ def test_status_counts_replicas_and_none_without_a_deployment() -> None:
     assert (without["replicas"], without["readyReplicas"]) == (0, 0)
     running = status(old={}, state=Rollout(3, 3, 2, False), **args)
     assert (running["replicas"], running["readyReplicas"]) == (3, 2)
+
+
+def test_what_the_api_server_sends_is_compared_by_value() -> None:
+    """Parsed from JSON, as the API server's objects are: strings and large counts are equal values,
+    not the same objects as the literals in the code."""
+    import json
+
+    counts = {"observedGeneration": 7, "replicas": 300, "updatedReplicas": 300, "availableReplicas": 300}
+    big = json.loads(json.dumps(deployment(generation=7, spec_replicas=300, readyReplicas=300, **counts)))
+    state = rollout(big)
+    assert state is not None and state.is_complete and state.updated == 300
+    conditions_seen = [
+        {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded", "message": "x"},
+        {"type": "ReplicaFailure", "status": "True", "message": "quota"},
+    ]
+    for cond in conditions_seen:
+        parsed = json.loads(json.dumps(deployment(conditions=[cond])))
+        assert rollout(parsed).failure is not None  # type: ignore[union-attr]
+    others = [
+        {"type": "Progressing", "status": "True", "reason": "ReplicaSetUpdated"},  # sorts after the deadline
+        {"type": "ReplicaFailure", "status": "Unknown"},  # sorts after "True"
+    ]
+    assert rollout(deployment(conditions=others)).failure is None  # type: ignore[union-attr]
+    merged = merge_conditions(
+        json.loads('[{"type": "Ready", "status": "True", "lastTransitionTime": "t0"}]'),
+        [Condition("Ready", True, "ReplicasReady", "m")],
+        now="t1",
+        generation=1,
+    )
+    assert merged[0]["lastTransitionTime"] == "t0"
+
+
+def test_defaults_a_caller_leans_on() -> None:
+    # No generation on either side: observed, and complete when the counts match.
+    bare = {"metadata": {}, "spec": {"replicas": 1}}
+    bare["status"] = {"replicas": 1, "updatedReplicas": 1, "availableReplicas": 1}
+    assert rollout(bare).is_complete  # type: ignore[union-attr]
+    # is_kept defaults to False: then no fitting GPU does not make a running workload Degraded.
+    assert table(conditions(NONE_FITS, ready_state()))["Degraded"] == (False, "AsExpected")
+    rolling = conditions(SELECTED, ready_state(ready=2, complete=False))  # updated defaults to 0
+    assert rolling[1].message == "2/2 replicas ready, 0/2 on the current spec"
+    unknown = conditions(NONE_FITS, None, failure=("UnknownModel", "no such model"))
+    assert unknown[0].message == "no such model"
