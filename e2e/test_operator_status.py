@@ -20,10 +20,15 @@ def conditions_of(cluster, namespace: str, name: str) -> dict[str, dict]:
     return {c["type"]: c for c in ((isvc or {}).get("status") or {}).get("conditions") or ()}
 
 
-def wait_reason(cluster, namespace: str, name: str, kind: str, reason: str, op) -> dict[str, dict]:
+def wait_reason(
+    cluster, namespace: str, name: str, kind: str, reason: str, op, message_has: str = ""
+) -> dict[str, dict]:
+    """The conditions once `kind` has `reason` (and a message holding `message_has`)."""
+
     def check() -> dict[str, dict] | None:
         conds = conditions_of(cluster, namespace, name)
-        return conds if conds.get(kind, {}).get("reason") == reason else None
+        cond = conds.get(kind, {})
+        return conds if cond.get("reason") == reason and message_has in cond.get("message", "") else None
 
     def context() -> str:
         return json.dumps(conditions_of(cluster, namespace, name), indent=1) + "\n" + op.tail()
@@ -54,7 +59,12 @@ def test_a_missing_pvc_is_named_then_the_scheduler_is_quoted(cluster, namespace,
         "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "none",
                  "resources": {"requests": {"storage": "1Gi"}}},
     })  # fmt: skip
-    conds = wait_reason(cluster, namespace, "nopvc", "Degraded", "PersistentVolumeClaimNotReady", operator)
+    # The pod's scheduling condition may still hold the scheduler's words from before the claim existed
+    # ("persistentvolumeclaim ... not found") until the scheduler tries the pod again: wait for the new.
+    conds = wait_reason(
+        cluster, namespace, "nopvc", "Degraded", "PersistentVolumeClaimNotReady", operator,
+        message_has="PersistentVolumeClaim",
+    )  # fmt: skip
     # Every node refuses it: 8 simulated GPU nodes, 9 once a test has joined the real node.
     assert re.search(r"cannot be scheduled: 0/\d+ nodes are available", conds["Degraded"]["message"])
     assert "PersistentVolumeClaim" in conds["Degraded"]["message"]
