@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pagoda.service.engine.block_manager import BlockManager
 from pagoda.service.engine.request import Request, RequestStatus
 from pagoda.service.engine.scheduler import Scheduler
@@ -139,15 +141,18 @@ def test_forks_from_a_cached_prefix_join_right_after_their_leader() -> None:
     assert leader.num_cached_tokens == 8
 
 
-def test_a_partly_cached_leader_computes_only_up_to_the_fork_point() -> None:
+@pytest.mark.parametrize(("prefix", "first_step"), [(10, 1), (6, 5)], ids=["8 cached", "4 cached"])
+def test_a_partly_cached_leader_computes_only_up_to_the_fork_point(prefix: int, first_step: int) -> None:
+    """A 10-token leader (fork point 9) after a request that cached its first full blocks: it computes
+    up to the fork point (9 - cached), not all the tokens left (10 - cached)."""
     sched = Scheduler(BlockManager(32, 4), max_num_seqs=8, max_num_batched_tokens=100)
-    sched.add(make(10, "first"))
-    assert order(sched) == ["first:10"]
+    sched.add(make(prefix, "first"))
+    assert order(sched) == [f"first:{prefix}"]
     sched.finish(sched.running[0])
-    leader = make(10, "x#0")  # 8 of its tokens are cached; the fork point is 9
+    leader = make(10, "x#0")
     leader.pending_forks = [make(10, "x#1")]
     sched.add(leader)
-    assert order(sched) == ["x#0:1"]
+    assert order(sched) == [f"x#0:{first_step}"]
     assert order(sched) == ["x#0:1", "x#1:1"]
 
 
@@ -249,18 +254,6 @@ def test_a_cached_prefix_that_is_not_the_whole_prompt() -> None:
     leader.pending_forks = [make(10, "x#1")]
     sched.add(leader)
     assert order(sched) == ["x#0:1"]
-
-
-def test_a_leader_with_one_cached_block_computes_up_to_the_fork_point() -> None:
-    sched = Scheduler(BlockManager(32, 4), max_num_seqs=8, max_num_batched_tokens=100)
-    sched.add(make(6, "first"))  # caches tokens 0-3
-    assert order(sched) == ["first:6"]
-    sched.finish(sched.running[0])
-    leader = make(10, "x#0")  # 4 cached; the fork point is 9: 5 to compute, not all 6 left
-    leader.pending_forks = [make(10, "x#1")]
-    sched.add(leader)
-    assert order(sched) == ["x#0:5"]
-    assert order(sched) == ["x#0:1", "x#1:1"]
 
 
 def test_a_cached_fork_lets_the_next_waiting_request_in() -> None:
