@@ -107,13 +107,9 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: Path) -> Tokenizer:
         """Byte-level BPE (`tokenizer.ggml.model == "gpt2"`), built as transformers' GGUF loader does."""
-        import gguf
+        from pagoda.service.model.gguf_file import read_gguf
 
-        reader = gguf.GGUFReader(path)
-        fields = reader.fields
-
-        def value(key: str, default: Any = None) -> Any:
-            return fields[key].contents() if key in fields else default
+        value = read_gguf(path).metadata.get
 
         kind = value("tokenizer.ggml.model")
         if kind != "gpt2":

@@ -2,8 +2,8 @@
 `pagoda serve`, with the official `openai` client and LangChain.
 
 Forced calls (`required`, a named function) are the grammar's doing, so their arguments validate
-against the tool's schema even from a 135M model. `auto` depends on the model's training; here its
-parsers are checked on the formats of the model families directly.
+against the tool's schema even from a 135M model. `auto` depends on the model's training; its parsers
+are checked on each family's format without a server in `tests/test_tool_calls.py`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import jsonschema
 import openai
 import pytest
 
-from pagoda.service.api.tool_calls import ToolCallStream, ToolPlan, parse_calls
 from pagoda.service.serve_process import ServeProcess
 
 WEATHER = {
@@ -261,51 +260,6 @@ def test_langchain_bind_tools_and_structured_output(server: ServeProcess, model:
     jsonschema.validate(call["args"], SCHEMAS["get_weather"])
     person = llm.with_structured_output(Person, method="json_schema").invoke("Describe a person.")
     assert isinstance(person, Person)
-
-
-# ---- the parsers, on each family's format ------------------------------------------------------------------
-
-AUTO = ToolPlan("auto", template_tools=[WEATHER])
-CALL = {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
-
-
-@pytest.mark.parametrize(
-    ("parser", "text", "content"),
-    [
-        ("hermes", f"Let me check.<tool_call>\n{json.dumps(CALL)}\n</tool_call>", "Let me check."),
-        ("mistral", f"[TOOL_CALLS]{json.dumps([CALL])}", None),
-        (
-            "llama3_json",
-            json.dumps({"name": "get_weather", "parameters": CALL["arguments"]}),
-            None,
-        ),
-        (
-            "llama3_json",
-            "<|python_tag|>" + json.dumps({"name": "get_weather", "parameters": CALL["arguments"]}),
-            None,
-        ),
-    ],
-)
-def test_auto_parsers_find_calls_streamed_and_not(parser: Any, text: str, content: str | None) -> None:
-    found_content, calls = parse_calls(text, AUTO, parser)
-    assert found_content == content
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
-        ("get_weather", CALL["arguments"])
-    ]
-    stream = ToolCallStream(AUTO, parser)
-    deltas = [d for i in range(0, len(text), 3) for d in stream.feed(text[i : i + 3])]
-    tail, made_calls = stream.finish()
-    streamed_content = "".join(d.get("content", "") for d in deltas + tail)
-    assert made_calls and streamed_content == (content or "")
-    assert all("<tool" not in d.get("content", "") and "[TOOL" not in d.get("content", "") for d in deltas)
-
-
-def test_plain_text_streams_as_content_under_auto() -> None:
-    stream = ToolCallStream(AUTO, "hermes")
-    text = "It is sunny <b>today</b>, a < b."
-    deltas = [d for ch in text for d in stream.feed(ch)]
-    tail, made_calls = stream.finish()
-    assert not made_calls and "".join(d["content"] for d in deltas + tail) == text
 
 
 # ---- gRPC --------------------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ How a request's choice becomes output:
 - `auto`: the model writes freely; a parser for the model family's format finds the calls: Hermes /
   Qwen2.5 `<tool_call>{...}</tool_call>`, Mistral `[TOOL_CALLS][...]`, Llama 3.x JSON
   (`{"name": ..., "parameters": ...}`, maybe after `<|python_tag|>`). It is chosen from the chat
-  template's text, or by `--tool-call-parser`.
+  template's text, or by `--tool-call-parser`. Output that names a function absent from `tools` stays
+  content.
 """
 
 from __future__ import annotations
@@ -100,6 +101,9 @@ class ToolPlan:
     grammar: Grammar | None = None
     template_tools: list[dict[str, Any]] | None = None
     parallel: bool = True
+
+    def tool_names(self) -> set[str]:
+        return {t["function"]["name"] for t in self.template_tools or ()}
 
 
 def plan_tools(
@@ -222,16 +226,18 @@ def parse_calls(
         assert plan.name is not None
         return None, [call_dict(plan.name, text)]
     if plan.mode == "required":
+        items = _loads(text)
         try:
-            items = json.loads(text)
             calls = [call_dict(i["name"], json.dumps(i["parameters"])) for i in items]
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (KeyError, TypeError):
             return text, []
-        return None, calls
+        return (None, calls) if isinstance(items, list) and calls else (text, [])
     if plan.mode == "none" or parser is None:
         return text, []
     calls = _parse_free(text, parser)
-    if not calls:
+    if not calls or any(c["function"]["name"] not in plan.tool_names() for c in calls):
+        # A call of a function the request never offered is the model's text, not a call: an agent
+        # SDK handed it would fail looking the function up (vLLM passes such calls through).
         return text, []
     if not plan.parallel:
         calls = calls[:1]
@@ -307,7 +313,7 @@ class ToolCallStream:
         if mode == "required" or self.in_call:
             return []
         if mode == "none" or self.parser is None:
-            return [{"content": delta}] if delta else []
+            return self._content_until(len(self.text))
         marker = MARKERS[self.parser]
         start = self.text.find(marker, self.emitted)
         if start == -1 and self.parser == "llama3_json" and not self.text[: self.emitted].strip():

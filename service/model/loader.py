@@ -98,17 +98,14 @@ def load_gguf(
     transformers does (per head, so before a rank takes its heads)."""
     import gguf
 
-    reader = gguf.GGUFReader(path)
-    meta = {
-        key: field.contents()
-        for key, field in reader.fields.items()
-        if not field.types or field.types[0] != gguf.GGUFValueType.ARRAY
-    }
-    tensors = {t.name: t for t in reader.tensors}
+    from pagoda.service.model.gguf_file import read_gguf
+
+    file = read_gguf(path)
+    meta, tensors = file.metadata, file.tensors
     file_type = meta.get("general.file_type")
     # "auto" keeps a float16/bfloat16 file's dtype; quantized weights dequantize exactly to float32.
     checkpoint_dtype = {1: torch.float16, 32: torch.bfloat16}.get(int(file_type or 0), torch.float32)
-    vocab_size = len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab_size = len(meta["tokenizer.ggml.tokens"])
     config = ModelConfig.from_gguf_metadata(meta, vocab_size, "output.weight" in tensors, checkpoint_dtype)
     arch = meta["general.architecture"]
     hf_to_gguf = {_gguf_to_hf(name): name for name in tensors}
@@ -118,7 +115,7 @@ def load_gguf(
         if gguf_name is None:
             return None
         tensor = tensors[gguf_name]
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        array = gguf.quants.dequantize(tensor.data, gguf.GGMLQuantizationType(tensor.tensor_type))
         weights = torch.from_numpy(array.copy()).view(*reversed([int(n) for n in tensor.shape]))
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads

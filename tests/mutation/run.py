@@ -56,10 +56,7 @@ TARGETS: dict[str, Target] = {
     # 30 s: a mutant that never ends the body loop hangs its test client (the tests take 5 s).
     "http_guards": Target("service/api/http_guards.py", ("tests/test_api_guards.py",), 30.0),
     "grammar": Target("service/grammar.py", ("tests/test_grammar.py",)),
-    "tool_calls": Target(
-        "service/api/tool_calls.py",
-        ("tests/test_serve_openai_tools.py", "-k", "auto_parsers or plain_text_streams"),
-    ),
+    "tool_calls": Target("service/api/tool_calls.py", ("tests/test_tool_calls.py",)),
     "profile": Target("operator/profile.py", ("tests/test_profile.py",)),
     "status": Target(
         "operator/status.py", ("tests/test_operator_status.py", "tests/test_operator_reconcile.py")
