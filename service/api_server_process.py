@@ -45,6 +45,7 @@ import msgspec
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.parent_death import die_with_parent
 from pagoda.service.server import ServerConfig
+from pagoda.service.stop_relay import RELAYED_STOP, relay_stop_signals
 
 logger = logging.getLogger(__name__)
 
@@ -138,8 +139,8 @@ class ApiServerProcesses:
                 raise RuntimeError(f"API server process {index} exited while starting")
 
     def terminate(self) -> None:
-        """SIGTERM each: it drains its own requests and exits."""
-        self._signal(signal.SIGTERM)
+        """Tell each to drain its own requests and exit (a second time: to abort them)."""
+        self._signal(RELAYED_STOP)
 
     def kill(self) -> None:
         self._signal(signal.SIGKILL)
@@ -178,9 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--http-fd", type=int, required=True, help="process 0's HTTP listening socket")
     args = parser.parse_args(argv)
     die_with_parent(args.parent_pid)
-    # Ctrl-C reaches the whole process group: process 0 forwards it as SIGTERM, which drains this one;
-    # taken here as well, it would be a second signal and abort the requests at once.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Process 0 says drain (and, a second time, abort) with RELAYED_STOP; a SIGTERM or SIGINT from
+    # outside goes to process 0 (pagoda.service.stop_relay), which then tells every process.
+    relay_stop_signals(args.parent_pid)
     configs = msgspec.json.decode(sys.stdin.buffer.read(), type=_Configs)
     server_config, engine_config = configs.server, configs.engine
     logging.basicConfig(
@@ -204,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             factory,
             api_server_index=args.index,
             on_loaded=signal_ready,
-            stop_signals=(signal.SIGTERM,),
+            stop_signals=(RELAYED_STOP,),
+            drain_signals=(),
             http_socket=socket.socket(fileno=args.http_fd),
         )
     )

@@ -62,7 +62,7 @@ class SamplingParams:
         for name in floats:
             value = getattr(self, name)
             if not isinstance(value, int | float) or not math.isfinite(value):
-                raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", param=name)
+                raise InvalidRequestError(f"{name} must be a finite number, got {quoted(value)}", param=name)
         checks: list[tuple[str, bool, str]] = [
             ("n", self.n >= 1, f"n must be at least 1, got {self.n}"),
             ("temperature", self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
@@ -130,6 +130,15 @@ class SamplingParams:
         for param, ok, message in checks:
             if not ok:
                 raise InvalidRequestError(message, param=param)
+
+
+def quoted(value: object, limit: int = 64) -> str:
+    """`repr(value)`, cut to `limit` characters with the full length said: an error message quotes at
+    most this much of what a client sent (a 1 MB model name is not echoed back)."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
 
 
 class InvalidRequestError(ValueError):

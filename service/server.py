@@ -29,6 +29,7 @@ import uvicorn
 from pagoda.service.api.engine_client import EngineClient, ServingState
 from pagoda.service.api.grpc_server import GrpcServer
 from pagoda.service.api.http_server import DEFAULT_MAX_REQUEST_BYTES, build_app
+from pagoda.service.stop_relay import RELAYED_STOP, STOP_SIGNALS
 
 if TYPE_CHECKING:
     from pagoda.service.api_server_process import ApiServerProcesses
@@ -100,13 +101,16 @@ async def serve(
     api_server_index: int = 0,
     api_servers: ApiServerProcesses | None = None,
     on_loaded: Callable[[], Awaitable[None]] | None = None,
-    stop_signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT),
+    stop_signals: tuple[signal.Signals, ...] = STOP_SIGNALS,
+    drain_signals: tuple[signal.Signals, ...] = (RELAYED_STOP,),
     http_socket: socket.socket | None = None,
 ) -> int:
     """Run until SIGTERM/SIGINT (or `stop_event`); return the exit code. `api_servers`: process 0's
     further API server processes, started once the ports are known; `on_loaded`: awaited after the
     engine started, before this process turns ready; `stop_signals`: what starts the drain (a second one
-    aborts what is left); `http_socket`: the listening socket process 0 made (processes 1..N-1)."""
+    aborts what is left); `drain_signals`: what starts it and is never taken for a second signal (a
+    child's relayed stop: pagoda.service.stop_relay); `http_socket`: the listening socket process 0
+    made (processes 1..N-1)."""
     stop = stop_event or asyncio.Event()
     is_multi = server_config.api_server_count > 1
     client = EngineClient(
@@ -144,13 +148,14 @@ async def serve(
         server_config.host,
         grpc_server.port,
     )
+    loop = asyncio.get_running_loop()
+    if install_signal_handlers:
+        for sig in (*stop_signals, *drain_signals):
+            loop.add_signal_handler(sig, stop.set)
+    # (before any child exists: a child's relayed stop must never meet the default action)
     if api_servers is not None:
         api_servers.start(sock, grpc_server.port, on_exit=client.fail)
         on_loaded = api_servers.wait_ready
-    loop = asyncio.get_running_loop()
-    if install_signal_handlers:
-        for sig in stop_signals:
-            loop.add_signal_handler(sig, stop.set)
 
     exit_code = 0
     load_task = asyncio.create_task(client.load(on_loaded))
@@ -177,6 +182,8 @@ async def serve(
     if install_signal_handlers:
         for sig in stop_signals:
             loop.add_signal_handler(sig, functools.partial(_force, force, api_servers))
+        for sig in drain_signals:
+            loop.add_signal_handler(sig, lambda: None)  # already draining
     if api_servers is not None:
         if exit_code == 0 and load_task.done():
             api_servers.terminate()  # each drains its own requests
@@ -200,6 +207,9 @@ async def serve(
     if install_signal_handlers:
         for sig in stop_signals:
             loop.remove_signal_handler(sig)
+        for sig in drain_signals:
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_IGN)  # a late relay must not end this process by default
     return exit_code
 
 

@@ -213,6 +213,45 @@ def test_every_error_is_json_in_openai_shape(http: httpx.Client) -> None:
     assert_openai_error(http.post("/v1/completions", json={"model": "other", "prompt": "x"}), 404, "model")
 
 
+LONG = "m" * 50_000  # under the body limit: the request is read, then refused
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/v1/completions", {"model": LONG, "prompt": "x"}, 404, "model"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": LONG, "content": "hi"}]}, 400, None),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": LONG}, 400, "temperature"),
+        (
+            "/v1/chat/completions",
+            {
+                "model": MODEL,
+                "messages": MESSAGES,
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": LONG}},
+            },
+            400,
+            "tool_choice",
+        ),
+    ],
+    ids=["model", "role", "temperature", "tool_choice"],
+)
+def test_errors_quote_a_bounded_snippet_of_what_was_sent(
+    http: httpx.Client, path: str, body: dict[str, Any], status: int, param: str | None
+) -> None:
+    error = assert_openai_error(http.post(path, json=body), status, param)
+    assert len(error["message"]) < 400, error["message"][:500]  # quoted in part (model) or not at all
+    if param in ("model", "tool_choice"):
+        assert "mmmm" in error["message"] and "50002 characters" in error["message"]
+
+
+def test_detokenize_is_bounded_by_the_context(http: httpx.Client) -> None:
+    fits = http.post("/detokenize", json={"model": MODEL, "tokens": [65] * 256})
+    assert fits.status_code == 200 and len(fits.json()["prompt"]) >= 256, fits.text[:300]
+    error = assert_openai_error(http.post("/detokenize", json={"tokens": [65] * 257}), 400, "tokens")
+    assert "257" in error["message"] and "256" in error["message"]
+
+
 def test_grpc_refuses_what_http_refuses(server: ServeProcess) -> None:
     metadata = [("authorization", f"Bearer {KEYS[0]}")]
     sampling = pb.SamplingParameters(max_new_tokens=2)
@@ -232,6 +271,11 @@ def test_grpc_refuses_what_http_refuses(server: ServeProcess) -> None:
                 list(stub.Generate(request, metadata=metadata, timeout=30))
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, request
             assert refused.value.details()
+        long_name = pb.GenerateRequest(model=LONG, text="Hi", sampling=sampling)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(long_name, metadata=metadata, timeout=30))
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "mmmm" in (refused.value.details() or "") and len(refused.value.details() or "") < 400
 
 
 # ---- a failure inside the engine step ---------------------------------------------------------------------

@@ -141,7 +141,7 @@ def test_a_named_function_not_among_the_tools_is_refused() -> None:
     with pytest.raises(InvalidRequestError) as err:
         plan_tools(TOOLS, named("get_news"))
     assert err.value.param == "tool_choice"
-    assert "'get_news'" in str(err.value) and "(get_weather, get_time)" in str(err.value)
+    assert "'get_news'" in str(err.value) and "['get_weather', 'get_time']" in str(err.value)
 
 
 # ---- template_messages and parser_for --------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
 import time
 import uuid
@@ -24,7 +25,7 @@ from pagoda.service.engine.input_processor import check_text_fits
 from pagoda.service.engine.messages import EngineStats
 from pagoda.service.metrics import RequestTracker, ServerMetrics
 from pagoda.service.outputs import RequestOutput
-from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
+from pagoda.service.sampling_params import InvalidRequestError, SamplingParams, quoted
 from pagoda.service.tokenizer import RELEASE_GIL_CHARS
 
 logger = logging.getLogger(__name__)
@@ -251,16 +252,24 @@ class EngineClient:
             return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def detokenize(self, token_ids: list[int]) -> str:
-        """The text of token ids, special tokens included; a 400 for ids outside the vocabulary."""
-        vocab_size = self.engine.vocab_size
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """The text of token ids, special tokens included (off the event loop when they are many); a 400
+        for ids outside the vocabulary or more ids than the context holds (no sequence has more)."""
+        vocab_size, limit = self.engine.vocab_size, self.max_model_len
+        if len(token_ids) > limit:
+            self.metrics.count_error("invalid_request")
+            raise APIError(
+                "invalid_request", f"{len(token_ids)} token ids, more than the context's {limit}", "tokens"
+            )
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
             self.metrics.count_error("invalid_request")
             raise APIError(
                 "invalid_request", f"token ids out of range [0, {vocab_size}): {bad[:5]}", "tokens"
             )
-        return self.engine.tokenizer.decode(token_ids, skip_special_tokens=False)
+        decode = functools.partial(self.engine.tokenizer.decode, token_ids, skip_special_tokens=False)
+        # ~4 characters a token: the same point at which `tokenize` leaves the loop
+        return await asyncio.to_thread(decode) if len(token_ids) > RELEASE_GIL_CHARS // 4 else decode()
 
     def token_strings(self, token_ids: list[int]) -> list[str]:
         """Each token as the vocabulary spells it (OpenAI's `logprobs.tokens`)."""
@@ -272,7 +281,7 @@ class EngineClient:
             self.metrics.count_error("not_found")
             raise APIError(
                 "not_found",
-                f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
+                f"The model {quoted(name)} does not exist; this server serves {self.model_name!r}.",
                 param="model",
                 code="model_not_found",
             )
@@ -342,7 +351,8 @@ class EngineClient:
             if own:
                 admission.release()
             self.metrics.count_error("invalid_request")
-            raise APIError("invalid_request", f"request id {request_id!r} is already in use", "request_id")
+            message = f"request id {quoted(request_id)} is already in use"
+            raise APIError("invalid_request", message, "request_id")
         engine = self.engine
         tracker = RequestTracker(self.metrics)
         admission.take()  # from admitted to in flight, in the same turn of the loop
@@ -398,7 +408,8 @@ def check_chat_messages(messages: list[dict[str, Any]]) -> None:
     for i, message in enumerate(messages):
         if message.get("role") not in CHAT_ROLES:
             raise InvalidRequestError(
-                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {message.get('role')!r}",
+                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, "
+                f"got {quoted(message.get('role'))}",
                 f"messages.{i}.role",
             )
 

@@ -133,7 +133,7 @@ def build_app(
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> dict[str, Any]:
-        return serving.detokenize(request)
+        return await serving.detokenize(request)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(request: ChatCompletionRequest, raw: Request) -> Response | dict[str, Any]:

@@ -26,7 +26,7 @@ from pagoda.service.api.tool_calls import (
     ToolPlan,
     plan_tools,
 )
-from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
+from pagoda.service.sampling_params import InvalidRequestError, SamplingParams, quoted
 
 
 def find_lone_surrogate(value: Any, path: str = "") -> str | None:
@@ -148,7 +148,7 @@ class ChatMessage(BaseModel):
         for j, part in enumerate(self.content):
             if part.type != "text" or part.text is None:
                 raise InvalidRequestError(
-                    f"content parts of type {part.type!r} are not supported: this server's models read "
+                    f"content parts of type {quoted(part.type)} are not supported: this server's models read "
                     "text only",
                     f"messages.{index}.content.{j}.type",
                 )

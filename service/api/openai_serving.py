@@ -160,9 +160,9 @@ class OpenAIServing:
             result["token_strs"] = self.client.token_strings(tokens)
         return result
 
-    def detokenize(self, request: DetokenizeRequest) -> dict[str, Any]:
+    async def detokenize(self, request: DetokenizeRequest) -> dict[str, Any]:
         self.client.check_model(request.model)
-        return {"prompt": self.client.detokenize(request.tokens)}
+        return {"prompt": await self.client.detokenize(request.tokens)}
 
     async def _start(self, prompts: list[str | list[int]], request: Any) -> tuple[list[Any], list[Any]]:
         """Admit, validate and start one engine request per prompt; return (streams, first outputs).

@@ -25,7 +25,7 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagoda.service.grammar import Grammar
-from pagoda.service.sampling_params import InvalidRequestError
+from pagoda.service.sampling_params import InvalidRequestError, quoted
 
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]  # the turns a chat may hold
 CHAT_ROLES: tuple[str, ...] = get_args(ChatRole)
@@ -142,7 +142,7 @@ def plan_tools(
     chosen = next((t for t in tools if t.function.name == choice.function.name), None)
     if chosen is None:
         raise InvalidRequestError(
-            f"tool_choice names {choice.function.name!r}, which is not among the tools ({', '.join(names)})",
+            f"tool_choice names {quoted(choice.function.name)}, not among the tools {quoted(names, 200)}",
             "tool_choice",
         )
     return ToolPlan(

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 import time
 import traceback
@@ -43,6 +42,7 @@ from pagoda.service.engine.messages import (
     split_core_request_id,
 )
 from pagoda.service.engine.parent_death import die_with_parent
+from pagoda.service.stop_relay import RELAYED_STOP, relay_stop_signals
 
 logger = logging.getLogger("pagoda.service.engine.core")
 
@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     die_with_parent(args.parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # the workers relay theirs here: this process sends them on (pagoda.service.stop_relay)
+    relay_stop_signals(args.parent_pid, also=(RELAYED_STOP,))
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s",
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         eos_token_ids = set(msgspec.json.decode(args.eos_token_ids, type=list[int]))
         from pagoda.service.engine.llm_engine import build_executor
 
-        executor = build_executor(config, eos_token_ids)
+        executor = build_executor(config, eos_token_ids, relay_stop_signals=True)
         core = EngineCore(config, executor, eos_token_ids)
     except BaseException as exc:
         logger.exception("the engine core failed to start")

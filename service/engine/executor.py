@@ -72,8 +72,11 @@ class _Worker:
 class Executor:
     """`execute(scheduler_output) -> StepResult`, `kv`, `max_model_len`, `model_config` over every rank."""
 
-    def __init__(self, config: EngineConfig, model_path: str, eos_token_ids: set[int]) -> None:
+    def __init__(
+        self, config: EngineConfig, model_path: str, eos_token_ids: set[int], relay_stop_signals: bool = False
+    ) -> None:
         self.size = config.tensor_parallel_size
+        self._relay_stop_signals = relay_stop_signals
         self._workers: list[_Worker] = []
         self._failure: str | None = None
         self._is_stopped = False
@@ -158,6 +161,7 @@ class Executor:
                 eos_token_ids=frozenset(eos_token_ids),
                 num_threads=torch.get_num_threads(),
                 parent_pid=os.getpid(),
+                relay_stop_signals=self._relay_stop_signals,
                 collective_timeout_s=COLLECTIVE_TIMEOUT_S,
                 log_level=logging.getLogger().getEffectiveLevel(),
             )

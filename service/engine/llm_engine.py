@@ -24,15 +24,16 @@ from pagoda.service.tokenizer import Tokenizer
 __all__ = ["EngineStats", "LLMEngine", "build_executor"]
 
 
-def build_executor(config: EngineConfig, eos_token_ids: set[int]) -> Any:
-    """The model side of the core: every tensor-parallel rank, rank 0 in this process."""
+def build_executor(config: EngineConfig, eos_token_ids: set[int], relay_stop_signals: bool = False) -> Any:
+    """The model side of the core: every tensor-parallel rank, rank 0 in this process.
+    `relay_stop_signals`: the workers relay SIGTERM and SIGINT to this process (the server's core)."""
     from pagoda.service.engine import null_executor
     from pagoda.service.engine.executor import Executor
     from pagoda.service.engine.fault_injection import maybe_inject_failures
 
     if null_executor.is_requested():  # benchmarks of everything but the model (see null_executor)
         return null_executor.NullExecutor(config, eos_token_ids)
-    return maybe_inject_failures(Executor(config, config.model_path, eos_token_ids))
+    return maybe_inject_failures(Executor(config, config.model_path, eos_token_ids, relay_stop_signals))
 
 
 class LLMEngine:

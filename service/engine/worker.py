@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 from pagoda.service.engine.parent_death import die_with_parent
+from pagoda.service.stop_relay import relay_stop_signals
 
 if TYPE_CHECKING:
     from pagoda.service.engine.config import EngineConfig
@@ -36,6 +37,7 @@ class WorkerArgs:
     eos_token_ids: frozenset[int]
     num_threads: int  # torch intra-op threads, as rank 0 has
     parent_pid: int
+    relay_stop_signals: bool  # under `pagoda serve`: SIGTERM and SIGINT go to the core (stop_relay)
     collective_timeout_s: float
     log_level: int  # the root logger's level in rank 0's process
 
@@ -48,7 +50,10 @@ def worker_main(args: WorkerArgs, conn: Connection) -> None:
     """The process's target. Messages to rank 0: ("hello", None) once imported, ("num_blocks", n)
     after loading, ("ready", None) after warm-up, or ("error", traceback) before exiting with 1."""
     die_with_parent(args.parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if args.relay_stop_signals:
+        relay_stop_signals(args.parent_pid)
+    else:  # an offline `LLM`: the caller's Ctrl-C is its own to handle; the workers follow rank 0
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         level=args.log_level,
         format=f"%(asctime)s %(levelname)s %(name)s [tp rank {args.rank}]: %(message)s",
