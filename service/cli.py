@@ -47,6 +47,8 @@ def _env_bool(value: str) -> bool:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from pagoda.service.engine.config import DEFAULT_STALL_TIMEOUT_S  # standard library only
+
     def flag(
         name: str, help: str, default: Any = None, type: Callable[[str], Any] = str, **kwargs: Any
     ) -> None:
@@ -158,6 +160,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         int,
     )
     flag(
+        "--engine-stall-timeout",
+        "Seconds that requests may wait with no engine step before liveness and readiness fail and the "
+        "engine core's stacks are logged; 0: never.",
+        DEFAULT_STALL_TIMEOUT_S,
+        float,
+    )
+    flag(
         "--drain-timeout",
         "Seconds that in-flight requests get to finish after SIGTERM before they are aborted.",
         30.0,
@@ -219,6 +228,8 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         raise ValueError(f"--port and --grpc-port must differ, both are {args.port}")
     if args.max_waiting_requests < 0:
         raise ValueError(f"--max-waiting-requests must be >= 0, got {args.max_waiting_requests}")
+    if args.engine_stall_timeout < 0:
+        raise ValueError(f"--engine-stall-timeout must be >= 0, got {args.engine_stall_timeout}")
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     if args.max_request_bytes < 0:
@@ -234,6 +245,7 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         grpc_port=args.grpc_port,
         max_waiting_requests=args.max_waiting_requests,
         drain_timeout_s=args.drain_timeout,
+        engine_stall_timeout_s=args.engine_stall_timeout,
         log_level=args.log_level,
         api_keys=api_keys,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import signal
 import socket
 from collections.abc import Awaitable, Callable, Iterator
@@ -29,7 +30,8 @@ import uvicorn
 from pagoda.service.api.engine_client import EngineClient, ServingState
 from pagoda.service.api.grpc_server import GrpcServer
 from pagoda.service.api.http_server import DEFAULT_MAX_REQUEST_BYTES, build_app
-from pagoda.service.stop_relay import RELAYED_STOP, STOP_SIGNALS
+from pagoda.service.engine.config import DEFAULT_STALL_TIMEOUT_S
+from pagoda.service.stop_relay import RELAYED_STOP, STACK_DUMP_SIGNAL, STOP_SIGNALS
 
 if TYPE_CHECKING:
     from pagoda.service.api_server_process import ApiServerProcesses
@@ -59,6 +61,7 @@ class ServerConfig:
     grpc_port: int = 8001
     max_waiting_requests: int = 1024  # 0: no limit
     drain_timeout_s: float = 30.0
+    engine_stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S  # 0: never
     log_level: str = "info"
     api_keys: tuple[str, ...] = ()  # none: no authentication
     allowed_origins: tuple[str, ...] = ()  # CORS; none: no CORS headers
@@ -118,6 +121,7 @@ async def serve(
         engine_factory,
         server_config.max_waiting_requests,
         tool_call_parser=server_config.tool_call_parser,
+        stall_timeout_s=server_config.engine_stall_timeout_s,
     )
     sock = http_socket or _bind(server_config.host, server_config.port)
     http = _Uvicorn(
@@ -220,18 +224,40 @@ def _force(force: asyncio.Event, api_servers: ApiServerProcesses | None) -> None
         api_servers.terminate()
 
 
+def _report_stall(client: EngineClient) -> None:
+    """Say that the engine stalled, and where: the core (if this process started it) prints every
+    thread's stack to the log on STACK_DUMP_SIGNAL (faulthandler: even from inside C code; a stopped
+    core prints it once continued)."""
+    core_pid = client.engine.pid
+    logger.error(
+        "the engine core made no step for %.0f s with %d requests pending (stall timeout %.0f s): "
+        "liveness and readiness fail%s",
+        client.stalled_for,
+        client.num_in_flight,
+        client.stall_timeout_s,
+        f"; the core's stacks follow (pid {core_pid})" if core_pid is not None else "",
+    )
+    if core_pid is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(core_pid, STACK_DUMP_SIGNAL)
+
+
 async def _watch_health(
     client: EngineClient, grpc_server: GrpcServer, on_unhealthy: Callable[[], None] | None = None
 ) -> None:
     """Mirror the client's state into grpc.health.v1 (SERVING only when ready); call `on_unhealthy`
     once the client turns unhealthy (process 0 then kills the other API processes)."""
     was_ready: bool | None = None
+    was_stalled = False
     while True:
         state = client.state
         is_ready = state is ServingState.READY
         if is_ready != was_ready:
             await grpc_server.set_serving(is_ready)
             was_ready = is_ready
+        if (state is ServingState.STALLED) != was_stalled:
+            was_stalled = not was_stalled
+            _report_stall(client) if was_stalled else logger.warning("the engine core steps again")
         if state is ServingState.UNHEALTHY and on_unhealthy is not None:
             on_unhealthy()
             on_unhealthy = None

@@ -16,6 +16,7 @@ import signal
 from types import FrameType
 
 RELAYED_STOP = signal.SIGUSR1
+STACK_DUMP_SIGNAL = signal.SIGUSR2  # the core prints its threads' stacks (faulthandler): see server.py
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 

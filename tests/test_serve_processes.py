@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -96,3 +97,41 @@ def test_a_start_up_error_reaches_the_log_and_the_exit_code(llama_ckpt: Path, tm
     assert "checkpoint has no tensor" in server.log()
     assert server.proc is not None
     assert wait_for(lambda: not group_members(server.proc.pid), 10)  # type: ignore[union-attr]
+
+
+def test_a_stalled_core_fails_liveness_says_where_and_recovers(llama_ckpt: Path, tmp_path: Path) -> None:
+    """A stopped core (as a deadlock or a hung GPU would leave it) with a request pending: past the stall
+    timeout both probes fail, the log names the stall and, once the core runs again, its stacks; the
+    request then completes and the probes recover."""
+    args = ["--model", str(llama_ckpt), "--device", "cpu", "--kv-cache-memory-bytes", str(8 << 20)]
+    args += ["--engine-stall-timeout", "2"]
+    server = ServeProcess(args, log_path=tmp_path / "serve.log", new_session=True).start()
+    assert server.proc is not None
+    (core,) = [p for p in children(server.proc.pid) if "pagoda.service.engine.core_process" in cmdline(p)]
+    live, ready = f"{server.base_url}/v1/health/live", f"{server.base_url}/v1/health/ready"
+    answers: list[dict[str, object]] = []
+
+    def ask() -> None:
+        request = urllib.request.Request(
+            f"{server.base_url}/v1/completions",
+            data=json.dumps({"prompt": "Hi", "max_tokens": 4, "ignore_eos": True}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            answers.append(json.loads(response.read()))
+
+    os.kill(core, signal.SIGSTOP)
+    try:
+        asker = threading.Thread(target=ask)
+        asker.start()
+        assert wait_for(lambda: status(live) == 503, 30), server.log()[-3000:]
+        assert status(ready) == 503
+        assert wait_for(lambda: "made no step for" in server.log(), 10), server.log()[-3000:]
+    finally:
+        os.kill(core, signal.SIGCONT)
+    asker.join(60)
+    assert len(answers) == 1 and answers[0]["usage"]["completion_tokens"] == 4  # type: ignore[index]
+    assert wait_for(lambda: status(live) == 200 and status(ready) == 200, 30), server.log()[-3000:]
+    assert wait_for(lambda: "core_process.py" in server.log().split("made no step for")[-1], 10)
+    assert "the engine core steps again" in server.log()
+    assert server.stop() == 0, server.log()[-3000:]

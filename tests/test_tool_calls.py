@@ -84,6 +84,7 @@ def test_auto_shows_the_tools_to_the_template(choice: Any, parallel: bool) -> No
         {"type": "function", "function": {"name": "get_time", "description": "The time."}},
     ]  # what was not given is absent, not None (templates test `is defined`)
     assert plan.tool_names() == {"get_weather", "get_time"}
+    assert plan_tools(TOOLS, "auto").parallel  # OpenAI's default: parallel calls allowed
 
 
 def test_none_with_tools_hides_them() -> None:
@@ -135,6 +136,8 @@ def test_a_named_function_constrains_to_its_parameters() -> None:
     plan = plan_tools(TOOLS, named("get_time"))
     assert plan.grammar is not None and plan.name == "get_time"
     assert json.loads(plan.grammar.source) == {"type": "object", "properties": {}}
+    plan = plan_tools([CLOCK, WEATHER], named("get_weather"))  # found by name, not by order
+    assert plan.grammar is not None and json.loads(plan.grammar.source) == WEATHER_PARAMS
 
 
 def test_a_named_function_not_among_the_tools_is_refused() -> None:
@@ -361,6 +364,15 @@ def test_a_possible_marker_is_held_back_until_it_is_not_one() -> None:
     assert stream.finish() == ([{"content": "<"}], False)
 
 
+def test_llama3_whitespace_before_a_bare_call_is_content() -> None:
+    stream = ToolCallStream(AUTO, "llama3_json")
+    call = json.dumps({"name": "get_weather", "parameters": {"city": "Paris"}})
+    assert stream.feed("\n\n" + call) == [{"content": "\n\n"}]
+    assert stream.feed(" ") == []  # inside the call from here on
+    tail, made_calls = stream.finish()
+    assert made_calls and [d["tool_calls"][0]["function"]["name"] for d in tail] == ["get_weather"]
+
+
 def test_text_after_a_call_that_does_not_parse_comes_at_the_end() -> None:
     stream = ToolCallStream(AUTO, "hermes")
     deltas, tail, made_calls = stream_all(stream, "Hm <tool_call>{broken", 2)
@@ -372,7 +384,7 @@ def test_plain_text_streams_as_it_comes(text: str) -> None:
     stream = ToolCallStream(AUTO, "hermes")
     deltas, tail, made_calls = stream_all(stream, text, 1)
     assert not made_calls and content_of(deltas + tail) == text
-    assert len(deltas) >= len(text) - len("<tool_call>")  # streamed, not saved for the end
+    assert deltas[0] == {"content": text[0]}  # streamed as it comes, not saved for the end
 
 
 @pytest.mark.parametrize(("plan", "parser"), [(ToolPlan("none"), "hermes"), (AUTO, None)])
@@ -436,6 +448,7 @@ def test_required_sends_the_calls_once_complete() -> None:
         ("", "<x>", 0),
         ("a[TOOL_CALLS", "[TOOL_CALLS]", 11),
         ("<<", "<tool_call>", 1),
+        ("x<tool_call>", "<tool_call>", 0),
     ],
 )
 def test_partial_marker(text: str, marker: str, held: int) -> None:

@@ -37,6 +37,7 @@ class ServingState(enum.Enum):
     LOADING = "loading"
     READY = "ready"
     DRAINING = "draining"
+    STALLED = "stalled"  # work pending, no step for longer than the stall timeout: liveness fails too
     UNHEALTHY = "unhealthy"
 
 
@@ -91,8 +92,11 @@ class EngineClient:
         max_waiting_requests: int = 0,
         enable_gpu_metrics: bool = True,
         tool_call_parser: str = "auto",
+        stall_timeout_s: float = 0.0,
     ) -> None:
+        """`stall_timeout_s`: see `ServingState.STALLED`; 0 never stalls."""
         self.config = config
+        self.stall_timeout_s = stall_timeout_s
         self.tool_call_parser = tool_call_parser
         self._engine_factory = engine_factory
         self.max_waiting_requests = max_waiting_requests  # 0: no limit
@@ -132,7 +136,18 @@ class EngineClient:
     def state(self) -> ServingState:
         if self._state is ServingState.READY and self._engine is not None and not self._engine.is_healthy:
             return ServingState.UNHEALTHY
+        if self._state in (ServingState.READY, ServingState.DRAINING) and self.is_stalled:
+            return ServingState.STALLED  # not for good: the state it had comes back with the next step
         return self._state
+
+    @property
+    def stalled_for(self) -> float:
+        """Seconds with requests pending and no step from the engine core (0: none pending)."""
+        return self._engine.stalled_for() if self._engine is not None else 0.0
+
+    @property
+    def is_stalled(self) -> bool:
+        return self.stall_timeout_s > 0 and self.stalled_for > self.stall_timeout_s
 
     @property
     def is_ready(self) -> bool:
@@ -299,6 +314,7 @@ class EngineClient:
             ServingState.LOADING: "The model is still loading; retry shortly.",
             ServingState.DRAINING: "The server is shutting down and takes no new requests.",
             ServingState.UNHEALTHY: "The engine is not healthy.",
+            ServingState.STALLED: f"The engine has made no progress for {self.stalled_for:.0f} s.",
         }
         return APIError("unavailable", messages.get(state, "unavailable"), code=state.value, retry_after_s=5)
 

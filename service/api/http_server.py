@@ -102,8 +102,9 @@ def build_app(
 
     @app.get("/v1/health/live")
     async def live() -> JSONResponse:
-        # A dead engine core is not coming back: fail liveness too, so Kubernetes restarts the pod.
-        is_dead = client.state is ServingState.UNHEALTHY
+        # A dead engine core is not coming back, a stalled one may never: fail liveness too, so
+        # Kubernetes restarts the pod (the stall timeout is the grace a legitimate long step gets).
+        is_dead = client.state in (ServingState.UNHEALTHY, ServingState.STALLED)
         return JSONResponse({"status": "dead" if is_dead else "live"}, status_code=503 if is_dead else 200)
 
     @app.get("/v1/health/ready")

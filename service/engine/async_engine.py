@@ -96,6 +96,7 @@ class AsyncEngine:
         self._output_processor: OutputProcessor | None = None
         self._stats = EngineStats()
         self._streams: dict[str, OutputStream] = {}
+        self._heard_at = time.monotonic()  # the core's last message, or when work began after none
         self._error: str | None = None
         self._ids = itertools.count()
         self._proc: subprocess.Popen[bytes] | None = None
@@ -135,6 +136,14 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """As of the core's last step."""
         return self._stats
+
+    def stalled_for(self) -> float:
+        """Seconds that this process's requests have waited with no word from the core: 0 while none
+        is pending. The core sends every API process a message after every step, so this grows only
+        while the core makes no step at all (stopped, deadlocked, a hung GPU or collective)."""
+        if not self._streams or self._error is not None:
+            return 0.0
+        return time.monotonic() - self._heard_at
 
     async def start(self) -> None:
         """Start the core process and wait until its model is loaded; raise `EngineDeadError` with the
@@ -250,6 +259,8 @@ class AsyncEngine:
             request_id, prompt if isinstance(prompt, str) else None, token_ids, params, now
         )
         stream = OutputStream()
+        if not self._streams:
+            self._heard_at = now  # idle until now: silence before this request is no stall
         self._streams[request_id] = stream
         self._send(AddRequest(self._id_prefix + request_id, token_ids, params, now))
         finished = False
@@ -299,6 +310,7 @@ class AsyncEngine:
         processor, decode = self._output_processor, output_decoder().decode
         while True:
             message: CoreMessage = decode(await self._outputs.recv())
+            self._heard_at = time.monotonic()
             if isinstance(message, CoreFailed):
                 self.fail(message.message)
                 return

@@ -14,6 +14,7 @@ even after a SIGKILL of the parent, so no core outlives its server. Ctrl-C is th
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import sys
 import time
@@ -42,7 +43,7 @@ from pagoda.service.engine.messages import (
     split_core_request_id,
 )
 from pagoda.service.engine.parent_death import die_with_parent
-from pagoda.service.stop_relay import RELAYED_STOP, relay_stop_signals
+from pagoda.service.stop_relay import RELAYED_STOP, STACK_DUMP_SIGNAL, relay_stop_signals
 
 logger = logging.getLogger("pagoda.service.engine.core")
 
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent(args.parent_pid)
     # the workers relay theirs here: this process sends them on (pagoda.service.stop_relay)
     relay_stop_signals(args.parent_pid, also=(RELAYED_STOP,))
+    faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)  # where it is, when it stalls
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s",
