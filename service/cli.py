@@ -192,6 +192,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         int,
     )
     flag(
+        "--body-read-timeout",
+        "Seconds a client has to send a whole request body; slower ones get 408 (0: no limit).",
+        30.0,
+        float,
+    )
+    flag(
+        "--max-header-bytes",
+        "Largest HTTP request head (request line and headers); larger ones get 431 (0: no limit).",
+        64 << 10,
+        int,
+    )
+    flag(
         "--tool-call-parser",
         "How `tool_choice: auto` finds calls in the model's text: hermes (<tool_call>), mistral "
         "([TOOL_CALLS]), llama3_json, none, or auto (from the chat template).",
@@ -232,6 +244,10 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         raise ValueError(f"--engine-stall-timeout must be >= 0, got {args.engine_stall_timeout}")
     if args.drain_timeout < 0:
         raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    if args.body_read_timeout < 0:
+        raise ValueError(f"--body-read-timeout must be >= 0, got {args.body_read_timeout}")
+    if args.max_header_bytes < 0:
+        raise ValueError(f"--max-header-bytes must be >= 0, got {args.max_header_bytes}")
     if args.max_request_bytes < 0:
         raise ValueError(f"--max-request-bytes must be >= 0, got {args.max_request_bytes}")
     if args.api_server_count < 1:
@@ -250,6 +266,8 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         api_keys=api_keys,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         max_request_bytes=args.max_request_bytes,
+        body_read_timeout_s=args.body_read_timeout,
+        max_header_bytes=args.max_header_bytes,
         tool_call_parser=args.tool_call_parser,
         api_server_count=args.api_server_count,
     )

@@ -29,7 +29,8 @@ import uvicorn
 
 from pagoda.service.api.engine_client import EngineClient, ServingState
 from pagoda.service.api.grpc_server import GrpcServer
-from pagoda.service.api.http_server import DEFAULT_MAX_REQUEST_BYTES, build_app
+from pagoda.service.api.http_protocol import DEFAULT_MAX_HEADER_BYTES, bounded_head_protocol
+from pagoda.service.api.http_server import DEFAULT_BODY_READ_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, build_app
 from pagoda.service.engine.config import DEFAULT_STALL_TIMEOUT_S
 from pagoda.service.stop_relay import RELAYED_STOP, STACK_DUMP_SIGNAL, STOP_SIGNALS
 
@@ -66,6 +67,8 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()  # none: no authentication
     allowed_origins: tuple[str, ...] = ()  # CORS; none: no CORS headers
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     tool_call_parser: str = "auto"  # tool_calls.PARSERS
     api_server_count: int = 1  # processes serving HTTP and gRPC in front of one engine core
 
@@ -131,7 +134,9 @@ async def serve(
                 server_config.api_keys,
                 server_config.allowed_origins,
                 server_config.max_request_bytes,
+                server_config.body_read_timeout_s,
             ),
+            http=bounded_head_protocol(server_config.max_header_bytes),
             lifespan="off",
             log_level=server_config.log_level,
             access_log=False,

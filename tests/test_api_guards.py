@@ -5,7 +5,10 @@ the key, the key with more after it, an empty token, another scheme. The servers
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from starlette.applications import Starlette
@@ -119,3 +122,42 @@ def test_no_body_limit_when_it_is_zero() -> None:
 
     app = Starlette(routes=[Route("/", size, methods=["POST"])])
     assert TestClient(BodyLimit(app, 0)).post("/", content=b"y" * 10_000).text == "10000"
+
+
+async def _body_under_deadline(chunks: list[tuple[float, bytes]], timeout_s: float) -> list[dict[str, Any]]:
+    """What BodyLimit sends for a body arriving as (delay before it, bytes) chunks."""
+    sent: list[dict[str, Any]] = []
+    pending = list(chunks)
+
+    async def receive() -> dict[str, Any]:
+        delay, body = pending.pop(0)
+        await asyncio.sleep(delay)
+        return {"type": "http.request", "body": body, "more_body": bool(pending)}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body, more = body + message["body"], message["more_body"]
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": str(len(body)).encode()})
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    await BodyLimit(app, 0, timeout_s)(scope, receive, send)
+    return sent
+
+
+def test_a_body_not_whole_by_the_deadline_is_408() -> None:
+    """The deadline is for the whole body, not for each chunk: a trickle of quick chunks is refused too."""
+    trickle = [(0.02, b"x")] * 20 + [(0.0, b"end")]
+    sent = asyncio.run(_body_under_deadline(trickle, timeout_s=0.1))
+    assert sent[0]["status"] == 408 and (b"connection", b"close") in sent[0]["headers"]
+    error = json.loads(sent[1]["body"])["error"]
+    assert error["code"] == "request_timeout" and "0.1 s" in error["message"]
+    on_time = asyncio.run(_body_under_deadline([(0.0, b"ab"), (0.0, b"cd")], timeout_s=5))
+    assert [m.get("status") for m in on_time] == [200, None] and on_time[1]["body"] == b"4"
+    no_limit = asyncio.run(_body_under_deadline([(0.05, b"ab"), (0.05, b"c")], timeout_s=0))
+    assert no_limit[1]["body"] == b"3"

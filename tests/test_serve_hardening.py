@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ ORIGIN = "https://app.example"
 HOSTILE_SEED = 666  # the fault-injection double makes any step holding this seed raise
 MAX_BODY = 64 << 10
 MAX_WAITING = 8
+MAX_HEAD = 32 << 10
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
 
 
@@ -35,6 +37,7 @@ def server(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     args = ["--model", str(llama_ckpt), "--served-model-name", MODEL, "--max-model-len", "256"]
     args += ["--kv-cache-memory-bytes", str(16 << 20), "--max-request-bytes", str(MAX_BODY)]
     args += ["--allowed-origins", ORIGIN, "--max-waiting-requests", str(MAX_WAITING)]
+    args += ["--max-header-bytes", str(MAX_HEAD), "--body-read-timeout", "2"]
     env = {"PAGODA_API_KEY": ",".join(KEYS), FAIL_SEED_ENV: str(HOSTILE_SEED)}
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with ServeProcess(args, log_path=log, env=env) as proc:
@@ -134,6 +137,38 @@ def test_a_body_over_the_limit_is_413_before_it_is_read(http: httpx.Client, clie
     with pytest.raises(openai.APIStatusError) as too_large:
         client.completions.create(model=MODEL, prompt="a " * MAX_BODY, max_tokens=1)
     assert too_large.value.status_code == 413
+
+
+def raw_exchange(server: ServeProcess, data: bytes) -> bytes:
+    """Send `data` as it is on a fresh connection; read until the server closes it."""
+    with socket.create_connection(("127.0.0.1", server.http_port), timeout=30) as conn:
+        conn.sendall(data)
+        received = b""
+        while chunk := conn.recv(65536):
+            received += chunk
+    return received
+
+
+def test_an_oversized_head_is_431_and_a_slow_body_408(server: ServeProcess, client: openai.OpenAI) -> None:
+    """httptools alone buffers any header (16 MB was answered 200); a body trickled in is never timed out
+    by uvicorn. Both end with the connection closed, and the server serves on."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * (MAX_HEAD + 4096) + b"\r\n\r\n"
+    unended = head[: MAX_HEAD + 2048]  # still arriving: refused before it ends
+    for data in (head, unended):
+        refused = raw_exchange(server, data)
+        assert refused.startswith(b"HTTP/1.1 431 "), refused[:200]
+        assert f"larger than {MAX_HEAD} bytes".encode() in refused
+    fits = b"GET /v1/health/live HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Pad: " + b"a" * (MAX_HEAD // 2)
+    assert raw_exchange(server, fits + b"\r\n\r\n").startswith(b"HTTP/1.1 200 ")
+    partial = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {KEYS[0]}\r\nContent-Length: 100\r\n\r\n".encode()
+        + b'{"model": '
+    )
+    slow = raw_exchange(server, partial)
+    assert slow.startswith(b"HTTP/1.1 408 "), slow[:300]
+    assert json.loads(slow.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
+    assert_still_serving(server, client)
 
 
 def test_a_batch_larger_than_the_waiting_limit_is_refused_at_once(http: httpx.Client) -> None:

@@ -1,8 +1,10 @@
-"""What every HTTP request passes before a route sees it: the API key and the body size limit. Pure ASGI
-middleware (no per-request task or body copy beyond the limit), answering in OpenAI's error shape."""
+"""What every HTTP request passes before a route sees it: the API key, the body size limit and the body
+read deadline. Pure ASGI middleware (no per-request task or body copy beyond the limit), answering in
+OpenAI's error shape."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterable
 from typing import Any
@@ -61,11 +63,14 @@ class APIKeyGuard:
 
 class BodyLimit:
     """413 for a request body over `max_bytes`, by its Content-Length before reading anything, or as
-    soon as a chunked body passes the limit; nothing of it reaches the route."""
+    soon as a chunked body passes the limit; 408 for a body not whole within `timeout_s` of the request
+    (a client trickling it would hold the connection and its buffer for ever). Nothing of a refused
+    body reaches the route; 0 turns either limit off."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = 0.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     def _too_large(self, send: Send, size: str) -> Any:
         return send_error(
@@ -78,22 +83,35 @@ class BodyLimit:
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or self.max_bytes <= 0:
+        if scope["type"] != "http" or (self.max_bytes <= 0 and self.timeout_s <= 0):
             await self.app(scope, receive, send)
             return
         for name, value in scope["headers"]:
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+            if name == b"content-length" and value.isdigit() and 0 < self.max_bytes < int(value):
                 await self._too_large(send, f"{int(value)} bytes")
                 return
         # Read the body here (it is bounded), then hand it to the route as one message.
         chunks, size = [], 0
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
         while True:
-            message = await receive()
+            try:
+                async with asyncio.timeout_at(deadline if self.timeout_s > 0 else None):
+                    message = await receive()
+            except TimeoutError:
+                await send_error(
+                    send,
+                    408,
+                    f"The request body did not arrive within {self.timeout_s:g} s (--body-read-timeout).",
+                    "invalid_request_error",
+                    "request_timeout",
+                    {"connection": "close"},
+                )
+                return
             if message["type"] != "http.request":
                 break  # the client left: let the route see the disconnect
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > self.max_bytes:
+            if 0 < self.max_bytes < size:
                 await self._too_large(send, f"more than {self.max_bytes} bytes")
                 return
             if not message.get("more_body", False):

@@ -48,6 +48,7 @@ def error_response(
 
 
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
+DEFAULT_BODY_READ_TIMEOUT_S = 30.0  # 16 MB in 30 s is ~4 Mbit/s: any client that means it
 
 
 def build_app(
@@ -55,13 +56,15 @@ def build_app(
     api_keys: Sequence[str] = (),
     allowed_origins: Sequence[str] = (),
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S,
 ) -> FastAPI:
     """The HTTP app. `api_keys`: if any, every route but the probes and /metrics needs one of them;
-    `allowed_origins`: CORS origins (none: no CORS headers); `max_request_bytes`: 0 for no limit."""
+    `allowed_origins`: CORS origins (none: no CORS headers); `max_request_bytes`,
+    `body_read_timeout_s`: 0 for no limit."""
     app = FastAPI(title="Pagoda", version=__version__, docs_url=None, redoc_url=None)
     serving = OpenAIServing(client)
     # Added innermost first: CORS answers preflights, then the key is checked, then the body read.
-    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes, timeout_s=body_read_timeout_s)
     if api_keys:
         app.add_middleware(APIKeyGuard, keys=api_keys)
     if allowed_origins:
