@@ -107,31 +107,35 @@ def test_a_stalled_core_fails_liveness_says_where_and_recovers(llama_ckpt: Path,
     args += ["--engine-stall-timeout", "2"]
     server = ServeProcess(args, log_path=tmp_path / "serve.log", new_session=True).start()
     assert server.proc is not None
-    (core,) = [p for p in children(server.proc.pid) if "pagoda.service.engine.core_process" in cmdline(p)]
-    live, ready = f"{server.base_url}/v1/health/live", f"{server.base_url}/v1/health/ready"
-    answers: list[dict[str, object]] = []
-
-    def ask() -> None:
-        request = urllib.request.Request(
-            f"{server.base_url}/v1/completions",
-            data=json.dumps({"prompt": "Hi", "max_tokens": 4, "ignore_eos": True}).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=120) as response:
-            answers.append(json.loads(response.read()))
-
-    os.kill(core, signal.SIGSTOP)
     try:
-        asker = threading.Thread(target=ask)
-        asker.start()
-        assert wait_for(lambda: status(live) == 503, 30), server.log()[-3000:]
-        assert status(ready) == 503
-        assert wait_for(lambda: "made no step for" in server.log(), 10), server.log()[-3000:]
+        (core,) = [p for p in children(server.proc.pid) if "pagoda.service.engine.core_process" in cmdline(p)]
+        live, ready = f"{server.base_url}/v1/health/live", f"{server.base_url}/v1/health/ready"
+        answers: list[dict[str, object]] = []
+
+        def ask() -> None:
+            request = urllib.request.Request(
+                f"{server.base_url}/v1/completions",
+                data=json.dumps({"prompt": "Hi", "max_tokens": 4, "ignore_eos": True}).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=120) as response:
+                answers.append(json.loads(response.read()))
+
+        os.kill(core, signal.SIGSTOP)
+        try:
+            asker = threading.Thread(target=ask)
+            asker.start()
+            assert wait_for(lambda: status(live) == 503, 30), server.log()[-3000:]
+            assert status(ready) == 503
+            assert wait_for(lambda: "made no step for" in server.log(), 10), server.log()[-3000:]
+        finally:
+            os.kill(core, signal.SIGCONT)
+        asker.join(60)
+        assert len(answers) == 1 and answers[0]["usage"]["completion_tokens"] == 4  # type: ignore[index]
+        assert wait_for(lambda: status(live) == 200 and status(ready) == 200, 30), server.log()[-3000:]
+        assert wait_for(lambda: "core_process.py" in server.log().split("made no step for")[-1], 10)
+        assert "the engine core steps again" in server.log()
+        assert server.stop() == 0, server.log()[-3000:]
     finally:
-        os.kill(core, signal.SIGCONT)
-    asker.join(60)
-    assert len(answers) == 1 and answers[0]["usage"]["completion_tokens"] == 4  # type: ignore[index]
-    assert wait_for(lambda: status(live) == 200 and status(ready) == 200, 30), server.log()[-3000:]
-    assert wait_for(lambda: "core_process.py" in server.log().split("made no step for")[-1], 10)
-    assert "the engine core steps again" in server.log()
-    assert server.stop() == 0, server.log()[-3000:]
+        if server.proc.poll() is None:  # failed above: leave no server behind
+            server.kill()
