@@ -28,6 +28,21 @@ LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range: [-100, 100]; -100 bans the token
 _JSON_OPTIONS = {"whitespace_flexible": False}
 _GBNF_RULE = re.compile(r"^\s*[\w-]+\s*::=", re.MULTILINE)
 
+# Bounds checked before llguidance sees a grammar. Past them it crashed or blew up the API process
+# (issue 30, on the CPU): a Lark grammar of 5,000 rules (131 KB) segfaulted it (1,000 were served), a
+# 19 KB `allOf` of 250 two-way `anyOf`s asked for 671 MB and aborted, 100,000 choices panicked, and
+# `a{1000000}` or `((a{100}){100}){100}` made it give up at compile time. Each is far above what a
+# real schema, regex or tool needs (OpenAI's strict mode allows 5 levels of nesting, 1,000 enum values).
+MAX_GRAMMAR_CHARS = 32 << 10  # the source text of any kind
+MAX_LARK_RULES = 1000
+MAX_CHOICES = 1000
+MAX_SCHEMA_NODES = 2000  # objects in a JSON Schema
+MAX_SCHEMA_DEPTH = 32
+MAX_ALLOF_BRANCHES = 1024  # the product of the alternatives an `allOf` combines
+MAX_REPEAT_PRODUCT = 100_000  # the product of a text's `{n}` / `{n,m}` repetition counts
+_REPEAT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
+_LARK_RULE = re.compile(r"^\s*[?!]?[\w.]+(?:\.\d+)?\s*:", re.MULTILINE)
+
 
 @dataclass(frozen=True)
 class Grammar:
@@ -62,7 +77,7 @@ class Grammar:
     @classmethod
     def lark(cls, grammar: str, param: str = "guided_grammar") -> Grammar:
         """A Lark grammar, or a GBNF one (`rule ::= ...`, llama.cpp's and xgrammar's), converted."""
-        if _GBNF_RULE.search(grammar):
+        if len(grammar) <= MAX_GRAMMAR_CHARS and _GBNF_RULE.search(grammar):  # else refused unconverted
             from llguidance.gbnf_to_lark import gbnf_to_lark
 
             try:
@@ -86,10 +101,63 @@ class Grammar:
 
 
 def validate_grammar(grammar: Grammar) -> None:
-    """`InvalidRequestError` naming `grammar.param` when it cannot compile (cached by source)."""
+    """`InvalidRequestError` naming `grammar.param` when it is too large or complex for the bounds
+    above, or cannot compile (cached by source)."""
+    too_much = _over_bounds(grammar.kind, grammar.source)
+    if too_much:
+        raise _invalid(f"{grammar.param} is too complex: {too_much}", param=grammar.param)
     error = _grammar_error(grammar.kind, grammar.source)
     if error:
-        raise _invalid(f"{grammar.param} is invalid: {error.strip()}", param=grammar.param)
+        error = error.strip()
+        error = error if len(error) <= 500 else error[:500] + "..."  # llguidance may quote the grammar
+        raise _invalid(f"{grammar.param} is invalid: {error}", param=grammar.param)
+
+
+def _over_bounds(kind: GrammarKind, source: str) -> str | None:
+    """What exceeds a bound, in words; None when nothing does."""
+    if len(source) > MAX_GRAMMAR_CHARS:
+        return f"{len(source)} characters, more than {MAX_GRAMMAR_CHARS}"
+    product = 1
+    for low, high in _REPEAT.findall(source):
+        product *= max(int(low), int(high or 0), 1)
+        if product > MAX_REPEAT_PRODUCT:
+            return f"repetition counts multiply to more than {MAX_REPEAT_PRODUCT}"
+    if kind == "lark" and len(_LARK_RULE.findall(source)) > MAX_LARK_RULES:
+        return f"more than {MAX_LARK_RULES} rules"
+    try:
+        parsed = json.loads(source) if kind in ("choice", "json_schema") else None
+    except ValueError:
+        return None  # not JSON: compiling says so
+    if kind == "choice" and len(parsed) > MAX_CHOICES:
+        return f"more than {MAX_CHOICES} choices"
+    return _schema_over_bounds(parsed) if kind == "json_schema" else None
+
+
+def _schema_over_bounds(schema: Any) -> str | None:
+    nodes = 0
+    stack: list[tuple[Any, int]] = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, list):
+            stack.extend((item, depth) for item in node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        nodes += 1
+        if nodes > MAX_SCHEMA_NODES:
+            return f"more than {MAX_SCHEMA_NODES} schema objects"
+        if depth > MAX_SCHEMA_DEPTH:
+            return f"nested deeper than {MAX_SCHEMA_DEPTH}"
+        branches = 1
+        for member in node.get("allOf", []) if isinstance(node.get("allOf"), list) else []:
+            if isinstance(member, dict):
+                for key in ("anyOf", "oneOf"):
+                    if isinstance(member.get(key), list):
+                        branches *= max(len(member[key]), 1)
+            if branches > MAX_ALLOF_BRANCHES:
+                return f"an allOf combines more than {MAX_ALLOF_BRANCHES} alternatives"
+        stack.extend((value, depth + 1) for value in node.values() if isinstance(value, dict | list))
+    return None
 
 
 @lru_cache(maxsize=512)

@@ -173,3 +173,79 @@ def test_logit_bias_keys_arrive_as_strings() -> None:
     with pytest.raises(InvalidRequestError) as info:
         parse_logit_bias({"the": 1.0})
     assert info.value.param == "logit_bias"
+
+
+# ---- bounds: what crashed or blew up the API process, refused before llguidance sees it -----------------
+
+UUID = "[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"  # 6,144: well inside the bound
+
+
+def _nested(depth: int) -> dict[str, object]:
+    schema: dict[str, object] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"x": schema}}
+    return schema
+
+
+def _all_of(alternatives: int, terms: int) -> dict[str, object]:
+    term = {"anyOf": [{"type": "string", "pattern": f"^a{{{i + 1}}}$"} for i in range(alternatives)]}
+    return {"allOf": [term] * terms}
+
+
+@pytest.mark.parametrize(
+    ("grammar", "says"),
+    [
+        (
+            Grammar.lark(
+                "start: r0\n" + "".join(f'r{i}: "a" r{i + 1}\n' for i in range(1001)) + 'r1001: "b"'
+            ),
+            "rules",
+        ),
+        (Grammar.lark("start: " + " | ".join(f'"{i:05}"' for i in range(6000))), "characters"),
+        (Grammar.choice([f"c{i}" for i in range(1001)]), "choices"),
+        (Grammar.regex("a{1000000}"), "repetition"),
+        (Grammar.regex("((a{100}){100}){100}"), "repetition"),
+        (Grammar.regex("a{3,200000}"), "repetition"),
+        (Grammar.json_schema(_all_of(2, 11)), "allOf"),  # 2**11 > 1024 (the crash was 2**250)
+        (Grammar.json_schema(_nested(17)), "deeper"),
+        (
+            Grammar.json_schema(
+                {"type": "object", "properties": {f"p{i}": {} for i in range(2000)}}
+            ),
+            "schema objects",
+        ),
+        (Grammar.json_schema({"type": "string", "pattern": "^x{1000001}$"}), "repetition"),
+    ],
+    ids=[
+        "lark rules",
+        "size",
+        "choices",
+        "regex",
+        "nested repeats",
+        "repeat range",
+        "allOf",
+        "depth",
+        "nodes",
+        "schema pattern",
+    ],
+)
+def test_a_grammar_past_the_bounds_is_a_400_before_it_compiles(grammar: Grammar, says: str) -> None:
+    with pytest.raises(InvalidRequestError, match=f"is too complex: .*{says}") as err:
+        validate_grammar(grammar)
+    assert err.value.param == grammar.param and len(str(err.value)) < 200
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        Grammar.regex(UUID),
+        Grammar.regex(r"\d{3}-\d{3}-\d{4}"),
+        Grammar.choice([f"c{i}" for i in range(1000)]),
+        Grammar.json_schema(_all_of(2, 10)),
+        Grammar.json_schema(_nested(15)),
+        Grammar.lark("start: r0\n" + "".join(f'r{i}: "a" r{i + 1}\n' for i in range(998)) + 'r998: "b"'),
+    ],
+    ids=["uuid", "phone", "1000 choices", "allOf of 1024", "15 levels", "1000 rules"],
+)
+def test_what_real_requests_need_is_inside_the_bounds(grammar: Grammar) -> None:
+    validate_grammar(grammar)

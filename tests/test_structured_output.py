@@ -209,7 +209,38 @@ def test_logit_bias_bans_the_greedy_token(client: openai.OpenAI, model: str, smo
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
         ({"structured_outputs": {"json": "[1]"}}, "structured_outputs"),
         ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
+        # What crashed the server (issue 30), refused before compiling (bounds in service/grammar.py):
+        ({"guided_choice": [f"choice {i}" for i in range(100_000)]}, "guided_choice"),
+        (
+            {"guided_grammar": "start: r0\n" + "".join(f'r{i}: "a" r{i + 1}\n' for i in range(5000))},
+            "guided_grammar",
+        ),
+        ({"guided_regex": "((a{100}){100}){100}"}, "guided_regex"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "x",
+                        "strict": True,
+                        "schema": {
+                            "allOf": [
+                                {
+                                    "anyOf": [
+                                        {"type": "string", "pattern": f"^[a-z]{{{i}}}$"},
+                                        {"type": "integer"},
+                                    ]
+                                }
+                                for i in range(250)
+                            ]
+                        },
+                    },
+                }
+            },
+            "response_format",
+        ),
     ],
+    ids=lambda value: str(value)[:60] if isinstance(value, dict) else str(value),
 )
 def test_invalid_constraints_are_400_naming_the_parameter(
     client: openai.OpenAI, model: str, body: dict[str, object], param: str
