@@ -209,9 +209,7 @@ def _all_of(alternatives: int, terms: int) -> dict[str, object]:
         (Grammar.json_schema(_all_of(2, 11)), "allOf"),  # 2**11 > 1024 (the crash was 2**250)
         (Grammar.json_schema(_nested(17)), "deeper"),
         (
-            Grammar.json_schema(
-                {"type": "object", "properties": {f"p{i}": {} for i in range(2000)}}
-            ),
+            Grammar.json_schema({"type": "object", "properties": {f"p{i}": {} for i in range(2000)}}),
             "schema objects",
         ),
         (Grammar.json_schema({"type": "string", "pattern": "^x{1000001}$"}), "repetition"),
