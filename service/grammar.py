@@ -125,7 +125,7 @@ def _over_bounds(kind: GrammarKind, source: str) -> str | None:
     if kind == "lark" and len(_LARK_RULE.findall(source)) > MAX_LARK_RULES:
         return f"more than {MAX_LARK_RULES} rules"
     try:
-        parsed = json.loads(source) if kind in ("choice", "json_schema") else None
+        parsed: Any = json.loads(source) if kind in ("choice", "json_schema") else None
     except ValueError:
         return None  # not JSON: compiling says so
     if kind == "choice" and len(parsed) > MAX_CHOICES:
