@@ -31,6 +31,7 @@ $(STAMP): $(LOCK) pyproject.toml | $(UV)
 lock: | $(UV)
 	$(UV) pip compile pyproject.toml --extra dev --python-version 3.11 \
 		--python-platform x86_64-manylinux_2_28 --generate-hashes --no-emit-package pagoda -o $(LOCK)
+	$(PY) docker/requirements.py --constraints > docker/constraints.txt  # the images install under it
 
 setup: $(STAMP)
 
@@ -44,7 +45,7 @@ lint: setup
 # servers in other processes. PYTEST_WORKERS=0 runs in one process (a debugger, -x).
 PYTEST_WORKERS ?= 2
 test-fast: setup
-	$(VENV)/bin/pytest tests -n $(PYTEST_WORKERS) -p by_module --dist loadscope
+	$(VENV)/bin/pytest tests -n $(PYTEST_WORKERS) -p by_module --dist loadscope --durations=15
 
 # Planted bugs against the fast tests of the modules that matter (tests/mutation/run.py; not in CI: tens
 # of minutes). It edits those files in place while it runs: run nothing else in this tree meanwhile.
@@ -62,7 +63,7 @@ k8s-bin:
 	@if [ -z "$$PAGODA_E2E_KUBECONFIG" ]; then bash e2e/tools/build.sh >/dev/null; fi
 
 e2e: setup k8s-bin
-	$(VENV)/bin/pytest e2e
+	$(VENV)/bin/pytest e2e --durations=25
 
 # A local cluster with the simulated GPU nodes, left running; the last line printed is its kubeconfig.
 # REAL_NODE=1 also joins this machine as a real node running containers (root; e2e/README.md).

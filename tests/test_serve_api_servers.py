@@ -140,11 +140,10 @@ def _plain_completion(server: ServeProcess, prompt: str) -> tuple[str, None]:
     return response.json()["choices"][0]["text"], None
 
 
-# Process 0 alone: tests/test_serve_shutdown.py. The group, as `kill -- -PGID`, Ctrl-C and systemd send
-# it, and one child alone: every process drains, none is taken down by the signal (pagoda.service.stop_relay).
-@pytest.mark.parametrize(
-    "stop", ["SIGTERM to the process group", "Ctrl-C to the process group", "SIGTERM to the core"]
-)
+# Process 0 alone: tests/test_serve_shutdown.py; SIGTERM to the whole group (a worker too):
+# tests/test_serve_processes.py. Here Ctrl-C to the group, and one child alone: every process drains,
+# none is taken down by the signal (pagoda.service.stop_relay).
+@pytest.mark.parametrize("stop", ["Ctrl-C to the process group", "SIGTERM to the core"])
 def test_a_stop_signal_drains_every_process_and_exits_0(
     launch: Callable[..., ServeProcess], stop: str
 ) -> None:
@@ -177,7 +176,7 @@ def test_a_stop_signal_drains_every_process_and_exits_0(
         (core,) = [p for p in children(pgid) if "pagoda.service.engine.core_process" in cmdline(p)]
         os.kill(core, signal.SIGTERM)
     else:
-        os.killpg(pgid, signal.SIGTERM if stop.startswith("SIGTERM") else signal.SIGINT)
+        os.killpg(pgid, signal.SIGINT)
     for thread in threads:
         thread.join(120)
     assert server.wait() == 0, server.log()[-3000:]

