@@ -285,6 +285,16 @@ def test_grpc_structured_output_fields(server: ServeProcess) -> None:
         with pytest.raises(grpc.RpcError) as info:
             generate(logit_bias={10**6: 1.0})
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        for too_much in (
+            {"choice": pb.Choices(choices=[f"c{i}" for i in range(100_000)])},
+            {"regex": "((a{100}){100}){100}"},
+        ):  # the bounds hold over gRPC too: refused before compiling, the field named
+            with pytest.raises(grpc.RpcError) as info:
+                generate(**too_much)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "is too complex" in (info.value.details() or "") and next(iter(too_much)) in (
+                info.value.details() or ""
+            )
 
 
 @pytest.mark.parametrize("is_async", [False, True], ids=["in-turn", "async"])
