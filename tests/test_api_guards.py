@@ -124,14 +124,19 @@ def test_no_body_limit_when_it_is_zero() -> None:
     assert TestClient(BodyLimit(app, 0)).post("/", content=b"y" * 10_000).text == "10000"
 
 
-async def _body_under_deadline(chunks: list[tuple[float, bytes]], timeout_s: float) -> list[dict[str, Any]]:
-    """What BodyLimit sends for a body arriving as (delay before it, bytes) chunks."""
+async def _body_under_deadline(
+    chunks: list[tuple[float, bytes | None]], timeout_s: float, max_bytes: int = 0
+) -> list[dict[str, Any]]:
+    """What BodyLimit sends for a body arriving as (delay before it, bytes) chunks; the bytes `None`: the
+    client disconnects there."""
     sent: list[dict[str, Any]] = []
     pending = list(chunks)
 
     async def receive() -> dict[str, Any]:
         delay, body = pending.pop(0)
         await asyncio.sleep(delay)
+        if body is None:
+            return {"type": "http.disconnect"}
         return {"type": "http.request", "body": body, "more_body": bool(pending)}
 
     async def send(message: dict[str, Any]) -> None:
@@ -141,12 +146,15 @@ async def _body_under_deadline(chunks: list[tuple[float, bytes]], timeout_s: flo
         body, more = b"", True
         while more:
             message = await receive()
+            if message["type"] == "http.disconnect":
+                await send({"type": "app.saw", "disconnect": True})
+                return
             body, more = body + message["body"], message["more_body"]
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": str(len(body)).encode()})
 
     scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
-    await BodyLimit(app, 0, timeout_s)(scope, receive, send)
+    await BodyLimit(app, max_bytes, timeout_s)(scope, receive, send)
     return sent
 
 
@@ -161,3 +169,39 @@ def test_a_body_not_whole_by_the_deadline_is_408() -> None:
     assert [m.get("status") for m in on_time] == [200, None] and on_time[1]["body"] == b"4"
     no_limit = asyncio.run(_body_under_deadline([(0.05, b"ab"), (0.05, b"c")], timeout_s=0))
     assert no_limit[1]["body"] == b"3"
+
+
+def test_each_limit_holds_alone_and_at_its_edges() -> None:
+    quick = [(0.0, b"ab"), (0.0, b"cd")]
+    assert asyncio.run(_body_under_deadline(quick, timeout_s=0.5))[1]["body"] == b"4"  # in time: whole
+    slow = [(0.05, b"ab"), (0.05, b"c")]
+    assert (
+        asyncio.run(_body_under_deadline(slow, timeout_s=0, max_bytes=10))[1]["body"] == b"3"
+    )  # no deadline
+    assert (
+        asyncio.run(_body_under_deadline([(0.0, b"x" * 100)], timeout_s=5))[1]["body"] == b"100"
+    )  # no size limit
+    assert asyncio.run(_body_under_deadline([(0.0, b"xy")], timeout_s=0, max_bytes=1))[0]["status"] == 413
+    assert asyncio.run(_body_under_deadline([(0.0, b"x")], timeout_s=0, max_bytes=1))[0]["status"] == 200
+    # Every chunk counts, not the first again: 5 + 30 + 30 passes 64.
+    growing = [(0.0, b"a" * 5), (0.0, b"b" * 30), (0.0, b"c" * 30)]
+    assert asyncio.run(_body_under_deadline(growing, timeout_s=0, max_bytes=64))[0]["status"] == 413
+
+
+def test_a_client_gone_while_its_body_is_read_reaches_the_route_as_a_disconnect() -> None:
+    sent = asyncio.run(_body_under_deadline([(0.0, b"ab"), (0.0, None)], timeout_s=5, max_bytes=64))
+    assert sent == [{"type": "app.saw", "disconnect": True}]
+
+
+def test_what_is_not_http_passes_both_guards_untouched() -> None:
+    seen: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen.append(scope["type"])
+
+    async def never(*_: Any) -> Any:
+        raise AssertionError("a guard read or wrote a lifespan scope")
+
+    for guard in (BodyLimit(app, 1, 0.1), APIKeyGuard(app, ["key"])):
+        asyncio.run(guard({"type": "lifespan"}, never, never))
+    assert seen == ["lifespan", "lifespan"]
