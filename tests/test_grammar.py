@@ -13,7 +13,16 @@ from llguidance import LLMatcher
 
 from pagoda.service.grammar import (
     LOGIT_BIAS_LIMIT,
+    MAX_ALLOF_BRANCHES,
+    MAX_CHOICES,
+    MAX_GRAMMAR_CHARS,
+    MAX_LARK_RULES,
+    MAX_REPEAT_PRODUCT,
+    MAX_SCHEMA_DEPTH,
+    MAX_SCHEMA_NODES,
     Grammar,
+    GrammarKind,
+    _over_bounds,
     check_logit_bias,
     parse_logit_bias,
     validate_grammar,
@@ -247,3 +256,53 @@ def test_a_grammar_past_the_bounds_is_a_400_before_it_compiles(grammar: Grammar,
 )
 def test_what_real_requests_need_is_inside_the_bounds(grammar: Grammar) -> None:
     validate_grammar(grammar)
+
+
+def _chain(depth: int) -> dict[str, object]:
+    schema: dict[str, object] = {}
+    for _ in range(depth - 1):
+        schema = {"items": schema}
+    return schema
+
+
+@pytest.mark.parametrize(
+    ("kind", "at_the_bound", "past_it"),
+    [
+        ("regex", "a" * MAX_GRAMMAR_CHARS, "a" * (MAX_GRAMMAR_CHARS + 1)),
+        ("regex", f"a{{{MAX_REPEAT_PRODUCT}}}", f"a{{{MAX_REPEAT_PRODUCT + 1}}}"),
+        ("regex", "(a{10}){10000}", "(a{10,11}){10000}"),  # a range counts by its larger end
+        ("json_schema", json.dumps(_chain(MAX_SCHEMA_DEPTH)), json.dumps(_chain(MAX_SCHEMA_DEPTH + 1))),
+        (
+            "json_schema",
+            json.dumps({"anyOf": [{}] * (MAX_SCHEMA_NODES - 1)}),
+            json.dumps({"anyOf": [{}] * MAX_SCHEMA_NODES}),
+        ),
+        (
+            "json_schema",
+            json.dumps({"allOf": [{"anyOf": [{}] * MAX_ALLOF_BRANCHES}]}),
+            json.dumps({"allOf": [{"anyOf": [{}] * (MAX_ALLOF_BRANCHES + 1)}]}),
+        ),
+        ("choice", json.dumps(["c"] * MAX_CHOICES), json.dumps(["c"] * (MAX_CHOICES + 1))),
+        ("lark", "r: x\n" * MAX_LARK_RULES, "r: x\n" * (MAX_LARK_RULES + 1)),
+    ],
+    ids=["size", "repeat", "repeat range", "depth", "nodes", "allOf", "choices", "rules"],
+)
+def test_each_bound_takes_its_value_and_refuses_one_more(
+    kind: GrammarKind, at_the_bound: str, past_it: str
+) -> None:
+    assert _over_bounds(kind, at_the_bound) is None
+    assert _over_bounds(kind, past_it)
+
+
+def test_the_bounds_read_only_their_own_kind() -> None:
+    many_rules = "r: x\n" * (MAX_LARK_RULES + 1)  # a regex of that text is not a grammar of rules
+    assert _over_bounds("regex", many_rules) is None
+    assert _over_bounds("choice", json.dumps([{} for _ in range(10)])) is None  # nodes count in schemas only
+    assert _over_bounds("json_schema", json.dumps(["c"] * (MAX_CHOICES + 1))) is None
+
+
+def test_a_long_library_error_is_cut_to_500_characters() -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        validate_grammar(Grammar.lark("start: " + "x" * 600))
+    message = str(err.value)
+    assert message.endswith("...") and len(message) == len("guided_grammar is invalid: ") + 503
