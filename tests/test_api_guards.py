@@ -125,7 +125,10 @@ def test_no_body_limit_when_it_is_zero() -> None:
 
 
 async def _body_under_deadline(
-    chunks: list[tuple[float, bytes | None]], timeout_s: float, max_bytes: int = 0
+    chunks: list[tuple[float, bytes | None]],
+    timeout_s: float,
+    max_bytes: int = 0,
+    headers: list[tuple[bytes, bytes]] | None = None,
 ) -> list[dict[str, Any]]:
     """What BodyLimit sends for a body arriving as (delay before it, bytes) chunks; the bytes `None`: the
     client disconnects there."""
@@ -153,7 +156,7 @@ async def _body_under_deadline(
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": str(len(body)).encode()})
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers or []}
     await BodyLimit(app, max_bytes, timeout_s)(scope, receive, send)
     return sent
 
@@ -205,3 +208,13 @@ def test_what_is_not_http_passes_both_guards_untouched() -> None:
     for guard in (BodyLimit(app, 1, 0.1), APIKeyGuard(app, ["key"])):
         asyncio.run(guard({"type": "lifespan"}, never, never))
     assert seen == ["lifespan", "lifespan"]
+
+
+def test_content_length_against_a_limit_of_one_and_of_none() -> None:
+    """Refused by its Content-Length before a byte is read (`chunks` empty: reading would fail)."""
+    declared = [(b"content-length", b"2")]
+    assert (
+        asyncio.run(_body_under_deadline([], timeout_s=0, max_bytes=1, headers=declared))[0]["status"] == 413
+    )
+    fits = asyncio.run(_body_under_deadline([(0.0, b"xy")], timeout_s=5, max_bytes=0, headers=declared))
+    assert fits[1]["body"] == b"2"  # a limit of 0 is no limit, whatever the header says
