@@ -113,8 +113,10 @@ def validate_grammar(grammar: Grammar) -> None:
         raise _invalid(f"{grammar.param} is invalid: {error}", param=grammar.param)
 
 
+@lru_cache(maxsize=512)
 def _over_bounds(kind: GrammarKind, source: str) -> str | None:
-    """What exceeds a bound, in words; None when nothing does."""
+    """What exceeds a bound, in words; None when nothing does (cached by source, as compiling is: a
+    repeated schema is parsed and walked once)."""
     if len(source) > MAX_GRAMMAR_CHARS:
         return f"{len(source)} characters, more than {MAX_GRAMMAR_CHARS}"
     product = 1

@@ -31,6 +31,9 @@ FLAGS = [
     "--enable-prefix-caching",
     "--max-waiting-requests",
     "--drain-timeout",
+    "--engine-stall-timeout",
+    "--body-read-timeout",
+    "--max-header-bytes",
     "--api-server-count",
     "--device",
 ]
@@ -57,6 +60,11 @@ def test_defaults() -> None:
     assert (server.port, server.grpc_port) == (8000, 8001)
     assert engine.model is None and engine.dtype == "auto" and engine.enable_prefix_caching
     assert server.api_server_count == 1
+    assert (server.engine_stall_timeout_s, server.body_read_timeout_s, server.max_header_bytes) == (
+        120.0,
+        30.0,
+        64 << 10,
+    )
     # Serving holds prompt chunks beside decodes to 256 tokens; the offline engine takes the whole budget.
     assert engine.max_mixed_prefill_tokens == 256
     assert EngineConfig().max_mixed_prefill_tokens == 0
@@ -90,6 +98,9 @@ def test_environment_sets_flags_and_command_line_wins(monkeypatch: pytest.Monkey
         (["--max-mixed-prefill-tokens", "-1"], "max_mixed_prefill_tokens must be at least 0, got -1"),
         (["--max-waiting-requests", "-1"], "--max-waiting-requests"),
         (["--api-server-count", "0"], "--api-server-count must be at least 1, got 0"),
+        (["--engine-stall-timeout", "-1"], "--engine-stall-timeout must be >= 0, got -1.0"),
+        (["--body-read-timeout", "-0.5"], "--body-read-timeout must be >= 0, got -0.5"),
+        (["--max-header-bytes", "-1"], "--max-header-bytes must be >= 0, got -1"),
     ],
 )
 def test_refuses_what_the_engine_cannot_run(argv: list[str], message: str) -> None:
