@@ -262,7 +262,10 @@ async def _watch_health(
             was_ready = is_ready
         if (state is ServingState.STALLED) != was_stalled:
             was_stalled = not was_stalled
-            _report_stall(client) if was_stalled else logger.warning("the engine core steps again")
+            if was_stalled:
+                _report_stall(client)
+            else:
+                logger.warning("the engine core steps again")
         if state is ServingState.UNHEALTHY and on_unhealthy is not None:
             on_unhealthy()
             on_unhealthy = None
