@@ -339,24 +339,3 @@ def test_offline_llm_structured_output_and_logit_bias(is_async: bool) -> None:
             "A colour:", SamplingParams(max_tokens=4, grammar=Grammar.choice(["red", "blue"]))
         )
         assert again[0].outputs[0].text in ("red", "blue")
-
-
-def test_apply_token_bitmask_keeps_exactly_the_allowed_tokens() -> None:
-    import numpy as np
-    import torch
-
-    from pagoda.service.engine.sampler import apply_token_bitmask, unpack_forbidden
-
-    vocab, words = 100, 3  # 96 bits: tokens 96..99 lie past the mask and are forbidden
-    rng = np.random.default_rng(0)
-    bitmask = rng.integers(-(2**31), 2**31, size=(2, words), dtype=np.int32)
-    logits = torch.randn(3, vocab)
-    masked = apply_token_bitmask(logits.clone(), [0, 2], bitmask)
-    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little").astype(bool)
-    for row, mask_row in ((0, 0), (2, 1)):
-        allowed = torch.from_numpy(np.concatenate([bits[mask_row], np.zeros(vocab - 96, dtype=bool)]))
-        assert torch.equal(masked[row][allowed], logits[row][allowed])
-        assert torch.isneginf(masked[row][~allowed]).all()
-    assert torch.equal(masked[1], logits[1])  # a row without a grammar is untouched
-    # The GPU's unpacking (torch shifts) agrees with the CPU's (numpy), run here on CPU tensors.
-    assert torch.equal(unpack_forbidden(torch.from_numpy(bitmask)), torch.from_numpy(~bits))

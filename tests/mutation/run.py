@@ -45,7 +45,9 @@ TARGETS: dict[str, Target] = {
     ),
     "block_manager": Target("service/engine/block_manager.py", ("tests/test_block_manager.py",)),
     "scheduler": Target("service/engine/scheduler.py", ("tests/test_scheduler.py",)),
-    "sampler": Target("service/engine/sampler.py", ("tests/test_sampler_reference.py",), 300.0),
+    "sampler": Target(
+        "service/engine/sampler.py", ("tests/test_sampler.py", "tests/test_sampler_reference.py"), 300.0
+    ),
     "output_processor": Target(
         "service/engine/output_processor.py",
         ("tests/test_output_processor.py", "tests/test_output_stream.py"),

@@ -1,0 +1,182 @@
+"""The sampler's own contract, beside its reference test (tests/test_sampler_reference.py, which holds
+the filtered distributions to transformers'): the grammar's bitmask, log-probabilities, seeds,
+greedy rows, min_tokens and the occurrence counts behind the penalties. CPU only, no model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagoda.service.engine.request import Request
+from pagoda.service.engine.sampler import Sampler, _token_counts, apply_token_bitmask, unpack_forbidden
+from pagoda.service.sampling_params import SamplingParams
+
+VOCAB = 100
+EOS = 2
+
+
+def _request(params: SamplingParams, index: int = 0, output: list[int] | None = None) -> Request:
+    req = Request(f"r{index}", [5, 6, 7], params, 0.0, index=index)
+    req.token_ids += output or []
+    return req
+
+
+def _greedy(**kwargs: object) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=8, **kwargs)  # type: ignore[arg-type]
+
+
+def _mask(allowed: list[int], words: int = (VOCAB + 31) // 32) -> np.ndarray:
+    """One bitmask row allowing exactly `allowed`."""
+    row = np.zeros(words, dtype=np.uint32)
+    for t in allowed:
+        row[t // 32] |= np.uint32(1 << (t % 32))
+    return row.view(np.int32)
+
+
+def test_apply_token_bitmask_keeps_exactly_the_allowed_tokens() -> None:
+    vocab, words = 100, 3  # 96 bits: tokens 96..99 lie past the mask and are forbidden
+    rng = np.random.default_rng(0)
+    bitmask = rng.integers(-(2**31), 2**31, size=(2, words), dtype=np.int32)
+    logits = torch.randn(3, vocab)
+    masked = apply_token_bitmask(logits.clone(), [0, 2], bitmask)
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little").astype(bool)
+    for row, mask_row in ((0, 0), (2, 1)):
+        allowed = torch.from_numpy(np.concatenate([bits[mask_row], np.zeros(vocab - 96, dtype=bool)]))
+        assert torch.equal(masked[row][allowed], logits[row][allowed])
+        assert torch.isneginf(masked[row][~allowed]).all()
+    assert torch.equal(masked[1], logits[1])  # a row without a grammar is untouched
+    # The GPU's unpacking (torch shifts) agrees with the CPU's (numpy), run here on CPU tensors.
+    assert torch.equal(unpack_forbidden(torch.from_numpy(bitmask)), torch.from_numpy(~bits))
+
+
+def test_a_bitmask_wider_than_the_vocabulary_is_cut_to_it() -> None:
+    """A padded vocabulary's mask has more bits than the logits have columns (4 words, 100 tokens)."""
+    logits = torch.randn(2, VOCAB)
+    bitmask = np.stack([_mask([3, 99], words=4), _mask([0, 64], words=4)])
+    masked = apply_token_bitmask(logits.clone(), [0, 1], bitmask)  # every row: the whole-batch path
+    assert masked.shape == (2, VOCAB)
+    assert torch.isfinite(masked[0]).nonzero().flatten().tolist() == [3, 99]
+    assert torch.isfinite(masked[1]).nonzero().flatten().tolist() == [0, 64]
+
+
+def test_a_grammar_row_samples_only_what_its_mask_allows_and_its_neighbours_are_free() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(3, VOCAB)
+    logits[:, 50] = 30.0  # everyone's favourite, which the grammar forbids
+    reqs = [_request(_greedy(), i) for i in range(3)]
+    reqs[1].grammar_bitmask = _mask([7, 8])
+    reqs[2].params = SamplingParams(temperature=1.0, max_tokens=8)
+    reqs[2].grammar_bitmask = _mask([9])
+    got = [r.token_id for r in Sampler(VOCAB, {EOS})(logits.clone(), reqs).results()]
+    assert got[0] == 50
+    assert got[1] == (7 if logits[1, 7] > logits[1, 8] else 8)
+    assert got[2] == 9  # sampled, but only one token is allowed
+
+
+def test_the_grammar_overrides_a_logit_bias() -> None:
+    logits = torch.zeros(1, VOCAB)
+    req = _request(_greedy(logit_bias={40: 100.0}))
+    req.grammar_bitmask = _mask([41])
+    assert Sampler(VOCAB, {EOS})(logits, [req]).results()[0].token_id == 41
+
+
+def test_logprobs_per_row_are_the_chosen_token_and_the_top_k_of_the_masked_distribution() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(4, VOCAB) * 2
+    reqs = [
+        _request(_greedy(logprobs=2), 0),
+        _request(_greedy(), 1),  # no logprobs asked
+        _request(_greedy(logprobs=5), 2),
+        _request(_greedy(logprobs=0), 3),  # the chosen token's logprob, no alternatives
+    ]
+    reqs[2].grammar_bitmask = _mask([10, 11, 12])
+    results = Sampler(VOCAB, {EOS})(logits.clone(), reqs).results()
+    expected = torch.log_softmax(logits, dim=-1)
+    masked = torch.full((VOCAB,), float("-inf"))
+    masked[[10, 11, 12]] = logits[2, [10, 11, 12]]
+    expected[2] = torch.log_softmax(masked, dim=-1)
+    assert results[1].logprob is None and results[1].top is None
+    for row, k in ((0, 2), (2, 5), (3, 0)):
+        result = results[row]
+        assert result.token_id == int(expected[row].argmax())
+        assert result.logprob == pytest.approx(float(expected[row, result.token_id]), abs=1e-5)
+        assert result.top is not None and len(result.top) == k
+        top = expected[row].topk(k) if k else None
+        if top is not None:
+            assert [t for t, _ in result.top] == top.indices.tolist()
+            assert [v for _, v in result.top] == pytest.approx(top.values.tolist(), abs=1e-5)
+    assert results[2].top is not None and {t for t, _ in results[2].top[:3]} == {10, 11, 12}
+    assert all(v == float("-inf") for _, v in results[2].top[3:])  # forbidden tokens: logprob -inf
+
+
+def test_the_logprob_of_a_sampled_token_is_its_own() -> None:
+    torch.manual_seed(2)
+    logits = torch.randn(8, VOCAB)
+    reqs = [_request(SamplingParams(temperature=1.0, max_tokens=8, logprobs=1), i) for i in range(8)]
+    expected = torch.log_softmax(logits, dim=-1)
+    for i, result in enumerate(Sampler(VOCAB, {EOS})(logits.clone(), reqs).results()):
+        assert result.logprob == pytest.approx(float(expected[i, result.token_id]), abs=1e-5)
+
+
+def test_a_seed_draws_the_same_token_alone_or_in_a_batch_and_each_position_its_own() -> None:
+    torch.manual_seed(3)
+    logits = torch.zeros(1, VOCAB)  # uniform: every draw is up to the seed
+    sampler = Sampler(VOCAB, {EOS})
+
+    def draw(seed: int, index: int = 0, output: list[int] | None = None, neighbours: int = 0) -> int:
+        params = SamplingParams(temperature=1.0, max_tokens=64, seed=seed)
+        free = [_request(SamplingParams(temperature=1.0, max_tokens=8), 9) for _ in range(neighbours)]
+        batch = [*free, _request(params, index, output)]
+        return sampler(logits.expand(len(batch), VOCAB).clone(), batch).results()[-1].token_id
+
+    assert draw(7) == draw(7) == draw(7, neighbours=3)
+    assert len({draw(seed) for seed in range(12)}) > 1
+    assert len({draw(7, index=i) for i in range(12)}) > 1  # each of the n completions its own draws
+    assert len({draw(7, output=[1] * n) for n in range(12)}) > 1  # and each position
+
+
+def test_temperature_zero_is_greedy_whatever_the_filters() -> None:
+    torch.manual_seed(4)
+    logits = torch.randn(16, VOCAB)
+    reqs = [_request(_greedy(top_k=50, top_p=0.5, min_p=0.1), i) for i in range(16)]
+    got = [r.token_id for r in Sampler(VOCAB, {EOS})(logits.clone(), reqs).results()]
+    assert got == logits.argmax(dim=-1).tolist()
+
+
+def test_min_tokens_bans_stop_token_ids_and_eos_unless_eos_is_ignored() -> None:
+    logits = torch.zeros(4, VOCAB)
+    logits[:, EOS] = 20.0
+    logits[:, 30] = 10.0
+    logits[:, 31] = 5.0
+    reqs = [
+        _request(_greedy(min_tokens=4), 0),  # EOS banned: 30
+        _request(_greedy(min_tokens=4, stop_token_ids=[30]), 1),  # EOS and 30 banned: 31
+        _request(_greedy(min_tokens=4, ignore_eos=True, stop_token_ids=[30, VOCAB + 5]), 2),  # EOS free
+        _request(_greedy(min_tokens=2), 3, output=[9, 9]),  # reached: EOS allowed again
+    ]
+    got = [r.token_id for r in Sampler(VOCAB, {EOS, 3})(logits.clone(), reqs).results()]
+    assert got == [30, 31, EOS, EOS]
+
+
+def test_min_tokens_bans_every_eos_of_the_model() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, [EOS, 3]] = 20.0
+    got = Sampler(VOCAB, {EOS, 3})(logits, [_request(_greedy(min_tokens=1))]).results()
+    assert got[0].token_id not in (EOS, 3)
+
+
+def test_token_counts_count_each_row_apart_and_ignore_the_padding() -> None:
+    counts = _token_counts([[1, 1, 4], [], [VOCAB - 1]], VOCAB, torch.device("cpu"))
+    assert counts.shape == (3, VOCAB)
+    assert counts[0, 1] == 2 and counts[0, 4] == 1 and counts[0].sum() == 3
+    assert counts[1].sum() == 0
+    assert counts[2, VOCAB - 1] == 1 and counts[2].sum() == 1
+    assert _token_counts([[], []], VOCAB, torch.device("cpu")).sum() == 0
+
+
+def test_logits_wider_than_the_vocabulary_never_yield_a_padding_token() -> None:
+    logits = torch.zeros(2, VOCAB + 28)
+    logits[:, VOCAB + 3] = 50.0  # a padded column of the embedding
+    reqs = [_request(_greedy(logprobs=1), 0), _request(SamplingParams(temperature=1.0, max_tokens=8), 1)]
+    assert all(r.token_id < VOCAB for r in Sampler(VOCAB, {EOS})(logits, reqs).results())
