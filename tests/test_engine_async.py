@@ -12,8 +12,14 @@ import pytest
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.llm_engine import LLMEngine
 from pagoda.service.engine.request import PLACEHOLDER
+from pagoda.service.grammar import Grammar
 from pagoda.service.sampling_params import SamplingParams
 
+GRAMMARS = [
+    Grammar.json_schema({"type": "array", "items": {"type": "integer"}, "maxItems": 3}),
+    Grammar.regex("[a-z]{2,6}( [a-z]{2,6})*"),
+    Grammar.choice(["red", "green", "blue"]),
+]
 Finals = dict[str, list[tuple[list[int], str | None, list[float]]]]
 
 
@@ -25,9 +31,9 @@ def _workload(seed: int = 5) -> list[tuple[str, list[int], SamplingParams, str |
     """(id, prompt, params, id of a request to abort when this one arrives), arriving two per step."""
     rng = random.Random(seed)
     work: list[tuple[str, list[int], SamplingParams, str | None]] = []
-    for i in range(30):
+    for i in range(36):
         prompt = [rng.randrange(3, 49152) for _ in range(rng.randrange(1, 70))]
-        kind = i % 5
+        kind = i % 6
         if kind == 0:
             params = SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 20), ignore_eos=True)
         elif kind == 1:  # seeded sampling with every filter, and log-probabilities
@@ -43,6 +49,9 @@ def _workload(seed: int = 5) -> list[tuple[str, list[int], SamplingParams, str |
             params = SamplingParams(
                 temperature=0.0, max_tokens=9, min_tokens=3, stop_token_ids=[17, 18], logit_bias={17: 50.0}
             )
+        elif kind == 5:  # grammars, pipelined: each step's bitmasks wait for the step before's tokens
+            grammar = GRAMMARS[(i // 6) % len(GRAMMARS)]
+            params = SamplingParams(temperature=0.9, seed=i, n=1 + i % 2, max_tokens=16, grammar=grammar)
         else:  # penalties and prompt log-probabilities: the core runs steps in turn while these are in
             params = SamplingParams(
                 temperature=0.0, max_tokens=6, presence_penalty=0.7, repetition_penalty=1.2,
@@ -122,5 +131,15 @@ def test_tokens_arrive_a_step_late_and_requests_that_need_them_take_turns(llama_
         engine.step()
     engine.add_request("b", [5, 6, 7], params)
     assert engine.step() == []  # pipelined again
+    while engine.has_unfinished:
+        engine.step()
+
+    # A grammar does not take turns: its first token comes a step after its prefill, as a free one's.
+    constrained = SamplingParams(temperature=0.0, max_tokens=6, grammar=Grammar.regex("[a-z]{20}"))
+    engine.add_request("g", [5, 6, 7], constrained)
+    while not core._in_flight:
+        assert engine.step() == []  # its grammar compiles, then its prefill is queued
+    seen = [o.request_id for o in engine.step()]
+    assert seen == ["g"] and core._in_flight is not None
     while engine.has_unfinished:
         engine.step()

@@ -299,7 +299,7 @@ def test_grpc_structured_output_fields(server: ServeProcess) -> None:
 
 @pytest.mark.parametrize("is_async", [False, True], ids=["in-turn", "async"])
 def test_offline_llm_structured_output_and_logit_bias(is_async: bool) -> None:
-    """With async scheduling, a grammar request makes the steps run in turn while it is in the engine."""
+    """In turn and with async scheduling (the grammar's bitmask waits for the step before's tokens)."""
     from pagoda.service.grammar import Grammar
     from pagoda.service.llm import LLM
     from pagoda.service.sampling_params import InvalidRequestError, SamplingParams

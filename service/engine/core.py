@@ -13,8 +13,11 @@ completes the step queued before it (reads its tokens, checks stops, builds outp
 work overlaps the device's. The scheduler counts a sampled token before its value is known (a
 `PLACEHOLDER`, filled on the device for the next step's input and on the host at completion); a
 sequence that stops is therefore computed one step too many, and that token is dropped. What needs
-the real last token on the host before sampling (grammars, penalties) or waits for the device anyway
-(prompt log-probabilities) makes the steps run in turn while such a request is in the engine.
+the real last token on the host before sampling (penalties) or waits for the device anyway (prompt
+log-probabilities) makes the steps run in turn while such a request is in the engine. Grammars do not:
+between launching step N+1's forward pass and sampling it, the core takes step N's tokens (its
+matchers consume them) and fills step N+1's bitmasks while the device runs the forward pass, as vLLM
+V1 does.
 """
 
 from __future__ import annotations
@@ -120,8 +123,7 @@ class _InFlight:
 def _needs_turns(params: SamplingParams) -> bool:
     """Whether a request's sampling reads its last token on the host, or waits for the device anyway."""
     return (
-        params.grammar is not None
-        or params.presence_penalty != 0
+        params.presence_penalty != 0
         or params.frequency_penalty != 0
         or params.repetition_penalty != 1.0
         or params.prompt_logprobs is not None
@@ -235,8 +237,9 @@ class EngineCore:
             else:
                 self.structured_output.wait(_GRAMMAR_WAIT_S)  # only grammars left to compile: wait for one
             return outputs
+        behind = [before] if before is not None else []  # completed once, by the first to need its tokens
         if self.structured_output.is_active:
-            out.before_sample = functools.partial(self.structured_output.fill_bitmasks, out)
+            out.before_sample = functools.partial(self._before_sample, out, behind, outputs)
         now = time.monotonic()
         for seq in out.requests:
             self._scheduled_time.setdefault(seq.request_id, now)
@@ -250,14 +253,13 @@ class EngineCore:
             self._failed_steps_in_a_row = 0
         except Exception as exc:
             self.executor.check_alive()  # a dead rank is the engine's failure, not a request's
-            if before is not None:  # its tokens are `out`'s inputs: on the host from here
-                self._complete(before, outputs)
-                before = None
+            if behind:  # its tokens are `out`'s inputs: on the host from here
+                self._complete(behind.pop(), outputs)
             pending, isolated_failures = self._execute_isolated(out, exc)
             outputs.failures.extend(isolated_failures)
             overlap = False
-        if before is not None:
-            self._complete(before, outputs)  # while the device runs `out`
+        if behind:
+            self._complete(behind.pop(), outputs)  # while the device runs `out`
         step = _InFlight(out, self.scheduler.advance(out), pending)
         if overlap and self._requests:
             self._in_flight = step
@@ -265,6 +267,14 @@ class EngineCore:
             self._complete(step, outputs)
         self._time_step(out, time.monotonic() - started)
         return outputs
+
+    def _before_sample(self, out: SchedulerOutput, behind: list[_InFlight], outputs: StepOutputs) -> None:
+        """Called by the executor once `out`'s forward pass is launched, before its sampling: take the
+        tokens of the step before (`behind`; the grammars consume them), then fill `out`'s bitmasks,
+        while the device runs the forward pass."""
+        if behind:
+            self._complete(behind.pop(), outputs)
+        self.structured_output.fill_bitmasks(out)
 
     def _time_step(self, out: SchedulerOutput, seconds: float) -> None:
         """Count one step's wall time: with async scheduling, the period between steps in a steady state."""

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pagoda.service.engine.request import Request
+from pagoda.service.engine.request import Request, RequestStatus
 from pagoda.service.engine.scheduler import SchedulerOutput
 from pagoda.service.grammar import Grammar
 
@@ -122,7 +122,9 @@ class StructuredOutputManager:
         rows = [
             (seq, matcher)
             for i, seq in enumerate(out.requests)
-            if (matcher := self._matchers.get(seq.request_id)) is not None and out.needs_sample(i)
+            if (matcher := self._matchers.get(seq.request_id)) is not None
+            and out.needs_sample(i)
+            and seq.status is not RequestStatus.FINISHED  # ended by the step before: its token is dropped
         ]
         if not rows:
             return
