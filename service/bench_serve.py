@@ -7,7 +7,9 @@ it records the time to first token (TTFT), the gaps between streamed chunks (int
 ITL) and the end-to-end latency; it reports throughput and the mean / median / p99 of each. Any
 OpenAI-compatible server can be the target, so a peer (vLLM, NIM) is measured with the same tool.
 One client process parses only so many chunks a second; `--client-processes` splits the load over
-several (`bench_serve_processes`).
+several (`bench_serve_processes`). `--structured-fraction F` gives that share of the requests a small
+strict JSON Schema (`response_format`), sent among the free ones, and reports each kind apart:
+structured output's cost measured against unconstrained requests of the same run.
 """
 
 from __future__ import annotations
@@ -28,9 +30,20 @@ if TYPE_CHECKING:  # imported when the benchmark runs: `pagoda --help` must not 
     import httpx
 
 
+# The constrained requests' schema (`--structured-fraction`): three properties, as a typical tool or
+# extraction schema has. With `ignore_eos` a request still ends where its object does.
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}},
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+
+
 @dataclass
 class RequestResult:
     ok: bool
+    constrained: bool = False  # sent with `SCHEMA` as its response_format
     # On time.monotonic, one clock for every process on the machine (perf_counter's reference point
     # is per process): results from several client processes share one timeline.
     start_s: float = 0.0
@@ -57,6 +70,8 @@ class Summary:
     # Output tokens / chunks with text: above 1, an ITL gap spans several tokens.
     tokens_per_chunk: float = 1.0
     errors: dict[str, int] = field(default_factory=dict)  # why requests failed -> how many, most first
+    # With some requests constrained: "constrained" and "unconstrained", each summarized alone.
+    kinds: dict[str, Summary] = field(default_factory=dict)
 
     @property
     def request_throughput(self) -> float:
@@ -79,8 +94,15 @@ def _stats_ms(values: list[float]) -> dict[str, float]:
     }
 
 
-async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int) -> RequestResult:
-    body = {
+def is_constrained(index: int, fraction: float) -> bool:
+    """Whether request `index` carries the schema: `fraction` of them, spread evenly through the run."""
+    return math.floor((index + 1) * fraction) > math.floor(index * fraction)
+
+
+async def _one(
+    client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int, constrained: bool = False
+) -> RequestResult:
+    body: dict[str, object] = {
         "model": model,
         "prompt": prompt,
         "max_tokens": output_len,
@@ -89,7 +111,10 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], output_
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    result = RequestResult(ok=False, start_s=time.monotonic())
+    if constrained:
+        schema = {"name": "person", "schema": SCHEMA, "strict": True}
+        body["response_format"] = {"type": "json_schema", "json_schema": schema}
+    result = RequestResult(ok=False, constrained=constrained, start_s=time.monotonic())
     try:
         await _stream(client, body, result)
     except Exception as exc:  # a refused or broken connection counts as a failed request
@@ -138,6 +163,7 @@ async def send_requests(
     request_rate: float,
     max_concurrency: int | None,
     rng: random.Random,
+    structured_fraction: float = 0.0,
 ) -> list[RequestResult]:
     """Every prompt as one streamed completion, under the cap; `rng` draws the Poisson arrivals."""
     import httpx
@@ -147,13 +173,13 @@ async def send_requests(
     limits = httpx.Limits(max_connections=max_concurrency or len(prompts))
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as client:
 
-        async def limited(prompt: list[int]) -> RequestResult:
+        async def limited(prompt: list[int], constrained: bool) -> RequestResult:
             async with limit:
-                return await _one(client, model, prompt, output_len)
+                return await _one(client, model, prompt, output_len, constrained)
 
         tasks = []
-        for prompt in prompts:
-            tasks.append(asyncio.create_task(limited(prompt)))
+        for i, prompt in enumerate(prompts):
+            tasks.append(asyncio.create_task(limited(prompt, is_constrained(i, structured_fraction))))
             if request_rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(request_rate))
         return await asyncio.gather(*tasks)
@@ -162,6 +188,10 @@ async def send_requests(
 def summarize(results: list[RequestResult], input_len: int) -> Summary:
     """The run lasts from the first request's start to the last one's end, whichever process sent them."""
     ok = [r for r in results if r.ok]
+    kinds = {}
+    if any(r.constrained for r in results) and not all(r.constrained for r in results):
+        for name, constrained in (("constrained", True), ("unconstrained", False)):
+            kinds[name] = summarize([r for r in results if r.constrained is constrained], input_len)
     return Summary(
         num_ok=len(ok),
         num_failed=len(results) - len(ok),
@@ -176,6 +206,7 @@ def summarize(results: list[RequestResult], input_len: int) -> Summary:
         latency_ms=_stats_ms([r.latency_s for r in ok]),
         tokens_per_chunk=sum(r.output_tokens for r in ok) / max(1, sum(r.text_chunks for r in ok)),
         errors=dict(Counter(r.error or "no tokens" for r in results if not r.ok).most_common()),
+        kinds=kinds,
     )
 
 
@@ -189,10 +220,13 @@ async def run_benchmark(
     max_concurrency: int | None = None,
     vocab_size: int = 32000,
     seed: int = 0,
+    structured_fraction: float = 0.0,
 ) -> Summary:
     rng = random.Random(seed)
     prompts = make_prompts(rng, num_prompts, input_len, vocab_size)
-    results = await send_requests(base_url, model, prompts, output_len, request_rate, max_concurrency, rng)
+    results = await send_requests(
+        base_url, model, prompts, output_len, request_rate, max_concurrency, rng, structured_fraction
+    )
     return summarize(results, input_len)
 
 
@@ -230,7 +264,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "output tok/s at most on the H200 machine. auto: one per 32 in-flight requests, one per CPU at most",
     )
     parser.add_argument("--vocab-size", type=int, default=32000, help="prompt token ids are drawn below this")
+    parser.add_argument(
+        "--structured-fraction",
+        type=_fraction,
+        default=0.0,
+        help="this share of the requests (0 to 1) asks for a small strict JSON Schema (response_format), "
+        "spread among the others; each kind is then reported apart",
+    )
     parser.add_argument("--output", default=None, help="append the Markdown result to this file")
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction from 0 to 1, got {text!r}")
+    return value
 
 
 def format_summary(args: argparse.Namespace, summary: Summary, num_processes: int = 1) -> str:
@@ -258,8 +309,30 @@ def format_summary(args: argparse.Namespace, summary: Summary, num_processes: in
             "",
             *(f"- failed {n}x: {error}" for error, n in list(summary.errors.items())[:5]),
             *([""] if summary.errors else []),
+            *_format_kinds(summary),
         ]
     )
+
+
+def _format_kinds(summary: Summary) -> list[str]:
+    """Constrained against unconstrained requests of the same run (`--structured-fraction`)."""
+    if not summary.kinds:
+        return []
+    lines = [
+        "| requests | ok | output tokens | TTFT median | TTFT p99 | TPOT median | TPOT p99 | ITL median "
+        "| ITL p99 |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, kind in summary.kinds.items():
+        lines.append(
+            f"| {name} | {kind.num_ok} | {kind.output_tokens} | {kind.ttft_ms['median']:.1f} "
+            f"| {kind.ttft_ms['p99']:.1f} | {kind.tpot_ms['median']:.2f} | {kind.tpot_ms['p99']:.2f} "
+            f"| {kind.itl_ms['median']:.2f} | {kind.itl_ms['p99']:.2f} |"
+        )
+    free = summary.kinds["unconstrained"].tpot_ms["median"]
+    bound = summary.kinds["constrained"].tpot_ms["median"]
+    ratio = f"{bound / free:.2f}x" if free else "n/a"
+    return [*lines, "", f"Constrained / unconstrained time per output token (median): {ratio}.", ""]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -267,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
     if num_processes == "auto":
         num_processes = auto_client_processes(min(args.max_concurrency or args.num_prompts, args.num_prompts))
     load = (args.base_url, args.model, args.num_prompts, args.input_len, args.output_len)
-    shape = (args.request_rate, args.max_concurrency, args.vocab_size)
+    shape = (args.request_rate, args.max_concurrency, args.vocab_size, 0, args.structured_fraction)
     if num_processes == 1:
         summary = asyncio.run(run_benchmark(*load, *shape))
     else:

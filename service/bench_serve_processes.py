@@ -36,6 +36,7 @@ class ClientJob:
     request_rate: float
     max_concurrency: int
     seed: int  # of its Poisson arrivals
+    structured_fraction: float = 0.0
 
 
 def split(
@@ -47,6 +48,7 @@ def split(
     request_rate: float,
     max_concurrency: int | None,
     rng: random.Random,
+    structured_fraction: float = 0.0,
 ) -> list[ClientJob]:
     concurrency = max_concurrency or len(prompts)
     if not 1 <= num_processes <= min(concurrency, len(prompts)):
@@ -63,6 +65,7 @@ def split(
             request_rate / num_processes,
             concurrency // num_processes + (i < concurrency % num_processes),
             rng.randrange(2**32),
+            structured_fraction,
         )
         for i in range(num_processes)
     ]
@@ -79,6 +82,7 @@ def _send(job: ClientJob, barrier: threading.Barrier) -> list[RequestResult]:
             job.request_rate,
             job.max_concurrency,
             random.Random(job.seed),
+            job.structured_fraction,
         )
     )
 
@@ -94,11 +98,15 @@ def run_in_processes(
     max_concurrency: int | None = None,
     vocab_size: int = 32000,
     seed: int = 0,
+    structured_fraction: float = 0.0,
 ) -> Summary:
     """`run_benchmark`'s prompts and summary, the requests sent from `num_processes` processes."""
     rng = random.Random(seed)
     prompts = make_prompts(rng, num_prompts, input_len, vocab_size)
-    jobs = split(num_processes, base_url, model, prompts, output_len, request_rate, max_concurrency, rng)
+    jobs = split(
+        num_processes, base_url, model, prompts, output_len, request_rate, max_concurrency, rng,
+        structured_fraction,
+    )  # fmt: skip
     # spawn: a fresh interpreter, not a fork of a caller that may hold threads or an event loop.
     context = multiprocessing.get_context("spawn")
     with context.Manager() as manager, ProcessPoolExecutor(num_processes, mp_context=context) as pool:

@@ -133,3 +133,46 @@ def test_the_split_deals_prompts_concurrency_and_rate() -> None:
     assert {job.request_rate for job in jobs} == {10.0} and len({job.seed for job in jobs}) == 3
     with pytest.raises(ValueError, match="--client-processes 3"):
         split(3, "http://x", MODEL, prompts, 4, 30.0, 2, random.Random(0))  # a process with no slot
+
+
+@pytest.mark.parametrize(
+    ("fraction", "picked"),
+    [(0.0, []), (0.25, [3, 7]), (0.5, [1, 3, 5, 7]), (1 / 3, [2, 5]), (1.0, list(range(8)))],
+)
+def test_the_structured_fraction_spreads_the_constrained_requests(fraction: float, picked: list[int]) -> None:
+    from pagoda.service.bench_serve import is_constrained
+
+    assert [i for i in range(8) if is_constrained(i, fraction)] == picked
+
+
+def test_constrained_and_free_requests_are_reported_apart(server: ServeProcess, tmp_path: Path) -> None:
+    """Half the requests carry the schema: the server takes them (a bad body would fail them), and the
+    report has a row for each kind with its own figures."""
+    summary = asyncio.run(
+        run_benchmark(
+            server.base_url, MODEL, num_prompts=4, input_len=8, output_len=6, structured_fraction=0.5
+        )
+    )
+    assert (summary.num_ok, summary.num_failed) == (4, 0)
+    assert {name: kind.num_ok for name, kind in summary.kinds.items()} == {
+        "constrained": 2,
+        "unconstrained": 2,
+    }
+    assert summary.kinds["unconstrained"].output_tokens == 2 * 6
+    assert summary.output_tokens == sum(kind.output_tokens for kind in summary.kinds.values())
+    out = tmp_path / "bench.md"
+    bench = [sys.executable, "-m", "pagoda.service.bench", "serve", "--base-url", server.base_url]
+    done = subprocess.run(
+        [*bench, "--model", MODEL, "--num-prompts", "2", "--input-len", "8", "--output-len", "4",
+         "--structured-fraction", "0.5", "--output", str(out)],
+        capture_output=True, text=True, timeout=300, env=ENV,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    kinds = ("| constrained", "| unconstrained")
+    rows = [line for line in out.read_text().splitlines() if line.startswith(kinds)]
+    assert [row.split(" | ")[:2] for row in rows] == [["| constrained", "1"], ["| unconstrained", "1"]]
+    assert "Constrained / unconstrained time per output token (median): " in out.read_text()
+    refused = subprocess.run(
+        [*bench, "--model", MODEL, "--structured-fraction", "1.5"], capture_output=True, text=True, env=ENV
+    )
+    assert refused.returncode == 2 and "expected a fraction from 0 to 1, got '1.5'" in refused.stderr
