@@ -143,3 +143,33 @@ def test_tokens_arrive_a_step_late_and_requests_that_need_them_take_turns(llama_
     assert seen == ["g"] and core._in_flight is not None
     while engine.has_unfinished:
         engine.step()
+
+
+def test_each_new_longest_step_past_the_threshold_is_logged(
+    llama_ckpt: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What `--engine-stall-timeout` is chosen against (docs/processes.md): a step that is the longest so
+    far and at least `LOG_STEP_OVER_S` long is logged, with its size; shorter or no longer ones are not."""
+    import logging
+
+    from pagoda.service.engine import core
+
+    engine = _engine(llama_ckpt, False, kv_cache_memory_bytes=8 << 20)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def run(prompt: list[int]) -> None:
+        engine.add_request(str(prompt[0]), prompt, params)
+        while engine.has_unfinished:
+            engine.step()
+
+    monkeypatch.setattr(core, "LOG_STEP_OVER_S", 3600.0)
+    with caplog.at_level(logging.INFO, logger=core.__name__):
+        run([5, 6, 7])
+        assert engine.core.longest_step_s > 0 and not caplog.records
+        monkeypatch.setattr(core, "LOG_STEP_OVER_S", 0.0)
+        engine.core.longest_step_s = 0.0
+        run(list(range(10, 60)))
+    logged = [float(r.getMessage().split(": ")[1].split(" s ")[0]) for r in caplog.records]
+    assert logged and logged == sorted(set(logged))  # each one longer than the one before
+    assert logged[-1] == pytest.approx(engine.core.longest_step_s, abs=0.006)
+    assert "(1 sequences, 50 tokens)" in caplog.records[0].getMessage()  # the prefill comes first

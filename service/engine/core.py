@@ -139,6 +139,9 @@ class StepOutputs(NamedTuple):
 # Steps in a row in which every request, run alone, still failed: then the model side is broken, not a
 # request, and the core gives up (the API process fails health, and Kubernetes restarts the pod).
 MAX_FAILED_STEPS_IN_A_ROW = 3
+# A step at least this long, and longer than any before it, is logged: the longest legitimate steps
+# (a first Triton compile or autotune, a long prefill) are what `--engine-stall-timeout` must exceed.
+LOG_STEP_OVER_S = 1.0
 # With nothing to run but grammars compiling, how long a step waits for one (new messages wait as long).
 _GRAMMAR_WAIT_S = 0.02
 
@@ -174,6 +177,7 @@ class EngineCore:
         kinds = ("decode", "mixed")
         self._step_bucket_counts = {k: [0] * (len(STEP_SECONDS_BUCKETS) + 1) for k in kinds}
         self._step_seconds_sum = dict.fromkeys(kinds, 0.0)
+        self.longest_step_s = 0.0
         self.gc_pauses: GcPauses | None = None  # set by the core process, whose pauses they are
         self.structured_output = StructuredOutputManager(
             load_tokenizer or partial(load_tokenizer_from, config.model_path), eos_token_ids
@@ -281,6 +285,13 @@ class EngineCore:
         kind = "decode" if out.total_num_tokens == len(out.requests) else "mixed"
         self._step_bucket_counts[kind][bisect.bisect_left(STEP_SECONDS_BUCKETS, seconds)] += 1
         self._step_seconds_sum[kind] += seconds
+        if seconds > self.longest_step_s:
+            self.longest_step_s = seconds
+            if seconds >= LOG_STEP_OVER_S:
+                logger.info(
+                    "the longest step so far: %.2f s (%d sequences, %d tokens)",
+                    seconds, len(out.requests), out.total_num_tokens,
+                )  # fmt: skip
 
     def _complete(self, step: _InFlight, outputs: StepOutputs) -> None:
         """Take a step's tokens: fill its placeholders, check stops, and add its outputs to `outputs`."""
