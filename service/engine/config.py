@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-# Longer than any legitimate step: the H200's longest measured is a 32k-token prefill at ~1.5 s
-# (BENCHMARKS.md); a cold Triton compile of a new shape takes seconds. vLLM waits 60 s
-# (VLLM_ENGINE_ITERATION_TIMEOUT_S) before it calls the engine dead.
+# Longer than any legitimate step: the longest measured while serving on the H200 is 0.22 s, Triton's
+# compiles and CUDA-graph capture end before the server is ready (docs/processes.md, BENCHMARKS.md); a
+# compile at first use of a shape takes seconds. vLLM waits 60 s (VLLM_ENGINE_ITERATION_TIMEOUT_S).
 DEFAULT_STALL_TIMEOUT_S = 120.0
 
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
