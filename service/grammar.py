@@ -5,8 +5,10 @@ the API parameter it came from (for a 400 that names it). Every front door build
 (`response_format`, vLLM's `guided_*`), gRPC, the offline `LLM` and tool calling (`required` or a
 named `tool_choice`: `Grammar.json_schema(schema_of_the_call)`) share one path:
 
-    API process: build -> `validate` (an invalid one is a 400 naming the parameter)
-    engine core: `to_llguidance` -> compiled on a thread -> a token bitmask per step (structured_output.py)
+    API process: build -> `validate_grammar`: the bounds, then converted to llguidance's form and
+        validated in a child process (grammar_sandbox.py; an invalid one is a 400 naming the parameter)
+    engine core: that form (`llguidance`) compiled on a thread -> a token bitmask per step
+        (structured_output.py); nothing is converted or validated twice
 
 The library is llguidance (docs/structured_output.md says why). It is imported only inside functions:
 `SamplingParams` imports this module, and the operator image has no llguidance.
@@ -16,9 +18,13 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Any, Literal
+from threading import Lock
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from pagoda.service.grammar_sandbox import GrammarSandbox
 
 GrammarKind = Literal["json_schema", "regex", "choice", "lark"]
 
@@ -52,6 +58,7 @@ class Grammar:
     kind: GrammarKind
     source: str
     param: str = "response_format"  # the request parameter it came from
+    llguidance: str = field(default="", compare=False)  # the serialized form, once validated
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | bool, param: str = "response_format") -> Grammar:
@@ -87,7 +94,10 @@ class Grammar:
         return cls("lark", grammar, param)
 
     def to_llguidance(self) -> str:
-        """The grammar in llguidance's serialized form (what `LLMatcher` compiles)."""
+        """The grammar in llguidance's serialized form (what `LLMatcher` compiles): kept from validation,
+        else converted here."""
+        if self.llguidance:
+            return self.llguidance
         from llguidance import LLMatcher
 
         if self.kind == "json_schema":
@@ -100,17 +110,19 @@ class Grammar:
         return LLMatcher.grammar_from_lark(self.source)
 
 
-def validate_grammar(grammar: Grammar) -> None:
-    """`InvalidRequestError` naming `grammar.param` when it is too large or complex for the bounds
-    above, or cannot compile (cached by source)."""
+def validate_grammar(grammar: Grammar) -> Grammar:
+    """`grammar` with its serialized llguidance form; `InvalidRequestError` naming `grammar.param` when
+    it is too large or complex for the bounds above, or cannot compile within the sandbox's limits
+    (cached by source)."""
     too_much = _over_bounds(grammar.kind, grammar.source)
     if too_much:
         raise _invalid(f"{grammar.param} is too complex: {too_much}", param=grammar.param)
-    error = _grammar_error(grammar.kind, grammar.source)
+    error, serialized = _grammar_error(grammar.kind, grammar.source)
     if error:
         error = error.strip()
         error = error if len(error) <= 500 else error[:500] + "..."  # llguidance may quote the grammar
         raise _invalid(f"{grammar.param} is invalid: {error}", param=grammar.param)
+    return replace(grammar, llguidance=serialized)
 
 
 @lru_cache(maxsize=512)
@@ -162,15 +174,20 @@ def _schema_over_bounds(schema: Any) -> str | None:
     return None
 
 
-@lru_cache(maxsize=512)
-def _grammar_error(kind: GrammarKind, source: str) -> str:
-    from llguidance import LLMatcher
+_sandbox: GrammarSandbox | None = None
+_sandbox_lock = Lock()
 
-    try:
-        serialized = Grammar(kind, source).to_llguidance()
-    except ValueError as exc:  # not valid JSON
-        return str(exc)
-    return LLMatcher.validate_grammar(serialized)
+
+@lru_cache(maxsize=512)
+def _grammar_error(kind: GrammarKind, source: str) -> tuple[str, str]:
+    """(error, serialized), from this process's sandbox (started at the first grammar)."""
+    global _sandbox
+    from pagoda.service.grammar_sandbox import GrammarSandbox
+
+    with _sandbox_lock:
+        if _sandbox is None:
+            _sandbox = GrammarSandbox()
+    return _sandbox.check(kind, source)
 
 
 def check_logit_bias(logit_bias: dict[int, float] | None, vocab_size: int) -> None:

@@ -84,4 +84,4 @@ class InputProcessor:
             )
         check_logit_bias(params.logit_bias, self.vocab_size)
         if params.grammar is not None:
-            validate_grammar(params.grammar)  # an invalid schema, regex or grammar is a 400 here
+            params.grammar = validate_grammar(params.grammar)  # invalid: a 400 here; valid: converted
