@@ -6,8 +6,8 @@ hurt it, but inside them a grammar can still be slow or costly to compile, and a
 (a segfault, an abort on a failed allocation) cannot be caught in the process it happens in. Measured
 on the 2-core development machine: a check in the child costs 0.2-0.4 ms more than in the process
 (0.31 against 0.13 ms for a three-property schema), and the child starts in ~0.1 s at the first
-grammar; a thread could not stop a runaway compile at all. Results are cached by source (`grammar._grammar_error`), so a
-repeated schema is checked once.
+grammar; a thread could not stop a runaway compile at all. Results are cached by source
+(`grammar._grammar_error`), so a repeated schema is checked once.
 
 The child (`python -m pagoda.service.grammar_sandbox MEMORY_BYTES TIMEOUT_S`) reads one JSON request per
 line on stdin, `[kind, source]`, converts the grammar to llguidance's form and validates it, and answers
