@@ -47,6 +47,11 @@ TIME = {
         },
     },
 }
+_NESTED: dict[str, Any] = {"type": "string"}
+for _ in range(40):  # deeper than the bounds' 32 levels
+    _NESTED = {"type": "object", "properties": {"x": _NESTED}, "required": ["x"]}
+DEEP = {"type": "function", "function": {"name": "deep", "parameters": _NESTED}}
+BOGUS = {"type": "function", "function": {"name": "bogus", "parameters": {"type": "bogus"}}}
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}  # type: ignore[index]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -175,6 +180,11 @@ def test_auto_and_none_answer_in_text(client: openai.OpenAI, model: str) -> None
             "tool_choice",
         ),
         ({"functions": [WEATHER["function"]]}, "functions"),
+        # A tool's parameters become the grammar under `required` or a named tool: the grammar bounds
+        # and the compile check hold for them too (issue 30), the tool_choice named.
+        ({"tools": [DEEP], "tool_choice": "required"}, "tool_choice"),
+        ({"tools": [DEEP], "tool_choice": {"type": "function", "function": {"name": "deep"}}}, "tool_choice"),
+        ({"tools": [BOGUS], "tool_choice": "required"}, "tool_choice"),
         ({"audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"]}, "audio"),
         ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
         (
@@ -190,6 +200,10 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(
     response = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+    if fields.get("tools") == [DEEP]:
+        assert "tool_choice is too complex: nested deeper than 32" in response.json()["error"]["message"]
+    if fields.get("tools") == [BOGUS]:
+        assert response.json()["error"]["message"].startswith("tool_choice is invalid: ")
 
 
 @pytest.mark.parametrize(("fields", "param"), [({"suffix": "end"}, "suffix"), ({"best_of": 3}, "best_of")])
