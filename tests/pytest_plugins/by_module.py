@@ -15,7 +15,7 @@ import pytest
 from xdist.scheduler import LoadScopeScheduling
 from xdist.workermanage import WorkerController
 
-# The interpreter kernel shards and the operator profiles: a subprocess or server per test.
+# The interpreter kernel checks and the operator profiles: a subprocess or server per test.
 SPREAD_MODULES = frozenset({"test_kernels_interpret.py", "test_operator_contract.py"})
 
 
@@ -26,7 +26,7 @@ def _is_spread(scope: str) -> bool:
 class ModuleScheduling(LoadScopeScheduling):
     """xdist's scope scheduling with a module as the scope (not a class), except SPREAD_MODULES.
 
-    The spread tests go out first: each is one long unit (a 40 s interpreter shard, a TP 8 server), and
+    The spread tests go out first: each is one long unit (the 90 s interpreter checks, a TP 8 server), and
     one left for the end would keep a worker busy while the other idles. xdist's own order (most tests
     first) follows, and the small modules even out the end."""
 
