@@ -67,20 +67,18 @@ def _decode_steps(
         )
         engine.add_request(f"{tag}-{i}", prompt, params)
     manager = engine.core.structured_output
-    fill = manager.fill_bitmasks
+    fill = manager.bitmask
     fill_us: list[float] = []
 
-    def timed_fill(out: Any) -> None:
-        for r in out.requests:
-            r.grammar_bitmask = None
+    def timed_fill(out: Any) -> Any:
         start = time.perf_counter()
-        fill(out)
+        mask = fill(out)
         seconds = time.perf_counter() - start
-        rows = sum(r.grammar_bitmask is not None for r in out.requests)
-        if rows:
-            fill_us.append(1e6 * seconds / rows)
+        if mask is not None:
+            fill_us.append(1e6 * seconds / len(mask.rows))
+        return mask
 
-    manager.fill_bitmasks = timed_fill  # type: ignore[method-assign]
+    manager.bitmask = timed_fill  # type: ignore[method-assign]
     steps: list[tuple[float, float]] = []
     device = engine.runner.device
     try:
@@ -93,7 +91,7 @@ def _decode_steps(
             if full:
                 steps.append((1000 * (time.perf_counter() - start), 1000 * (time.process_time() - cpu)))
     finally:
-        manager.fill_bitmasks = fill  # type: ignore[method-assign]
+        manager.bitmask = fill  # type: ignore[method-assign]
     return steps[1:], fill_us[1:]
 
 

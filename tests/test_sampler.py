@@ -10,6 +10,7 @@ import torch
 
 from pagoda.service.engine.request import Request
 from pagoda.service.engine.sampler import Sampler, _token_counts, apply_token_bitmask, unpack_forbidden
+from pagoda.service.engine.scheduler import GrammarBitmask
 from pagoda.service.sampling_params import SamplingParams
 
 VOCAB = 100
@@ -65,10 +66,9 @@ def test_a_grammar_row_samples_only_what_its_mask_allows_and_its_neighbours_are_
     logits = torch.randn(3, VOCAB)
     logits[:, 50] = 30.0  # everyone's favourite, which the grammar forbids
     reqs = [_request(_greedy(), i) for i in range(3)]
-    reqs[1].grammar_bitmask = _mask([7, 8])
     reqs[2].params = SamplingParams(temperature=1.0, max_tokens=8)
-    reqs[2].grammar_bitmask = _mask([9])
-    got = [r.token_id for r in Sampler(VOCAB, {EOS})(logits.clone(), reqs).results()]
+    grammar = GrammarBitmask([1, 2], np.stack([_mask([7, 8]), _mask([9])]))
+    got = [r.token_id for r in Sampler(VOCAB, {EOS})(logits.clone(), reqs, grammar).results()]
     assert got[0] == 50
     assert got[1] == (7 if logits[1, 7] > logits[1, 8] else 8)
     assert got[2] == 9  # sampled, but only one token is allowed
@@ -77,8 +77,8 @@ def test_a_grammar_row_samples_only_what_its_mask_allows_and_its_neighbours_are_
 def test_the_grammar_overrides_a_logit_bias() -> None:
     logits = torch.zeros(1, VOCAB)
     req = _request(_greedy(logit_bias={40: 100.0}))
-    req.grammar_bitmask = _mask([41])
-    assert Sampler(VOCAB, {EOS})(logits, [req]).results()[0].token_id == 41
+    grammar = GrammarBitmask([0], np.stack([_mask([41])]))
+    assert Sampler(VOCAB, {EOS})(logits, [req], grammar).results()[0].token_id == 41
 
 
 def test_logprobs_per_row_are_the_chosen_token_and_the_top_k_of_the_masked_distribution() -> None:
@@ -90,8 +90,8 @@ def test_logprobs_per_row_are_the_chosen_token_and_the_top_k_of_the_masked_distr
         _request(_greedy(logprobs=5), 2),
         _request(_greedy(logprobs=0), 3),  # the chosen token's logprob, no alternatives
     ]
-    reqs[2].grammar_bitmask = _mask([10, 11, 12])
-    results = Sampler(VOCAB, {EOS})(logits.clone(), reqs).results()
+    grammar = GrammarBitmask([2], np.stack([_mask([10, 11, 12])]))
+    results = Sampler(VOCAB, {EOS})(logits.clone(), reqs, grammar).results()
     expected = torch.log_softmax(logits, dim=-1)
     masked = torch.full((VOCAB,), float("-inf"))
     masked[[10, 11, 12]] = logits[2, [10, 11, 12]]

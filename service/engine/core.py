@@ -15,21 +15,20 @@ work overlaps the device's. The scheduler counts a sampled token before its valu
 sequence that stops is therefore computed one step too many, and that token is dropped. What needs
 the real last token on the host before sampling (penalties) or waits for the device anyway (prompt
 log-probabilities) makes the steps run in turn while such a request is in the engine. Grammars do not:
-between launching step N+1's forward pass and sampling it, the core takes step N's tokens (its
-matchers consume them) and fills step N+1's bitmasks while the device runs the forward pass, as vLLM
-V1 does.
+a step is queued in two calls, `forward` then `sample`, and between them the core takes step N's
+tokens (its matchers consume them) and fills step N+1's bitmask while the device runs N+1's forward
+pass, as vLLM V1's `execute_model` / `sample_tokens` do.
 """
 
 from __future__ import annotations
 
 import bisect
-import functools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from pagoda.service.engine.block_manager import BlockManager
 from pagoda.service.engine.config import EngineConfig
@@ -43,7 +42,7 @@ from pagoda.service.engine.messages import (
     TokenOutput,
 )
 from pagoda.service.engine.request import PLACEHOLDER, Request, RequestStatus
-from pagoda.service.engine.scheduler import Scheduler, SchedulerOutput
+from pagoda.service.engine.scheduler import GrammarBitmask, Scheduler, SchedulerOutput
 from pagoda.service.engine.structured_output import StructuredOutputManager
 from pagoda.service.gc_pauses import GcPauses
 from pagoda.service.model import load_tokenizer as load_tokenizer_from
@@ -77,15 +76,17 @@ class ModelExecutor(Protocol):
     @property
     def max_model_len(self) -> int: ...
 
-    def execute(self, out: SchedulerOutput) -> StepResult: ...
+    def forward(self, out: SchedulerOutput, after: PendingResult | None) -> object:
+        """Queue `out`'s forward pass without waiting for it; `after` is the step queued before, whose
+        tokens are `out`'s inputs where the host holds a `PLACEHOLDER` (async scheduling only)."""
 
-    def launch(self, out: SchedulerOutput, after: PendingResult | None) -> PendingResult:
-        """Queue `out` without waiting for it; `after` is the step queued before, whose tokens are
-        `out`'s inputs where the host holds a `PLACEHOLDER`. Used with async scheduling only."""
+    def sample(self, forwarded: Any, grammar: GrammarBitmask | None) -> PendingResult:
+        """Queue the sampling of what `forward` returned; `grammar`: the allowed tokens of the batch's
+        rows under a grammar."""
 
     @property
     def can_overlap(self) -> bool:
-        """Whether `launch` returns before the step has run (so async scheduling pays)."""
+        """Whether `forward` and `sample` return before the step has run (so async scheduling pays)."""
 
     def check_alive(self) -> None:
         """Raise when a rank has died (the core then fails rather than hang in a collective)."""
@@ -242,18 +243,18 @@ class EngineCore:
                 self.structured_output.wait(_GRAMMAR_WAIT_S)  # only grammars left to compile: wait for one
             return outputs
         behind = [before] if before is not None else []  # completed once, by the first to need its tokens
-        if self.structured_output.is_active:
-            out.before_sample = functools.partial(self._before_sample, out, behind, outputs)
         now = time.monotonic()
         for seq in out.requests:
             self._scheduled_time.setdefault(seq.request_id, now)
         self.computed_tokens_total += out.total_num_tokens
         pending: PendingResult
         try:
-            if overlap:
-                pending = self.executor.launch(out, before.pending if before else None)
-            else:
-                pending = _Done(self.executor.execute(out))
+            forwarded = self.executor.forward(out, before.pending if before else None)
+            if behind and self.structured_output.is_active:  # while the device runs `out`'s forward pass
+                self._complete(behind.pop(), outputs)  # the grammars consume the tokens of the step before
+            pending = self.executor.sample(forwarded, self.structured_output.bitmask(out))
+            if not overlap:
+                pending = _Done(pending.result())
             self._failed_steps_in_a_row = 0
         except Exception as exc:
             self.executor.check_alive()  # a dead rank is the engine's failure, not a request's
@@ -271,14 +272,6 @@ class EngineCore:
             self._complete(step, outputs)
         self._time_step(out, time.monotonic() - started)
         return outputs
-
-    def _before_sample(self, out: SchedulerOutput, behind: list[_InFlight], outputs: StepOutputs) -> None:
-        """Called by the executor once `out`'s forward pass is launched, before its sampling: take the
-        tokens of the step before (`behind`; the grammars consume them), then fill `out`'s bitmasks,
-        while the device runs the forward pass."""
-        if behind:
-            self._complete(behind.pop(), outputs)
-        self.structured_output.fill_bitmasks(out)
 
     def _time_step(self, out: SchedulerOutput, seconds: float) -> None:
         """Count one step's wall time: with async scheduling, the period between steps in a steady state."""
@@ -345,9 +338,8 @@ class EngineCore:
                 continue
             try:
                 single = SchedulerOutput([seq], [num_tokens], out.copy_ops)
-                if out.before_sample is not None:
-                    single.before_sample = functools.partial(self.structured_output.fill_bitmasks, single)
-                alone = self.executor.execute(single)
+                forwarded = self.executor.forward(single, None)
+                alone = self.executor.sample(forwarded, self.structured_output.bitmask(single)).result()
             except Exception as exc:
                 self.executor.check_alive()
                 logger.exception("request %s failed inside the step", client_id)

@@ -42,13 +42,14 @@ from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.core import PendingResult
 from pagoda.service.engine.cuda_graphs import StepGraphs
 from pagoda.service.engine.model_runner import (
+    ForwardedStep,
     KVCacheLayout,
     ModelRunner,
     PendingStep,
     StepResult,
     resolve_device,
 )
-from pagoda.service.engine.scheduler import SchedulerOutput
+from pagoda.service.engine.scheduler import GrammarBitmask, SchedulerOutput
 from pagoda.service.engine.worker import WorkerArgs, worker_main
 from pagoda.service.model.config import ModelConfig
 from pagoda.service.model.llama import LlamaForCausalLM
@@ -220,21 +221,22 @@ class Executor:
 
     # ---- steps ---------------------------------------------------------------------------------
 
-    def execute(self, out: SchedulerOutput) -> StepResult:
-        return self.launch(out).result()
+    def execute(self, out: SchedulerOutput, grammar: GrammarBitmask | None = None) -> StepResult:
+        return self.sample(self.forward(out), grammar).result()
 
     @property
     def can_overlap(self) -> bool:
-        """Whether `launch` returns before the devices have run the step: on GPUs."""
+        """Whether `forward` and `sample` return before the devices have run the step: on GPUs."""
         return self.runner.device.type == "cuda"
 
-    def launch(self, out: SchedulerOutput, after: PendingResult | None = None) -> PendingResult:
-        """Queue a step on every rank without waiting for it. `after`: the step launched before, whose
-        sampled tokens (rank 0 broadcasts them) are this step's inputs where the host has placeholders."""
+    def forward(self, out: SchedulerOutput, after: PendingResult | None = None) -> ForwardedStep:
+        """Queue a step's forward pass on every rank without waiting for it. `after`: the step queued
+        before, whose sampled tokens (rank 0 broadcasts them) are this step's inputs where the host has
+        placeholders."""
         prev = after.step if isinstance(after, _WatchedStep) else after
         assert prev is None or isinstance(prev, PendingStep)
         if self.size == 1:
-            return self.runner.launch(out, prev)
+            return self.runner.launch_forward(out, prev)
         self.check_alive()
         step = self.runner.prepare(out, prev)
         message = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
@@ -242,11 +244,18 @@ class Executor:
             for worker in self._workers:
                 worker.conn.send_bytes(message)
             logits = self.runner.forward(step, prev.sampled.tokens if prev and prev.sampled else None)
-            if out.before_sample is not None:
-                out.before_sample()  # on the host while the GPUs run the forward pass
-            if step.prompt_chunks:  # finish reads prompt log-probabilities back: wait watching first
+        except Exception as exc:
+            raise self._step_failed(exc) from exc
+        return ForwardedStep(out, step, logits)
+
+    def sample(self, forwarded: ForwardedStep, grammar: GrammarBitmask | None = None) -> PendingResult:
+        """Queue the sampling of a step whose forward pass is queued (rank 0 alone samples)."""
+        if self.size == 1:
+            return self.runner.sample(forwarded, grammar)
+        try:
+            if forwarded.step.prompt_chunks:  # finish reads prompt log-probabilities back: wait watching
                 self._wait_for_device(self._record())
-            pending = self.runner.finish(out, step, logits)
+            pending = self.runner.finish(forwarded.out, forwarded.step, forwarded.logits, grammar)
         except Exception as exc:
             raise self._step_failed(exc) from exc
         return _WatchedStep(self, pending, self._record())

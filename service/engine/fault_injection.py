@@ -18,7 +18,7 @@ class InjectedFailure(RuntimeError):
 
 
 class FailingExecutor:
-    """Wraps an executor; `execute` raises `InjectedFailure` when a request seeded `seed` is scheduled."""
+    """Wraps an executor; `forward` raises `InjectedFailure` when a request seeded `seed` is scheduled."""
 
     def __init__(self, executor: Any, seed: int) -> None:
         self._executor = executor
@@ -28,13 +28,9 @@ class FailingExecutor:
         if any(r.params.seed == self._seed for r in out.requests):
             raise InjectedFailure(f"injected failure for a request seeded {self._seed}")
 
-    def execute(self, out: SchedulerOutput) -> Any:
+    def forward(self, out: SchedulerOutput, after: Any = None) -> Any:
         self._check(out)
-        return self._executor.execute(out)
-
-    def launch(self, out: SchedulerOutput, after: Any = None) -> Any:
-        self._check(out)
-        return self._executor.launch(out, after)
+        return self._executor.forward(out, after)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._executor, name)

@@ -24,7 +24,7 @@ from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.cuda_graphs import StepGraphs
 from pagoda.service.engine.request import PLACEHOLDER
 from pagoda.service.engine.sampler import SampledBatch, Sampler, SampleResult, to_device
-from pagoda.service.engine.scheduler import SchedulerOutput
+from pagoda.service.engine.scheduler import GrammarBitmask, SchedulerOutput
 from pagoda.service.model.attention import AttentionMetadata
 from pagoda.service.model.fp8 import quantize_model_fp8, run_cublaslt_without_workspace, supports_fp8_matmul
 from pagoda.service.model.loader import load_model
@@ -104,6 +104,16 @@ class PendingStep:
 class StepLogits:
     sample: torch.Tensor | None  # [len(sample_rows), vocab] float32
     prompt: list[torch.Tensor]  # [num rows, vocab] float32, one per prompt chunk
+
+
+@dataclass
+class ForwardedStep:
+    """A step whose forward pass is queued and whose sampling is not yet: between the two the core
+    gives the grammars their turn (`EngineCore.step`)."""
+
+    out: SchedulerOutput
+    step: StepInput
+    logits: StepLogits
 
 
 @dataclass(frozen=True)
@@ -415,25 +425,32 @@ class ModelRunner:
         return fill
 
     @torch.inference_mode()
-    def finish(self, out: SchedulerOutput, step: StepInput, logits: StepLogits) -> PendingStep:
-        """Rank 0: queue the sampling of every request that reached its last token; compute the prompt
-        log-probabilities of those that asked for them (these wait for the device)."""
+    def finish(
+        self, out: SchedulerOutput, step: StepInput, logits: StepLogits, grammar: GrammarBitmask | None = None
+    ) -> PendingStep:
+        """Rank 0: queue the sampling of every request that reached its last token (`grammar`: the
+        allowed tokens of those under a grammar, by batch row); compute the prompt log-probabilities of
+        those that asked for them (these wait for the device)."""
         prompt_logprobs = self._prompt_logprobs(out, step, logits)
         if logits.sample is None:
             return PendingStep(None, {}, prompt_logprobs)
         sample_reqs = [out.requests[i] for i in step.sample_rows]
-        sampled = self.sampler(logits.sample, sample_reqs)
+        if grammar is not None:  # batch rows -> rows of the sampled logits
+            position = {batch_row: k for k, batch_row in enumerate(step.sample_rows)}
+            grammar = GrammarBitmask([position[row] for row in grammar.rows], grammar.bitmask)
+        sampled = self.sampler(logits.sample, sample_reqs, grammar)
         rows = {r.request_id: row for row, r in enumerate(sample_reqs)}
         return PendingStep(sampled, rows, prompt_logprobs)
 
-    def launch(self, out: SchedulerOutput, after: PendingStep | None = None) -> PendingStep:
-        """Queue one step on this rank alone and return before the device has run it."""
+    def launch_forward(self, out: SchedulerOutput, after: PendingStep | None = None) -> ForwardedStep:
+        """Queue one step's forward pass on this rank alone; `sample` queues its sampling."""
         step = self.prepare(out, after)
-        logits = self.forward(step, after.sampled.tokens if after and after.sampled else None)
-        if out.before_sample is not None:
-            out.before_sample()  # on the host while the GPU runs the forward pass
-        return self.finish(out, step, logits)
+        prev_tokens = after.sampled.tokens if after and after.sampled else None
+        return ForwardedStep(out, step, self.forward(step, prev_tokens))
+
+    def sample(self, forwarded: ForwardedStep, grammar: GrammarBitmask | None = None) -> PendingStep:
+        return self.finish(forwarded.out, forwarded.step, forwarded.logits, grammar)
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one step on this rank alone."""
-        return self.launch(out).result()
+        return self.sample(self.launch_forward(out)).result()

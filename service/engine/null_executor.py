@@ -68,8 +68,11 @@ class NullExecutor:
                 self._next += 1
         return StepResult(sampled, {})
 
-    def launch(self, out: SchedulerOutput, after: object = None) -> _Done:
-        return _Done(self.execute(out))
+    def forward(self, out: SchedulerOutput, after: object = None) -> SchedulerOutput:
+        return out
+
+    def sample(self, forwarded: SchedulerOutput, grammar: object = None) -> _Done:
+        return _Done(self.execute(forwarded))
 
     def check_alive(self) -> None:
         pass

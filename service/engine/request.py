@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-from typing import Any
 
 from pagoda.service.sampling_params import SamplingParams
 
@@ -47,9 +46,6 @@ class Request:
         self.num_preemptions = 0
         # Siblings (n > 1) wait for this leader to compute the shared prompt, then fork from it.
         self.pending_forks: list[Request] = []
-        # Structured output: this step's allowed tokens, an int32 bitmask row (bit t: token t), set by the
-        # core's StructuredOutputManager for a sequence with a grammar that samples this step.
-        self.grammar_bitmask: Any = None
 
     @property
     def num_tokens(self) -> int:

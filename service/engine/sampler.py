@@ -18,6 +18,7 @@ import torch
 
 from pagoda.service.engine.messages import SampleResult
 from pagoda.service.engine.request import Request
+from pagoda.service.engine.scheduler import GrammarBitmask
 from pagoda.service.grammar import LOGIT_BIAS_LIMIT
 
 _MASK_63 = (1 << 63) - 1
@@ -148,18 +149,20 @@ class Sampler:
         staged.numpy()[:] = bitmask
         return staged
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SampledBatch:
-        """`logits`: [num_rows, vocab] float32, one row per request in `reqs`. Queues the sampling and
-        the copies back; `results()` of what it returns waits for them."""
+    def __call__(
+        self, logits: torch.Tensor, reqs: list[Request], grammar: GrammarBitmask | None = None
+    ) -> SampledBatch:
+        """`logits`: [num_rows, vocab] float32, one row per request in `reqs`; `grammar`: the allowed
+        tokens of the rows under a grammar (its rows index `reqs`). Queues the sampling and the copies
+        back; `results()` of what it returns waits for them."""
         device = logits.device
         params = [r.params for r in reqs]
         logits = self.adjusted_logits(logits, reqs)
 
         # Structured output last: whatever the biases did, only the grammar's tokens stay possible.
-        masked = [i for i, r in enumerate(reqs) if r.grammar_bitmask is not None]
-        if masked:
-            bitmask = np.stack([reqs[i].grammar_bitmask for i in masked])
-            logits = apply_token_bitmask(logits, masked, bitmask, self.stage_bitmask(bitmask, device))
+        if grammar is not None:
+            staged = self.stage_bitmask(grammar.bitmask, device)
+            logits = apply_token_bitmask(logits, grammar.rows, grammar.bitmask, staged)
 
         num_logprobs = [p.logprobs for p in params]
         widest = max((k for k in num_logprobs if k is not None), default=None)

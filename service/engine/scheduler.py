@@ -9,11 +9,22 @@ preempted (its blocks freed, put back at the head of the queue). No torch here.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from pagoda.service.engine.block_manager import BlockManager
 from pagoda.service.engine.request import PLACEHOLDER, Request, RequestStatus
+
+
+@dataclass
+class GrammarBitmask:
+    """The tokens the grammars allow in one step: row k of `bitmask` (int32 words; bit t of a row: token
+    t allowed) belongs to row `rows[k]` (of the step's batch in the core, of the sampled rows in the
+    sampler). Rows without a grammar have no row here."""
+
+    rows: list[int]
+    bitmask: np.ndarray
 
 
 @dataclass
@@ -23,9 +34,6 @@ class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
     copy_ops: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks, before the step
-    # Host work that sampling needs but the forward pass does not (the grammars' bitmasks): the runner
-    # calls it once the forward pass is launched, so it runs while the GPU computes.
-    before_sample: Callable[[], None] | None = None
 
     @property
     def total_num_tokens(self) -> int:

@@ -6,8 +6,8 @@ sequence, and each step a bitmask of the tokens each grammar allows (vLLM V1's S
   the request's n sequences gets its own copy of the matcher. Then its leader joins the scheduler.
 - Each step, for the scheduled sequences that sample a token: one int32 bitmask row each (bit t of
   the row: token t allowed), filled by llguidance (its thread pool for large batches on large
-  machines), handed to the sampler on
-  `Request.grammar_bitmask`; the sampler applies it on the logits' device.
+  machines), as one `GrammarBitmask` for the batch, which the core hands the executor with the step;
+  the sampler applies it on the logits' device.
 - After the step, each matcher consumes its sequence's token; a finished grammar ends the sequence.
 
 A step with no grammar request does no work here: every entry point returns at `is_active`.
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pagoda.service.engine.request import Request, RequestStatus
-from pagoda.service.engine.scheduler import SchedulerOutput
+from pagoda.service.engine.scheduler import GrammarBitmask, SchedulerOutput
 from pagoda.service.grammar import Grammar
 
 if TYPE_CHECKING:
@@ -117,17 +117,20 @@ class StructuredOutputManager:
 
     # ---- one step -----------------------------------------------------------------------------------
 
-    def fill_bitmasks(self, out: SchedulerOutput) -> None:
-        """Set `grammar_bitmask` on every scheduled sequence with a grammar that samples this step."""
+    def bitmask(self, out: SchedulerOutput) -> GrammarBitmask | None:
+        """The allowed tokens of every scheduled sequence with a grammar that samples this step (None:
+        there is none). Its matchers must have consumed the sequences' last tokens."""
+        if not self.is_active:
+            return None
         rows = [
-            (seq, matcher)
+            (i, matcher)
             for i, seq in enumerate(out.requests)
             if (matcher := self._matchers.get(seq.request_id)) is not None
             and out.needs_sample(i)
             and seq.status is not RequestStatus.FINISHED  # ended by the step before: its token is dropped
         ]
         if not rows:
-            return
+            return None
         from llguidance.numpy import (
             allocate_token_bitmask,
             fill_next_token_bitmask,
@@ -142,8 +145,7 @@ class StructuredOutputManager:
             for k, (_, matcher) in enumerate(rows):
                 fill_next_token_bitmask(matcher, bitmask, k)
         self._allow_every_eos(bitmask)
-        for k, (seq, _) in enumerate(rows):
-            seq.grammar_bitmask = bitmask[k]
+        return GrammarBitmask([i for i, _ in rows], bitmask)
 
     def accept(self, seq: Request) -> bool:
         """Advance `seq`'s matcher by its new token; True when the grammar ends the sequence.
