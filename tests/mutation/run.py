@@ -63,7 +63,11 @@ TARGETS: dict[str, Target] = {
     "status": Target(
         "operator/status.py", ("tests/test_operator_status.py", "tests/test_operator_reconcile.py")
     ),
-    "manifests": Target("operator/manifests.py", ("tests/test_operator_manifests.py",)),
+    # The snapshot first: it kills most mutants in a fraction of a second, before the slower file runs.
+    "manifests": Target(
+        "operator/manifests.py",
+        ("tests/test_operator_manifests_snapshot.py", "tests/test_operator_manifests.py"),
+    ),
 }
 
 
