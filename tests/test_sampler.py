@@ -180,3 +180,38 @@ def test_logits_wider_than_the_vocabulary_never_yield_a_padding_token() -> None:
     logits[:, VOCAB + 3] = 50.0  # a padded column of the embedding
     reqs = [_request(_greedy(logprobs=1), 0), _request(SamplingParams(temperature=1.0, max_tokens=8), 1)]
     assert all(r.token_id < VOCAB for r in Sampler(VOCAB, {EOS})(logits, reqs).results())
+
+
+def test_min_p_of_one_keeps_only_the_most_likely_token() -> None:
+    """The floor is min_p times the top probability: at 1 only the top token reaches it."""
+    torch.manual_seed(5)
+    logits = torch.randn(32, VOCAB)
+    params = SamplingParams(temperature=1.0, max_tokens=8, min_p=1.0)
+    got = [
+        r.token_id
+        for r in Sampler(VOCAB, {EOS})(logits.clone(), [_request(params, i) for i in range(32)]).results()
+    ]
+    assert got == logits.argmax(dim=-1).tolist()
+
+
+def test_logit_bias_is_added_to_the_logit_not_put_in_its_place() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 10] = 10.0
+    logits[0, 11] = 10.5
+    nudged = _request(_greedy(logit_bias={10: 1.0}))  # 11 beats 10.5: token 10
+    assert Sampler(VOCAB, {EOS})(logits.clone(), [nudged]).results()[0].token_id == 10
+    small = _request(_greedy(logit_bias={12: 1.0}))  # 1 (0 + 1) is far below 10.5: token 11
+    assert Sampler(VOCAB, {EOS})(logits.clone(), [small]).results()[0].token_id == 11
+
+
+def test_a_stop_token_id_just_past_the_vocabulary_is_ignored_by_min_tokens() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 30] = 5.0
+    req = _request(_greedy(min_tokens=2, stop_token_ids=[VOCAB, 30]))
+    assert Sampler(VOCAB, {EOS})(logits, [req]).results()[0].token_id != 30
+
+
+def test_token_counts_with_an_odd_vocabulary() -> None:
+    """The padding goes to a spare column one past the vocabulary, whatever its parity."""
+    counts = _token_counts([[0, 0], [98]], 99, torch.device("cpu"))
+    assert counts.shape == (2, 99) and counts[0, 0] == 2 and counts[1, 98] == 1 and counts.sum() == 3
