@@ -61,9 +61,25 @@ CASES: dict[str, tuple[dict[str, Any], int, str, GpuGroup, OperatorConfig]] = {
         },
         8, "bf16", H100, OperatorConfig(kernel_cache_pvc="kernels"),
     ),
-    "a host path on a one-GPU node, fp16": (
-        {"model": {"name": "qwen2.5-7b", "source": {"hostPath": "/mnt/models/qwen"}}, "precision": "fp16"},
+    "a host path on a one-GPU node, fp16, three API servers": (
+        {
+            "model": {"name": "qwen2.5-7b", "source": {"hostPath": "/mnt/models/qwen"}},
+            "precision": "fp16",
+            "engine": {"apiServerCount": 3},
+        },
         1, "fp16", L4, OperatorConfig(),
+    ),
+    "an hf:// model fetched at every start, a custom image and downloader": (
+        {
+            "model": {"name": "my-model", "parameters": "1.5B", "source": {"uri": "hf://org/model@v2"}},
+            "image": "registry.local/pagoda-custom:1",
+        },
+        1, "bf16", L4, OperatorConfig(downloader_image="registry.local/downloader:1"),
+    ),
+    "an hf:// model in a cache volume": (
+        {"model": {"name": "my-model", "parameters": "1.5B", "source": {"uri": "hf://org/model"},
+                   "cache": {"size": "20Gi"}}},
+        1, "bf16", L4, OperatorConfig(),
     ),
 }  # fmt: skip
 
