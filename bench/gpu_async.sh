@@ -7,7 +7,7 @@
 set -uo pipefail
 tok=${1:?tokenizer folder}; out=${2:?output folder}
 source "$(dirname "$0")/device_env.sh"
-python3 -c "import msgspec, zmq, pagoda.service.engine.core, pagoda.service.llm" || exit 1
+python3 -c "import msgspec, zmq, pagoda.service.engine.core.engine_core, pagoda.service.llm" || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 start=$SECONDS
 [ -f /tmp/llama-8b-random/config.json ] || python3 -m pagoda.service.gpu_check --tokenizer "$tok" --build-8b /tmp/llama-8b-random 2>&1 | tail -2

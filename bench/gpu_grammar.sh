@@ -8,7 +8,7 @@ tok=${1:?tokenizer folder}; out=${2:?output folder}
 source "$(dirname "$0")/device_env.sh"
 python3 - <<'PY' 2>&1 | tee "$out/grammar_mask.log"
 import numpy as np, torch
-from pagoda.service.engine.sampler import Sampler, apply_token_bitmask
+from pagoda.service.engine.runner.sampler import Sampler, apply_token_bitmask
 rng = np.random.default_rng(0)
 for rows, vocab in ((16, 49152), (256, 128256)):
     bitmask = rng.integers(-(2**31), 2**31, size=(rows, (vocab + 31) // 32), dtype=np.int32)

@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         format=f"%(asctime)s %(levelname)s %(name)s [api {args.index}]: %(message)s",
         stream=sys.stderr,
     )
-    from pagoda.service.engine.async_engine import AsyncEngine, CoreLink
+    from pagoda.service.engine.client.async_engine import AsyncEngine, CoreLink
     from pagoda.service.server import serve
 
     async def signal_ready() -> None:

@@ -99,7 +99,7 @@ def _mask_apply_ms(device: Any, vocab: int, rows: int, repeats: int = 50) -> flo
     import numpy as np
     import torch
 
-    from pagoda.service.engine.sampler import Sampler, apply_token_bitmask
+    from pagoda.service.engine.runner.sampler import Sampler, apply_token_bitmask
 
     logits = torch.randn(rows, vocab, device=device)
     bitmask = np.random.default_rng(0).integers(

@@ -355,7 +355,7 @@ def _serve(args: argparse.Namespace, run_dir: str | None) -> int:
         print(f"pagoda serve: error: {exc}", file=sys.stderr)
         return 2
     logging.getLogger(__name__).info("engine config: %s", engine_config)
-    from pagoda.service.engine.async_engine import AsyncEngine, CoreLink
+    from pagoda.service.engine.client.async_engine import AsyncEngine, CoreLink
     from pagoda.service.server import serve
 
     if run_dir is None:

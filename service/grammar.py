@@ -23,6 +23,8 @@ from functools import lru_cache
 from threading import Lock
 from typing import TYPE_CHECKING, Any, Literal
 
+from pagoda.service.errors import InvalidRequestError
+
 if TYPE_CHECKING:
     from pagoda.service.grammar_sandbox import GrammarSandbox
 
@@ -207,9 +209,6 @@ def check_logit_bias(logit_bias: dict[int, float] | None, vocab_size: int) -> No
 
 
 def _invalid(message: str, param: str) -> ValueError:
-    # Imported here: sampling_params imports this module for `Grammar`.
-    from pagoda.service.sampling_params import InvalidRequestError
-
     return InvalidRequestError(message, param=param)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from pagoda.service.errors import InvalidRequestError, quoted
 from pagoda.service.grammar import Grammar
 
 # Bounds on what one request may ask for, whatever the transport (HTTP, gRPC, offline).
@@ -130,20 +131,3 @@ class SamplingParams:
         for param, ok, message in checks:
             if not ok:
                 raise InvalidRequestError(message, param=param)
-
-
-def quoted(value: object, limit: int = 64) -> str:
-    """`repr(value)`, cut to `limit` characters with the full length said: an error message quotes at
-    most this much of what a client sent (a 1 MB model name is not echoed back)."""
-    text = repr(value)
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}... ({len(text)} characters)"
-
-
-class InvalidRequestError(ValueError):
-    """A request that can never be served as asked; `param` names the offending field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param

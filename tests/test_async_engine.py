@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from pagoda.service.engine.async_engine import AsyncEngine, EngineDeadError
+from pagoda.service.engine.client.async_engine import AsyncEngine, EngineDeadError
 from pagoda.service.engine.config import EngineConfig
-from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
+from pagoda.service.errors import InvalidRequestError
+from pagoda.service.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize("is_async", [False, True], ids=["in-turn", "async"])

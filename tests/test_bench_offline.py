@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagoda.service import bench
-from pagoda.service.model import load_model
+from pagoda.service.model.loader import load_model
 
 
 def test_offline_table_and_prefill_profile(

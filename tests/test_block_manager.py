@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagoda.service.engine.block_manager import BlockManager
-from pagoda.service.engine.request import Request
+from pagoda.service.engine.core.block_manager import BlockManager
+from pagoda.service.engine.core.request import Request
 from pagoda.service.sampling_params import SamplingParams
 
 

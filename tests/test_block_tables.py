@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagoda.service.engine.block_tables import BlockTables
-from pagoda.service.engine.request import Request
+from pagoda.service.engine.core.request import Request
+from pagoda.service.engine.runner.block_tables import BlockTables
 from pagoda.service.sampling_params import SamplingParams
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from pagoda.service.engine.config import EngineConfig
-from pagoda.service.engine.cuda_graphs import StepGraphs, mixed_token_sizes
 from pagoda.service.engine.llm_engine import LLMEngine
+from pagoda.service.engine.runner.cuda_graphs import StepGraphs, mixed_token_sizes
 from pagoda.service.sampling_params import SamplingParams
 
 Work = list[tuple[str, list[int], SamplingParams]]

@@ -129,7 +129,7 @@ def test_prefix_cache_computes_only_new_tokens(llama_ckpt: Path) -> None:
     ],
 )
 def test_bad_params_refused_before_scheduling(llama_ckpt: Path, params: SamplingParams, param: str) -> None:
-    from pagoda.service.sampling_params import InvalidRequestError
+    from pagoda.service.errors import InvalidRequestError
 
     engine = LLMEngine(EngineConfig(model=str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=4 << 20))
     with pytest.raises(InvalidRequestError) as info:
@@ -139,7 +139,7 @@ def test_bad_params_refused_before_scheduling(llama_ckpt: Path, params: Sampling
 
 
 def test_prompt_over_context_refused_with_numbers(llama_ckpt: Path) -> None:
-    from pagoda.service.sampling_params import InvalidRequestError
+    from pagoda.service.errors import InvalidRequestError
 
     engine = LLMEngine(
         EngineConfig(model=str(llama_ckpt), dtype="float32", max_model_len=64, kv_cache_memory_bytes=4 << 20)

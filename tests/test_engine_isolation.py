@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from pagoda.service.engine import core as core_module
 from pagoda.service.engine.config import EngineConfig
-from pagoda.service.engine.fault_injection import ENV, InjectedFailure
+from pagoda.service.engine.core import engine_core as core_module
 from pagoda.service.engine.llm_engine import LLMEngine
+from pagoda.service.engine.runner.fault_injection import ENV, InjectedFailure
 from pagoda.service.outputs import RequestOutput
 from pagoda.service.sampling_params import SamplingParams
 

@@ -13,7 +13,6 @@ import torch
 from pagoda.kernels import reference
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.llm_engine import LLMEngine
-from pagoda.service.model import load_model
 from pagoda.service.model.fp8 import (
     FP8_DTYPE,
     Fp8Linear,
@@ -23,6 +22,7 @@ from pagoda.service.model.fp8 import (
     quantize_rows,
     run_cublaslt_without_workspace,
 )
+from pagoda.service.model.loader import load_model
 from pagoda.service.sampling_params import SamplingParams
 
 

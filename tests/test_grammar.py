@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from llguidance import LLMatcher
 
+from pagoda.service.errors import InvalidRequestError
 from pagoda.service.grammar import (
     LOGIT_BIAS_LIMIT,
     MAX_ALLOF_BRANCHES,
@@ -27,7 +28,6 @@ from pagoda.service.grammar import (
     parse_logit_bias,
     validate_grammar,
 )
-from pagoda.service.sampling_params import InvalidRequestError
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 

@@ -11,9 +11,9 @@ import signal
 import pytest
 
 from pagoda.service import grammar as grammar_module
+from pagoda.service.errors import InvalidRequestError
 from pagoda.service.grammar import Grammar, validate_grammar
 from pagoda.service.grammar_sandbox import GrammarSandbox
-from pagoda.service.sampling_params import InvalidRequestError
 
 PERSON = json.dumps({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]})
 

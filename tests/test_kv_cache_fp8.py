@@ -12,8 +12,8 @@ import torch
 from pagoda.kernels.kv_cache import is_token_major
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.llm_engine import LLMEngine
-from pagoda.service.engine.model_runner import v_cache_token_major
-from pagoda.service.model import load_model
+from pagoda.service.engine.runner.model_runner import v_cache_token_major
+from pagoda.service.model.loader import load_model
 from pagoda.service.sampling_params import SamplingParams
 
 FP8 = torch.float8_e4m3fn

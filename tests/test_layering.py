@@ -22,16 +22,16 @@ import pytest
 PACKAGES = ("pagoda.operator", "pagoda.service", "pagoda.kernels")
 
 ENGINE_INTERNALS = (
-    "pagoda.service.engine.core",
-    "pagoda.service.engine.scheduler",
-    "pagoda.service.engine.block_manager",
-    "pagoda.service.engine.request",
+    "pagoda.service.engine.core.engine_core",
+    "pagoda.service.engine.core.scheduler",
+    "pagoda.service.engine.core.block_manager",
+    "pagoda.service.engine.core.request",
     "pagoda.service.engine.llm_engine",
-    "pagoda.service.engine.model_runner",
-    "pagoda.service.engine.executor",
-    "pagoda.service.engine.worker",
-    "pagoda.service.engine.sampler",
-    "pagoda.service.engine.cuda_graphs",
+    "pagoda.service.engine.runner.model_runner",
+    "pagoda.service.engine.runner.executor",
+    "pagoda.service.engine.runner.worker",
+    "pagoda.service.engine.runner.sampler",
+    "pagoda.service.engine.runner.cuda_graphs",
     "pagoda.service.model.llama",
     "pagoda.service.model.loader",
 )
@@ -40,18 +40,18 @@ ENGINE_INTERNALS = (
 RULES: list[tuple[str, tuple[str, ...]]] = [
     ("pagoda.operator.*", ("pagoda.service", "pagoda.kernels", "torch")),
     ("pagoda.kernels.*", ("pagoda.service", "pagoda.operator")),
-    ("pagoda.service.engine.scheduler", ("torch", "fastapi", "grpc")),
-    ("pagoda.service.engine.block_manager", ("torch", "fastapi", "grpc")),
-    ("pagoda.service.engine.request", ("torch", "fastapi", "grpc")),
+    ("pagoda.service.engine.core.scheduler", ("torch", "fastapi", "grpc")),
+    ("pagoda.service.engine.core.block_manager", ("torch", "fastapi", "grpc")),
+    ("pagoda.service.engine.core.request", ("torch", "fastapi", "grpc")),
     ("pagoda.service.model.*", ("pagoda.service.api", "fastapi", "grpc")),
     # The engine core and the messages it trades with the API process: no torch (the model is behind
     # the executor, built inside the core process), no transports.
-    ("pagoda.service.engine.core", ("torch", "fastapi", "grpc")),
+    ("pagoda.service.engine.core.engine_core", ("torch", "fastapi", "grpc")),
     ("pagoda.service.engine.core_process", ("torch", "fastapi", "grpc", "pagoda.service.api")),
     ("pagoda.service.engine.messages", ("torch", "fastapi", "grpc")),
     # Structured output: the core's grammar manager is torch-free like the core; the Grammar type that
     # SamplingParams carries loads llguidance only when a grammar is compiled or validated.
-    ("pagoda.service.engine.structured_output", ("torch", "fastapi", "grpc")),
+    ("pagoda.service.engine.core.structured_output", ("torch", "fastapi", "grpc")),
     ("pagoda.service.grammar", ("torch", "llguidance")),
     ("pagoda.service.sampling_params", ("torch", "llguidance")),
     # The API process: transports over the one engine client; it reaches neither the engine's insides
@@ -59,7 +59,7 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("pagoda.service.api.*", ("torch", "pagoda.kernels", *ENGINE_INTERNALS)),
     ("pagoda.service.server", ("torch", "pagoda.kernels", *ENGINE_INTERNALS)),
     ("pagoda.service.api_server_process", ("torch", "pagoda.kernels", *ENGINE_INTERNALS)),
-    ("pagoda.service.engine.async_engine", ("torch", "fastapi", "grpc", *ENGINE_INTERNALS)),
+    ("pagoda.service.engine.client.async_engine", ("torch", "fastapi", "grpc", *ENGINE_INTERNALS)),
 ]
 
 CHILD = r"""

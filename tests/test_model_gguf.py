@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagoda.service.model import load_model, load_tokenizer
+from pagoda.service.model import load_tokenizer
+from pagoda.service.model.loader import load_model
 
 pytestmark = pytest.mark.slow  # two loads of a 135M-parameter model: ~30 s on 2 CPU cores
 

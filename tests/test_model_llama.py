@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagoda.service.model import load_model
+from pagoda.service.model.loader import load_model
 
 
 def hf_logits(folder: Path, token_ids: list[int]) -> torch.Tensor:

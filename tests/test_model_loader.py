@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from pagoda.service import model as model_pkg
-from pagoda.service.model import default_model_path, load_model
+from pagoda.service.model import default_model_path
 from pagoda.service.model.config import ModelConfig
+from pagoda.service.model.loader import load_model
 
 
 def _copy(src: Path, dst: Path) -> Path:

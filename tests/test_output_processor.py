@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pagoda.service.engine.client.output_processor import OutputProcessor
 from pagoda.service.engine.messages import PromptLogprobs, SampleResult, TokenOutput
-from pagoda.service.engine.output_processor import OutputProcessor
 from pagoda.service.metrics import RequestTracker, ServerMetrics
 from pagoda.service.outputs import RequestOutput
 from pagoda.service.sampling_params import SamplingParams
@@ -168,7 +168,7 @@ def test_request_metrics_are_observed_from_the_deltas_as_they_stream(tokenizer_f
 
 
 def test_held_back_is_the_longest_suffix_that_starts_a_stop_string() -> None:
-    from pagoda.service.engine.output_processor import held_back
+    from pagoda.service.engine.client.output_processor import held_back
 
     assert held_back("hello wor", ["world"]) == 3
     assert held_back("hello", ["x"]) == 0  # a one-character stop string is never held back

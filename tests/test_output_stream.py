@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from pagoda.service.engine.output_stream import OutputStream
+from pagoda.service.engine.client.output_stream import OutputStream
 from pagoda.service.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 

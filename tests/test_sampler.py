@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from pagoda.service.engine.request import Request
-from pagoda.service.engine.sampler import Sampler, _token_counts, apply_token_bitmask, unpack_forbidden
-from pagoda.service.engine.scheduler import GrammarBitmask
+from pagoda.service.engine.core.request import Request
+from pagoda.service.engine.core.scheduler import GrammarBitmask
+from pagoda.service.engine.runner.sampler import Sampler, _token_counts, apply_token_bitmask, unpack_forbidden
 from pagoda.service.sampling_params import SamplingParams
 
 VOCAB = 100

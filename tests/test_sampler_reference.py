@@ -17,8 +17,8 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from pagoda.service.engine.request import Request
-from pagoda.service.engine.sampler import Sampler
+from pagoda.service.engine.core.request import Request
+from pagoda.service.engine.runner.sampler import Sampler
 from pagoda.service.sampling_params import SamplingParams
 
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]

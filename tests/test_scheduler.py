@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pagoda.service.engine.block_manager import BlockManager
-from pagoda.service.engine.request import Request, RequestStatus
-from pagoda.service.engine.scheduler import Scheduler
+from pagoda.service.engine.core.block_manager import BlockManager
+from pagoda.service.engine.core.request import Request, RequestStatus
+from pagoda.service.engine.core.scheduler import Scheduler
 from pagoda.service.sampling_params import SamplingParams
 
 

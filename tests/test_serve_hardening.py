@@ -17,7 +17,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagoda.service.engine.fault_injection import ENV as FAIL_SEED_ENV
+from pagoda.service.engine.runner.fault_injection import ENV as FAIL_SEED_ENV
 from pagoda.service.grpc_gen import inference_pb2 as pb
 from pagoda.service.grpc_gen import inference_pb2_grpc as pb_grpc
 from pagoda.service.serve_process import ServeProcess

@@ -300,9 +300,10 @@ def test_grpc_structured_output_fields(server: ServeProcess) -> None:
 @pytest.mark.parametrize("is_async", [False, True], ids=["in-turn", "async"])
 def test_offline_llm_structured_output_and_logit_bias(is_async: bool) -> None:
     """In turn and with async scheduling (the grammar's bitmask waits for the step before's tokens)."""
+    from pagoda.service.errors import InvalidRequestError
     from pagoda.service.grammar import Grammar
     from pagoda.service.llm import LLM
-    from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
+    from pagoda.service.sampling_params import SamplingParams
 
     with LLM(
         max_model_len=256, kv_cache_memory_bytes=32 << 20, max_num_seqs=8, async_scheduling=is_async

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from pagoda.service.engine.config import EngineConfig
-from pagoda.service.engine.executor import Executor
+from pagoda.service.engine.runner.executor import Executor
 from pagoda.service.llm import LLM
 from pagoda.service.model.loader import load_model
 from pagoda.service.model.parallel import TPGroup, check_tp_size
@@ -275,7 +275,7 @@ def test_refused_before_any_process_starts(monkeypatch: pytest.MonkeyPatch, llam
 
     import torch.distributed as dist
 
-    from pagoda.service.engine import executor as executor_module
+    from pagoda.service.engine.runner import executor as executor_module
 
     config = EngineConfig(device="cuda", tensor_parallel_size=2)
     monkeypatch.setattr(executor_module, "resolve_device", lambda name: torch.device("cuda"))

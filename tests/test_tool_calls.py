@@ -26,7 +26,7 @@ from pagoda.service.api.tool_calls import (
     plan_tools,
     template_messages,
 )
-from pagoda.service.sampling_params import InvalidRequestError
+from pagoda.service.errors import InvalidRequestError
 
 WEATHER_PARAMS = {
     "type": "object",

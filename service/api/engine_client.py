@@ -19,13 +19,14 @@ from typing import Any, Literal
 
 from pagoda.service import gc_pauses
 from pagoda.service.api.tool_calls import CHAT_ROLES, ParserName, parser_for, template_messages
-from pagoda.service.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from pagoda.service.engine.client.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from pagoda.service.engine.client.input_processor import check_text_fits
 from pagoda.service.engine.config import EngineConfig
-from pagoda.service.engine.input_processor import check_text_fits
 from pagoda.service.engine.messages import EngineStats
+from pagoda.service.errors import InvalidRequestError, quoted
 from pagoda.service.metrics import RequestTracker, ServerMetrics
 from pagoda.service.outputs import RequestOutput
-from pagoda.service.sampling_params import InvalidRequestError, SamplingParams, quoted
+from pagoda.service.sampling_params import SamplingParams
 from pagoda.service.tokenizer import RELEASE_GIL_CHARS
 
 logger = logging.getLogger(__name__)

@@ -27,10 +27,11 @@ from pagoda.service.api.tool_calls import (
     parse_calls,
     plan_tools,
 )
+from pagoda.service.errors import InvalidRequestError
 from pagoda.service.grpc_gen import inference_pb2 as pb
 from pagoda.service.grpc_gen import inference_pb2_grpc as pb_grpc
 from pagoda.service.outputs import Logprob
-from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
+from pagoda.service.sampling_params import SamplingParams
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 GRPC_CODES: dict[str, grpc.StatusCode] = {

@@ -26,7 +26,8 @@ from pagoda.service.api.tool_calls import (
     ToolPlan,
     plan_tools,
 )
-from pagoda.service.sampling_params import InvalidRequestError, SamplingParams, quoted
+from pagoda.service.errors import InvalidRequestError, quoted
+from pagoda.service.sampling_params import SamplingParams
 
 
 def find_lone_surrogate(value: Any, path: str = "") -> str | None:

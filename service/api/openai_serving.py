@@ -19,8 +19,8 @@ from pagoda.service.api.openai_protocol import (
     TokenizeRequest,
 )
 from pagoda.service.api.tool_calls import ParserName, ToolCallStream, ToolPlan, parse_calls
+from pagoda.service.errors import InvalidRequestError
 from pagoda.service.outputs import Logprob, RequestOutput
-from pagoda.service.sampling_params import InvalidRequestError
 
 _DONE = object()
 

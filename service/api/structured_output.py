@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagoda.service.errors import InvalidRequestError
 from pagoda.service.grammar import Grammar, parse_logit_bias
-from pagoda.service.sampling_params import InvalidRequestError
 
 
 class JsonSchemaFormat(BaseModel):

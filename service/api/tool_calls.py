@@ -24,8 +24,8 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagoda.service.errors import InvalidRequestError, quoted
 from pagoda.service.grammar import Grammar
-from pagoda.service.sampling_params import InvalidRequestError, quoted
 
 ChatRole = Literal["system", "developer", "user", "assistant", "tool"]  # the turns a chat may hold
 CHAT_ROLES: tuple[str, ...] = get_args(ChatRole)

@@ -26,7 +26,7 @@ import zmq
 
 from pagoda.service import gc_pauses
 from pagoda.service.engine.config import EngineConfig
-from pagoda.service.engine.core import EngineCore, ModelExecutor
+from pagoda.service.engine.core.engine_core import EngineCore, ModelExecutor
 from pagoda.service.engine.messages import (
     Abort,
     AddRequest,
@@ -45,7 +45,7 @@ from pagoda.service.engine.messages import (
 from pagoda.service.engine.parent_death import die_with_parent
 from pagoda.service.stop_relay import RELAYED_STOP, STACK_DUMP_SIGNAL, relay_stop_signals
 
-logger = logging.getLogger("pagoda.service.engine.core")
+logger = logging.getLogger("pagoda.service.engine.core.engine_core")
 
 _IDLE_CHECK_MS = 1000  # how often an idle core checks that its workers live
 
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = msgspec.json.decode(args.config, type=EngineConfig)
         eos_token_ids = set(msgspec.json.decode(args.eos_token_ids, type=list[int]))
-        from pagoda.service.engine.llm_engine import build_executor
+        from pagoda.service.engine.runner.executor import build_executor
 
         executor = build_executor(config, eos_token_ids, relay_stop_signals=True)
         core = EngineCore(config, executor, eos_token_ids)

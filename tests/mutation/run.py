@@ -41,15 +41,17 @@ TARGETS: dict[str, Target] = {
     # The block manager's tests as they were at 1df8297 (before the prefix-identity tests), for the
     # before/after figure in docs/testing.md: taken from git at run time, not kept as a copy.
     "block_manager_before": Target(
-        "service/engine/block_manager.py", (".mutation/before_test_block_manager.py",)
+        "service/engine/core/block_manager.py", (".mutation/before_test_block_manager.py",)
     ),
-    "block_manager": Target("service/engine/block_manager.py", ("tests/test_block_manager.py",)),
-    "scheduler": Target("service/engine/scheduler.py", ("tests/test_scheduler.py",)),
+    "block_manager": Target("service/engine/core/block_manager.py", ("tests/test_block_manager.py",)),
+    "scheduler": Target("service/engine/core/scheduler.py", ("tests/test_scheduler.py",)),
     "sampler": Target(
-        "service/engine/sampler.py", ("tests/test_sampler.py", "tests/test_sampler_reference.py"), 300.0
+        "service/engine/runner/sampler.py",
+        ("tests/test_sampler.py", "tests/test_sampler_reference.py"),
+        300.0,
     ),
     "output_processor": Target(
-        "service/engine/output_processor.py",
+        "service/engine/client/output_processor.py",
         ("tests/test_output_processor.py", "tests/test_output_stream.py"),
     ),
     # The API-key check both transports call (HTTP's APIKeyGuard, gRPC's APIKeyInterceptor), then

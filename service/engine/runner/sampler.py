@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagoda.service.engine.core.request import Request
+from pagoda.service.engine.core.scheduler import GrammarBitmask
 from pagoda.service.engine.messages import SampleResult
-from pagoda.service.engine.request import Request
-from pagoda.service.engine.scheduler import GrammarBitmask
 from pagoda.service.grammar import LOGIT_BIAS_LIMIT
 
 _MASK_63 = (1 << 63) - 1

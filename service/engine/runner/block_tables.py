@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagoda.service.engine.request import Request
+from pagoda.service.engine.core.request import Request
 
 
 class BlockTables:

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagoda.service.engine.block_manager import BlockManager
-from pagoda.service.engine.request import PLACEHOLDER, Request, RequestStatus
+from pagoda.service.engine.core.block_manager import BlockManager
+from pagoda.service.engine.core.request import PLACEHOLDER, Request, RequestStatus
 
 
 @dataclass

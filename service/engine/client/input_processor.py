@@ -3,8 +3,9 @@ sees it. Everything the core receives is already valid, so nothing a client send
 
 from __future__ import annotations
 
+from pagoda.service.errors import InvalidRequestError
 from pagoda.service.grammar import check_logit_bias, validate_grammar
-from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
+from pagoda.service.sampling_params import SamplingParams
 from pagoda.service.tokenizer import Tokenizer
 
 MAX_N = 128  # completions per request, as OpenAI allows

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pagoda.service.engine.scheduler import SchedulerOutput
+from pagoda.service.engine.core.scheduler import SchedulerOutput
 
 ENV = "PAGODA_TEST_FAIL_SEED"
 

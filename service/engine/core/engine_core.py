@@ -30,8 +30,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple, Protocol
 
-from pagoda.service.engine.block_manager import BlockManager
 from pagoda.service.engine.config import EngineConfig
+from pagoda.service.engine.core.block_manager import BlockManager
+from pagoda.service.engine.core.request import PLACEHOLDER, Request, RequestStatus
+from pagoda.service.engine.core.scheduler import GrammarBitmask, Scheduler, SchedulerOutput
+from pagoda.service.engine.core.structured_output import StructuredOutputManager
 from pagoda.service.engine.messages import (
     STEP_SECONDS_BUCKETS,
     AddRequest,
@@ -41,9 +44,6 @@ from pagoda.service.engine.messages import (
     SampleResult,
     TokenOutput,
 )
-from pagoda.service.engine.request import PLACEHOLDER, Request, RequestStatus
-from pagoda.service.engine.scheduler import GrammarBitmask, Scheduler, SchedulerOutput
-from pagoda.service.engine.structured_output import StructuredOutputManager
 from pagoda.service.gc_pauses import GcPauses
 from pagoda.service.model import load_tokenizer as load_tokenizer_from
 from pagoda.service.sampling_params import SamplingParams
@@ -282,7 +282,7 @@ class EngineCore:
             self.longest_step_s = seconds
             if seconds >= LOG_STEP_OVER_S:
                 logger.info(
-                    "the longest step so far: %.2f s (%d sequences, %d tokens)",
+                    "the longest step so far: %.3f s (%d sequences, %d tokens)",
                     seconds, len(out.requests), out.total_num_tokens,
                 )  # fmt: skip
 

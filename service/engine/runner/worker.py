@@ -23,7 +23,7 @@ from pagoda.service.stop_relay import relay_stop_signals
 
 if TYPE_CHECKING:
     from pagoda.service.engine.config import EngineConfig
-    from pagoda.service.engine.model_runner import ModelRunner
+    from pagoda.service.engine.runner.model_runner import ModelRunner
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def _start(args: WorkerArgs, conn: Connection) -> ModelRunner:
     import torch
     import torch.distributed as dist
 
-    from pagoda.service.engine.model_runner import ModelRunner
+    from pagoda.service.engine.runner.model_runner import ModelRunner
     from pagoda.service.model.parallel import init_tp_group
 
     torch.set_num_threads(args.num_threads)

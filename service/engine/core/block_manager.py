@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from pagoda.service.engine.request import Request
+from pagoda.service.engine.core.request import Request
 
 
 @dataclass

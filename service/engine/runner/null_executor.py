@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from pagoda.service.engine.config import EngineConfig
+from pagoda.service.engine.core.scheduler import SchedulerOutput
 from pagoda.service.engine.messages import SampleResult
-from pagoda.service.engine.model_runner import KVCacheLayout, StepResult
-from pagoda.service.engine.scheduler import SchedulerOutput
+from pagoda.service.engine.runner.model_runner import KVCacheLayout, StepResult
 
 ENV = "PAGODA_BENCH_NULL_MODEL"
 STEP_ENV = "PAGODA_BENCH_NULL_STEP_MS"
@@ -44,7 +44,7 @@ class NullExecutor:
     can_overlap = False
 
     def __init__(self, config: EngineConfig, eos_token_ids: set[int]) -> None:
-        from pagoda.service.model import load_model
+        from pagoda.service.model.loader import load_model
 
         _, self.model_config = load_model(config.model_path, "auto", "cpu")
         self.device = torch.device("cpu")  # what `pagoda bench offline` reads off a runner

@@ -39,9 +39,10 @@ import torch
 import torch.distributed as dist
 
 from pagoda.service.engine.config import EngineConfig
-from pagoda.service.engine.core import PendingResult
-from pagoda.service.engine.cuda_graphs import StepGraphs
-from pagoda.service.engine.model_runner import (
+from pagoda.service.engine.core.engine_core import PendingResult
+from pagoda.service.engine.core.scheduler import GrammarBitmask, SchedulerOutput
+from pagoda.service.engine.runner.cuda_graphs import StepGraphs
+from pagoda.service.engine.runner.model_runner import (
     ForwardedStep,
     KVCacheLayout,
     ModelRunner,
@@ -49,8 +50,7 @@ from pagoda.service.engine.model_runner import (
     StepResult,
     resolve_device,
 )
-from pagoda.service.engine.scheduler import GrammarBitmask, SchedulerOutput
-from pagoda.service.engine.worker import WorkerArgs, worker_main
+from pagoda.service.engine.runner.worker import WorkerArgs, worker_main
 from pagoda.service.model.config import ModelConfig
 from pagoda.service.model.llama import LlamaForCausalLM
 from pagoda.service.model.parallel import init_tp_group
@@ -358,3 +358,14 @@ def _stop_workers(workers: list[_Worker]) -> None:
             worker.process.kill()
             worker.process.join()
         worker.conn.close()
+
+
+def build_executor(config: EngineConfig, eos_token_ids: set[int], relay_stop_signals: bool = False) -> Any:
+    """The model side of the core: every tensor-parallel rank, rank 0 in this process.
+    `relay_stop_signals`: the workers relay SIGTERM and SIGINT to this process (the server's core)."""
+    from pagoda.service.engine.runner import null_executor
+    from pagoda.service.engine.runner.fault_injection import maybe_inject_failures
+
+    if null_executor.is_requested():  # benchmarks of everything but the model (see null_executor)
+        return null_executor.NullExecutor(config, eos_token_ids)
+    return maybe_inject_failures(Executor(config, config.model_path, eos_token_ids, relay_stop_signals))

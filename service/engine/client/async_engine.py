@@ -32,8 +32,10 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from pagoda.service.engine.client.input_processor import InputProcessor
+from pagoda.service.engine.client.output_processor import OutputProcessor
+from pagoda.service.engine.client.output_stream import OutputStream
 from pagoda.service.engine.config import EngineConfig
-from pagoda.service.engine.input_processor import InputProcessor
 from pagoda.service.engine.messages import (
     Abort,
     AddRequest,
@@ -47,11 +49,10 @@ from pagoda.service.engine.messages import (
     encoder,
     output_decoder,
 )
-from pagoda.service.engine.output_processor import OutputProcessor
-from pagoda.service.engine.output_stream import OutputStream
+from pagoda.service.errors import InvalidRequestError
 from pagoda.service.model import load_tokenizer
 from pagoda.service.outputs import RequestOutput
-from pagoda.service.sampling_params import InvalidRequestError, SamplingParams
+from pagoda.service.sampling_params import SamplingParams
 from pagoda.service.tokenizer import RELEASE_GIL_CHARS, Tokenizer
 
 logger = logging.getLogger(__name__)

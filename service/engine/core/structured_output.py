@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pagoda.service.engine.request import Request, RequestStatus
-from pagoda.service.engine.scheduler import GrammarBitmask, SchedulerOutput
+from pagoda.service.engine.core.request import Request, RequestStatus
+from pagoda.service.engine.core.scheduler import GrammarBitmask, SchedulerOutput
 from pagoda.service.grammar import Grammar
 
 if TYPE_CHECKING:

@@ -19,12 +19,12 @@ import numpy as np
 import torch
 
 from pagoda.kernels.kv_cache import cache_view
-from pagoda.service.engine.block_tables import BlockTables
 from pagoda.service.engine.config import EngineConfig
-from pagoda.service.engine.cuda_graphs import StepGraphs
-from pagoda.service.engine.request import PLACEHOLDER
-from pagoda.service.engine.sampler import SampledBatch, Sampler, SampleResult, to_device
-from pagoda.service.engine.scheduler import GrammarBitmask, SchedulerOutput
+from pagoda.service.engine.core.request import PLACEHOLDER
+from pagoda.service.engine.core.scheduler import GrammarBitmask, SchedulerOutput
+from pagoda.service.engine.runner.block_tables import BlockTables
+from pagoda.service.engine.runner.cuda_graphs import StepGraphs
+from pagoda.service.engine.runner.sampler import SampledBatch, Sampler, SampleResult, to_device
 from pagoda.service.model.attention import AttentionMetadata
 from pagoda.service.model.fp8 import quantize_model_fp8, run_cublaslt_without_workspace, supports_fp8_matmul
 from pagoda.service.model.loader import load_model
