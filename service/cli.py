@@ -219,6 +219,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     flag("--device", "auto (cuda when there is a GPU, else cpu), cuda, cuda:N or cpu.", "auto")
     flag("--seed", "Seed of the engine's random generator (requests with a `seed` have their own).", 0, int)
+    # No environment variable on purpose: a stand-in for the model is only ever asked for on the command line.
+    parser.add_argument(
+        "--executor-class",
+        default=None,
+        help="Another model side as MODULE:CLASS, for benchmarks and tests "
+        "(pagoda.service.engine.runner.null_executor:NullExecutor: no model). Default: the model.",
+    )
     flag("--log-level", "Logging level.", "info", choices=("debug", "info", "warning", "error"))
 
 
@@ -290,6 +297,7 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
         async_scheduling=None if args.async_scheduling else False,
+        executor_class=args.executor_class,
     )
     return server, engine
 

@@ -38,11 +38,12 @@ def server(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 @pytest.fixture(scope="module")
 def null_server(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    """`PAGODA_BENCH_NULL_MODEL=1` swaps only the model for `null_executor` (a benchmark double): the
+    """`--executor-class ...null_executor:NullExecutor` swaps only the model for a benchmark double: the
     API process and the engine core are the real ones."""
     args = ["--model", str(llama_ckpt), "--served-model-name", MODEL, "--max-num-seqs", "64"]
+    args += ["--executor-class", "pagoda.service.engine.runner.null_executor:NullExecutor"]
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    with ServeProcess(args, log_path=log_path, env={"PAGODA_BENCH_NULL_MODEL": "1"}) as proc:
+    with ServeProcess(args, log_path=log_path) as proc:
         yield proc
 
 

@@ -1,29 +1,31 @@
 """A request that makes a step raise fails alone: the others in its batch get exactly the tokens they
 would have got without it, and the engine goes on. The failure is injected by the named test double
-`fault_injection.FailingExecutor` (`PAGODA_TEST_FAIL_SEED`), around the real model on the CPU."""
+`failing_executor.FailingExecutor` (tests/doubles), around the real model on the CPU."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from failing_executor import EXECUTOR_CLASS, HOSTILE_SEED, InjectedFailure
 
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.core import engine_core as core_module
 from pagoda.service.engine.llm_engine import LLMEngine
-from pagoda.service.engine.runner.fault_injection import ENV, InjectedFailure
 from pagoda.service.outputs import RequestOutput
 from pagoda.service.sampling_params import SamplingParams
 
-HOSTILE_SEED = 666
 PROMPTS = {"a": [101, 2002, 3003, 4004], "b": [7, 8, 9, 10, 11, 12], "c": [5005, 6006]}
 
 
 @pytest.fixture(params=[False, True], ids=["in-turn", "async"])
-def engine(llama_ckpt: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> LLMEngine:
-    monkeypatch.setenv(ENV, str(HOSTILE_SEED))
+def engine(llama_ckpt: Path, request: pytest.FixtureRequest) -> LLMEngine:
     config = EngineConfig(
-        model=str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=8 << 20, async_scheduling=request.param
+        model=str(llama_ckpt),
+        dtype="float32",
+        kv_cache_memory_bytes=8 << 20,
+        async_scheduling=request.param,
+        executor_class=EXECUTOR_CLASS,
     )
     return LLMEngine(config)
 
@@ -88,3 +90,22 @@ def test_steps_where_everything_fails_alone_fail_the_engine(engine: LLMEngine) -
     engine.add_request("last", [42, 43], greedy(seed=HOSTILE_SEED))
     with pytest.raises(InjectedFailure):
         engine.step()
+
+
+def test_another_model_side_is_named_explicitly_or_refused(llama_ckpt: Path) -> None:
+    """`executor_class` is the only way to a stand-in for the model (no environment variable switches
+    one on): a malformed or unknown name is refused with what was asked for."""
+    from pagoda.service.engine.runner.executor import Executor, build_executor
+
+    with pytest.raises(ValueError, match="module:Class"):
+        EngineConfig(model=str(llama_ckpt), executor_class="failing_executor.FailingExecutor")
+    for name in ("no_such_module:Executor", "failing_executor:NoSuchClass"):
+        config = EngineConfig(model=str(llama_ckpt), dtype="float32", executor_class=name)
+        with pytest.raises(ValueError, match=f"{name!r} cannot be imported"):
+            build_executor(config, set())
+    config = EngineConfig(model=str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=8 << 20)
+    executor = build_executor(config, set())
+    try:
+        assert type(executor) is Executor
+    finally:
+        executor.shutdown()

@@ -15,9 +15,10 @@ import grpc
 import httpx
 import openai
 import pytest
+from failing_executor import EXECUTOR_CLASS, HOSTILE_SEED
+from failing_executor import FOLDER as DOUBLES
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagoda.service.engine.runner.fault_injection import ENV as FAIL_SEED_ENV
 from pagoda.service.grpc_gen import inference_pb2 as pb
 from pagoda.service.grpc_gen import inference_pb2_grpc as pb_grpc
 from pagoda.service.serve_process import ServeProcess
@@ -25,7 +26,6 @@ from pagoda.service.serve_process import ServeProcess
 MODEL = "tiny-hardened"
 KEYS = ("key-one", "key-two")
 ORIGIN = "https://app.example"
-HOSTILE_SEED = 666  # the fault-injection double makes any step holding this seed raise
 MAX_BODY = 64 << 10
 MAX_WAITING = 8
 MAX_HEAD = 32 << 10
@@ -38,7 +38,8 @@ def server(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     args += ["--kv-cache-memory-bytes", str(16 << 20), "--max-request-bytes", str(MAX_BODY)]
     args += ["--allowed-origins", ORIGIN, "--max-waiting-requests", str(MAX_WAITING)]
     args += ["--max-header-bytes", str(MAX_HEAD), "--body-read-timeout", "2"]
-    env = {"PAGODA_API_KEY": ",".join(KEYS), FAIL_SEED_ENV: str(HOSTILE_SEED)}
+    args += ["--executor-class", EXECUTOR_CLASS]  # the model, but a step holding HOSTILE_SEED raises
+    env = {"PAGODA_API_KEY": ",".join(KEYS), "PYTHONPATH": DOUBLES}
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with ServeProcess(args, log_path=log, env=env) as proc:
         yield proc

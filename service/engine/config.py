@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -43,6 +44,10 @@ class EngineConfig:
     # scheduling, inputs) runs while the GPUs compute. None: on with GPUs, off on the CPU (nothing to
     # overlap there; True runs the same code, for tests).
     async_scheduling: bool | None = None
+    # Another model side as `module:Class` (the executor protocol; constructed with this config, the
+    # end-of-sequence ids and `relay_stop_signals`), for benchmarks and tests; None: the model.
+    # `pagoda.service.engine.runner.null_executor:NullExecutor`: no model (`pagoda bench serve`'s ceiling).
+    executor_class: str | None = None
 
     @property
     def model_path(self) -> str:
@@ -79,3 +84,5 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        if self.executor_class is not None and not re.fullmatch(r"[\w.]+:\w+", self.executor_class):
+            raise ValueError(f"executor_class must be module:Class, got {self.executor_class!r}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import logging
 import multiprocessing as mp
 import os
@@ -363,9 +364,12 @@ def _stop_workers(workers: list[_Worker]) -> None:
 def build_executor(config: EngineConfig, eos_token_ids: set[int], relay_stop_signals: bool = False) -> Any:
     """The model side of the core: every tensor-parallel rank, rank 0 in this process.
     `relay_stop_signals`: the workers relay SIGTERM and SIGINT to this process (the server's core)."""
-    from pagoda.service.engine.runner import null_executor
-    from pagoda.service.engine.runner.fault_injection import maybe_inject_failures
-
-    if null_executor.is_requested():  # benchmarks of everything but the model (see null_executor)
-        return null_executor.NullExecutor(config, eos_token_ids)
-    return maybe_inject_failures(Executor(config, config.model_path, eos_token_ids, relay_stop_signals))
+    if config.executor_class is None:
+        return Executor(config, config.model_path, eos_token_ids, relay_stop_signals)
+    # Another model side, named explicitly (`--executor-class`): a benchmark's null model, a test double.
+    module_name, _, class_name = config.executor_class.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"executor_class {config.executor_class!r} cannot be imported: {exc}") from exc
+    return cls(config, eos_token_ids, relay_stop_signals)

@@ -1,20 +1,20 @@
 """A stand-in model side, for benchmarks only: no forward pass, every sampled token is ready at once.
 
-With `PAGODA_BENCH_NULL_MODEL=1`, `pagoda serve` runs the real API process and the real engine core
-(scheduler, KV blocks, step loop, messages) around this instead of the model, so `pagoda bench serve`
-against it measures what everything but the GPU can stream: the ceiling the API process puts on
-served throughput. Tokens cycle through ordinary ids of the model's vocabulary (never an end of
-sequence), so detokenizing costs what it costs with real text. The model's config and tokenizer are
-read as usual; the weights are loaded (on the CPU) only for their config, and the KV cache is a
-layout with nothing behind it.
+With `pagoda serve --executor-class pagoda.service.engine.runner.null_executor:NullExecutor`, the real
+API process and the real engine core (scheduler, KV blocks, step loop, messages) run around this instead
+of the model, so `pagoda bench serve` against it measures what everything but the GPU can stream: the
+ceiling the API process puts on served throughput. Tokens cycle through ordinary ids of the model's
+vocabulary (never an end of sequence), so detokenizing costs what it costs with real text. The model's
+config and tokenizer are read as usual; the weights are loaded (on the CPU) only for their config, and
+the KV cache is a layout with nothing behind it.
 
-`PAGODA_BENCH_NULL_STEP_MS=T` makes every step take at least T ms (a sleep), the pace of a real GPU
-step, so the API process sees the message rate of a GPU server rather than a step every ~0.5 ms.
+`...null_executor:PacedNullExecutor` makes every step take at least 10 ms (a sleep), the pace of an
+H200's decode step at concurrency ~64, so the API process sees the message rate of a GPU server rather
+than a step every ~0.5 ms.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -25,8 +25,6 @@ from pagoda.service.engine.core.scheduler import SchedulerOutput
 from pagoda.service.engine.messages import SampleResult
 from pagoda.service.engine.runner.model_runner import KVCacheLayout, StepResult
 
-ENV = "PAGODA_BENCH_NULL_MODEL"
-STEP_ENV = "PAGODA_BENCH_NULL_STEP_MS"
 _VIRTUAL_KV_TOKENS = 1 << 22  # room for 4M tokens of context: the cache never limits the batch
 
 
@@ -42,8 +40,11 @@ class NullExecutor:
     """The executor protocol without a model (see the module docstring)."""
 
     can_overlap = False
+    step_s = 0.0  # the least a step takes
 
-    def __init__(self, config: EngineConfig, eos_token_ids: set[int]) -> None:
+    def __init__(
+        self, config: EngineConfig, eos_token_ids: set[int], relay_stop_signals: bool = False
+    ) -> None:
         from pagoda.service.model.loader import load_model
 
         _, self.model_config = load_model(config.model_path, "auto", "cpu")
@@ -56,11 +57,10 @@ class NullExecutor:
         vocab = self.model_config.vocab_size
         self._cycle = [t for t in range(vocab // 4, vocab // 4 + 97) if t not in eos_token_ids]
         self._next = 0
-        self._step_s = float(os.environ.get(STEP_ENV, "0") or 0) / 1000
 
     def execute(self, out: SchedulerOutput) -> StepResult:
-        if self._step_s:
-            time.sleep(self._step_s)
+        if self.step_s:
+            time.sleep(self.step_s)
         sampled: dict[str, SampleResult] = {}
         for i, req in enumerate(out.requests):
             if out.needs_sample(i):
@@ -81,5 +81,7 @@ class NullExecutor:
         pass
 
 
-def is_requested() -> bool:
-    return os.environ.get(ENV, "") not in ("", "0")
+class PacedNullExecutor(NullExecutor):
+    """The null model at a GPU's pace: every step takes at least 10 ms."""
+
+    step_s = 0.010
