@@ -13,7 +13,7 @@ for _ in $(seq 300); do curl -sf localhost:8000/v1/health/ready > /dev/null && b
 curl -sf localhost:8000/v1/health/ready || { tail -30 "$out/serve.log"; exit 1; }
 for c in 1 16 64 128; do
     n=$((c < 16 ? 16 : 2 * c))
-    python3 -m pagoda.service.bench serve --model llama-8b-random --vocab-size 128256 --num-prompts $n \
+    python3 -m pagoda.bench serve --model llama-8b-random --vocab-size 128256 --num-prompts $n \
         --input-len 128 --output-len 128 --max-concurrency $c --output "$out/serve_bench.md" | head -3
 done
 kill -TERM %1; wait

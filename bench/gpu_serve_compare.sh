@@ -15,7 +15,7 @@ for tree in "$@"; do
         for _ in $(seq 300); do curl -sf localhost:8000/v1/health/ready > /dev/null && break; sleep 1; done
         echo "## tree $(basename "$tree")" | tee -a "$out/serve_compare.md"
         for c in $concurrencies; do
-            python3 -m pagoda.service.bench serve --model llama-8b-random --vocab-size 128256 \
+            python3 -m pagoda.bench serve --model llama-8b-random --vocab-size 128256 \
                 --num-prompts $((4 * c)) --input-len 128 --output-len 128 --max-concurrency "$c" \
                 --output "$out/serve_compare.md" | head -3
         done

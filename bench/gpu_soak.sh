@@ -18,7 +18,7 @@ server=$!
 for _ in $(seq 300); do curl -sf localhost:8000/v1/health/ready > /dev/null && break; sleep 1; done
 curl -sf localhost:8000/v1/health/ready || { tail -30 "$out/serve.log"; exit 1; }
 echo "serving; soak starts $(date +%T)"
-python3 -m pagoda.service.bench_soak --model llama-8b-random --vocab-size 128256 --duration "$duration" \
+python3 -m pagoda.bench.soak --model llama-8b-random --vocab-size 128256 --duration "$duration" \
     --saturation-seconds 60 --sample-every 30 --server-pid "$server" --output "$out/soak.md"
 echo "soak exit $? at $(date +%T)"
 kill -TERM "$server"; wait "$server"; echo "server exit $?"

@@ -63,7 +63,7 @@ fi
 if has bs1; then
     for q in ${BS1_PRECISIONS:-bf16 fp8}; do
         read -ra extra <<< "$(precision_args "$q")"
-        python3 -m pagoda.service.bench offline "${model[@]}" "${extra[@]}" --num-prompts 1 --input-len 1000 --output-len 200 \
+        python3 -m pagoda.bench offline "${model[@]}" "${extra[@]}" --num-prompts 1 --input-len 1000 --output-len 200 \
             --busy-steps 50 --busy-top 14 ${BUSY_TRACE:+--busy-trace "$out/trace_bs1_$q.json"} \
             --output "$out/bench.md" 2>&1 | grep -v Loading | tail -24
         step "bs1 $q"
@@ -74,7 +74,7 @@ if has offline; then
     IFS=';' read -ra variants <<< "${OFFLINE_VARIANTS:- ;--quantization fp8;--kv-cache-dtype fp8;--quantization fp8 --kv-cache-dtype fp8}"
     for q in "${variants[@]}"; do
         traced=$((traced + 1))
-        python3 -m pagoda.service.bench offline "${model[@]}" $q --num-prompts 256 --input-len 128 --output-len 128 \
+        python3 -m pagoda.bench offline "${model[@]}" $q --num-prompts 256 --input-len 128 --output-len 128 \
             --busy-steps 20 --busy-top 8 --profile-prefill ${BUSY_TRACE:+--busy-trace "$out/trace_offline_$traced.json"} \
             --output "$out/bench.md" 2>&1 | grep -v Loading | tail -28
         step "offline ${q:-bf16}"
@@ -87,7 +87,7 @@ if has grid; then  # issue 11's grid: in / out lengths, enough requests for a st
         for shape in "${shapes[@]}"; do
             read -r in_len out_len n <<< "$shape"
             [[ $q == *-kv8 && $n == 384 ]] && n=640  # an fp8 cache holds more (768 x 2.2k tokens overflowed it: preemptions)
-            timeout 200 python3 -m pagoda.service.bench offline "${model[@]}" "${extra[@]}" --num-prompts $n \
+            timeout 200 python3 -m pagoda.bench offline "${model[@]}" "${extra[@]}" --num-prompts $n \
                 --input-len $in_len --output-len $out_len --max-num-batched-tokens 8192 \
                 --output "$out/bench.md" 2>&1 | grep -v Loading | tail -4
             step "grid $q $shape"
@@ -114,7 +114,7 @@ if has serve; then
             if [ "$c" -ge 256 ] && [ -x /tmp/site/bin/py-spy ]; then  # where the API process spends a loaded second
                 (sleep 4; /tmp/site/bin/py-spy record -p $pid -d 6 -r 100 -f raw -o "$out/pyspy_api_$q.raw" > /dev/null 2>&1) &
             fi
-            timeout 120 python3 -m pagoda.service.bench serve --base-url http://localhost:8000 --model m --vocab-size 128256 \
+            timeout 120 python3 -m pagoda.bench serve --base-url http://localhost:8000 --model m --vocab-size 128256 \
                 --num-prompts $n --input-len 128 --output-len 128 --max-concurrency $c --client-processes "${CLIENT_PROCESSES:-auto}" \
                 --output "$out/serve_bench.md" 2>&1 | tail -14
             # The core's step-time histogram and GC pauses, cumulative: diff consecutive dumps.

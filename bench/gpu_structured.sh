@@ -16,7 +16,7 @@ python3 -m pagoda.cli serve --model /tmp/llama-8b-random --served-model-name lla
 server=$!
 for _ in $(seq 300); do curl -sf localhost:8000/v1/health/ready > /dev/null && break; sleep 1; done
 curl -sf localhost:8000/v1/health/ready > /dev/null || { tail -30 "$out/serve.log"; exit 1; }
-bench=(python3 -m pagoda.service.bench serve --model llama-8b-random --vocab-size 128256)
+bench=(python3 -m pagoda.bench serve --model llama-8b-random --vocab-size 128256)
 for c in 1 16 64; do
     n=$((c == 1 ? 16 : 4 * c))
     if [ "$c" = 64 ]; then

@@ -13,10 +13,10 @@ python3 -m pagoda.service.gpu_check --tokenizer "$tok" --tensor-parallel-size "$
 for n in 1 "$tp"; do
     # Batch 1 at 1000 / 200, then 256 x 128/128 three times; the profiled steady decode steps list the
     # all-reduce kernels' time per step (nccl...AllReduce) beside the GEMMs.
-    python3 -m pagoda.service.bench offline --model /tmp/llama-8b-random --dtype bfloat16 --tensor-parallel-size "$n" \
+    python3 -m pagoda.bench offline --model /tmp/llama-8b-random --dtype bfloat16 --tensor-parallel-size "$n" \
         --num-prompts 1 --input-len 1000 --output-len 200 --peer none --busy-steps 50 --busy-top 12 \
         --output "$out/tp_bench.md" 2>&1 | tee -a "$out/tp_bench.log" | grep -E "^\||us/step|decode at|Error|error"
-    python3 -m pagoda.service.bench offline --model /tmp/llama-8b-random --dtype bfloat16 --tensor-parallel-size "$n" \
+    python3 -m pagoda.bench offline --model /tmp/llama-8b-random --dtype bfloat16 --tensor-parallel-size "$n" \
         --num-prompts 256 --input-len 128 --output-len 128 --peer none --repeat 3 --busy-steps 20 --busy-top 12 \
         --output "$out/tp_bench.md" 2>&1 | tee -a "$out/tp_bench.log" | grep -E "^\||us/step|decode at|median|Error|error"
 done

@@ -15,7 +15,7 @@ SUBCOMMANDS: dict[str, str] = {
     "operator": "pagoda.operator.cmd_operator",
     "profile": "pagoda.operator.cmd_profile",
     "serve": "pagoda.service.cli",
-    "bench": "pagoda.service.bench",
+    "bench": "pagoda.bench.offline",
     "download": "pagoda.operator.cmd_download",
 }
 

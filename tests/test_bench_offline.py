@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagoda.service import bench
+from pagoda.bench import offline as bench
 from pagoda.service.model.loader import load_model
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pagoda.service.bench_serve import run_benchmark
-from pagoda.service.bench_serve_processes import run_in_processes, split
+from pagoda.bench.serve import run_benchmark
+from pagoda.bench.serve_processes import run_in_processes, split
 from pagoda.service.serve_process import ServeProcess
 
 MODEL = "tiny-bench"
@@ -61,7 +61,7 @@ def test_all_at_once_under_a_concurrency_cap(server: ServeProcess) -> None:
 
 def test_cli_at_a_request_rate_reports_failures(server: ServeProcess, tmp_path: Path) -> None:
     out = tmp_path / "bench.md"
-    bench = [sys.executable, "-m", "pagoda.service.bench", "serve", "--base-url", server.base_url]
+    bench = [sys.executable, "-m", "pagoda.bench", "serve", "--base-url", server.base_url]
     common = ["--num-prompts", "4", "--input-len", "8", "--output-len", "4", "--request-rate", "20"]
     ok = subprocess.run(
         [*bench, "--model", MODEL, *common, "--output", str(out)],
@@ -113,7 +113,7 @@ def test_two_client_processes_add_up_to_one_run(null_server: ServeProcess) -> No
 
 
 def test_cli_with_two_client_processes_at_a_request_rate(null_server: ServeProcess) -> None:
-    bench = [sys.executable, "-m", "pagoda.service.bench", "serve", "--base-url", null_server.base_url]
+    bench = [sys.executable, "-m", "pagoda.bench", "serve", "--base-url", null_server.base_url]
     common = ["--model", MODEL, "--num-prompts", "6", "--input-len", "8", "--output-len", "4"]
     done = subprocess.run(
         [*bench, *common, "--request-rate", "30", "--client-processes", "2"],
@@ -141,7 +141,7 @@ def test_the_split_deals_prompts_concurrency_and_rate() -> None:
     [(0.0, []), (0.25, [3, 7]), (0.5, [1, 3, 5, 7]), (1 / 3, [2, 5]), (1.0, list(range(8)))],
 )
 def test_the_structured_fraction_spreads_the_constrained_requests(fraction: float, picked: list[int]) -> None:
-    from pagoda.service.bench_serve import is_constrained
+    from pagoda.bench.serve import is_constrained
 
     assert [i for i in range(8) if is_constrained(i, fraction)] == picked
 
@@ -162,7 +162,7 @@ def test_constrained_and_free_requests_are_reported_apart(server: ServeProcess, 
     assert summary.kinds["unconstrained"].output_tokens == 2 * 6
     assert summary.output_tokens == sum(kind.output_tokens for kind in summary.kinds.values())
     out = tmp_path / "bench.md"
-    bench = [sys.executable, "-m", "pagoda.service.bench", "serve", "--base-url", server.base_url]
+    bench = [sys.executable, "-m", "pagoda.bench", "serve", "--base-url", server.base_url]
     done = subprocess.run(
         [*bench, "--model", MODEL, "--num-prompts", "2", "--input-len", "8", "--output-len", "4",
          "--structured-fraction", "0.5", "--output", str(out)],

@@ -1,4 +1,4 @@
-"""`python -m pagoda.service.bench_trace` on a small Chrome trace shaped like torch.profiler's: the GPU's
+"""`python -m pagoda.bench.trace` on a small Chrome trace shaped like torch.profiler's: the GPU's
 busy intervals merged across streams, each gap put down to the innermost host call when it began."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pagoda.service import bench_trace
+from pagoda.bench import trace as bench_trace
 
 
 def _event(cat: str, name: str, ts: float, dur: float, tid: int = 1) -> dict:

@@ -178,7 +178,7 @@ def test_engine_serves_fp8(llama_ckpt: Path) -> None:
 
 
 def test_accuracy_script_schemes_swap_projections_both_ways(llama_ckpt: Path) -> None:
-    from pagoda.service.fp8_accuracy import W8A16, Scheme, apply_scheme
+    from pagoda.bench.fp8_accuracy import W8A16, Scheme, apply_scheme
 
     model, _ = load_model(llama_ckpt, dtype=torch.float32)
     layers = model.model.layers

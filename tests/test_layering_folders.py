@@ -53,6 +53,8 @@ RULES: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
     (("pagoda.service.grammar",), ("pagoda.service.sampling_params",)),
     (("pagoda.service.errors",), ("pagoda.service", "pagoda.kernels", "pagoda.operator")),
     (("pagoda.operator.*",), ("pagoda.service", "pagoda.kernels", "torch")),
+    # The measuring tools sit outside the product: nothing the product runs reaches them.
+    (("pagoda.service.*", "pagoda.operator.*", "pagoda.kernels.*"), ("pagoda.bench",)),
     (("pagoda.kernels.*",), ("pagoda.service", "pagoda.operator")),
 ]  # fmt: skip
 

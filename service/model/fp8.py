@@ -22,7 +22,7 @@ CUDA-graph capturable (no host syncs). Embeddings, norms and the LM head stay in
 
 W8A16 (`skinny_max_m`: activations unquantized, a skinny Triton kernel streaming the fp8 weights,
 `kernels/fp8_gemm.py`) is more accurate but measured slower than both (3.2-5.4 ms per step at M=1):
-off by default, kept for the accuracy comparison (`python -m pagoda.service.fp8_accuracy`).
+off by default, kept for the accuracy comparison (`python -m pagoda.bench.fp8_accuracy`).
 
 Under tensor parallelism each rank quantizes its own shard (the scales are the shard's rows), and a
 row-parallel layer keeps its all-reduce.

@@ -1,6 +1,6 @@
 """fp8 on a trained model: top-1 agreement with float32, teacher-forced, bf16 and fp8 side by side.
 
-    python -m pagoda.service.fp8_accuracy [--device cpu|cuda] [--max-tokens 64]
+    python -m pagoda.bench.fp8_accuracy [--device cpu|cuda] [--max-tokens 64]
 
 The embedded SmolLM2-135M-Instruct answers a dozen chat questions greedily in float32. Each precision
 then scores the same sequences (question + float32's answer) in one prefill with prompt log-probs, and

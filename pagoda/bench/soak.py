@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pagoda.service.bench_serve import _stats_ms
+from pagoda.bench.serve import _stats_ms
 
 if TYPE_CHECKING:
     import httpx

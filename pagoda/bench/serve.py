@@ -344,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
     if num_processes == 1:
         summary = asyncio.run(run_benchmark(*load, *shape))
     else:
-        from pagoda.service.bench_serve_processes import run_in_processes
+        from pagoda.bench.serve_processes import run_in_processes
 
         summary = run_in_processes(num_processes, *load, *shape)
     text = format_summary(args, summary, num_processes)

@@ -2,8 +2,8 @@
 
 - `pagoda bench offline`: N prompts of fixed length through the engine's offline API, against Hugging
   Face `transformers` `generate()` on the same checkpoint; also single-stream decode latency.
-- `pagoda bench serve`: a running OpenAI-compatible server under load (see `bench_serve`).
-- `pagoda bench grammar`: structured output's cost per engine step (see `bench_grammar`).
+- `pagoda bench serve`: a running OpenAI-compatible server under load (`pagoda.bench.serve`).
+- `pagoda bench grammar`: structured output's cost per engine step (`pagoda.bench.grammar`).
 - `pagoda bench kernels`: the Triton kernels against their peers (see `pagoda.kernels.bench`).
 
 Results print as a Markdown table; `--output FILE` appends it with the command and the device.
@@ -94,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="load a running OpenAI-compatible server (TTFT, ITL, throughput)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    from pagoda.service import bench_serve
+    from pagoda.bench import serve as bench_serve
 
     bench_serve.add_arguments(serve)
     grammar = sub.add_parser(
@@ -102,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="structured output's cost per decode step (batches with and without grammar requests)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    from pagoda.service import bench_grammar
+    from pagoda.bench import grammar as bench_grammar
 
     bench_grammar.add_arguments(grammar)
     kernels = sub.add_parser("kernels", help="Triton kernels vs references and SDPA (needs a CUDA GPU)")
@@ -469,11 +469,11 @@ def _command(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.bench == "serve":
-        from pagoda.service import bench_serve
+        from pagoda.bench import serve as bench_serve
 
         return bench_serve.run(args)
     if args.bench == "grammar":
-        from pagoda.service import bench_grammar
+        from pagoda.bench import grammar as bench_grammar
 
         return bench_grammar.run(args)
     if args.bench == "kernels":
@@ -519,7 +519,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m pagoda.service.bench ...`: the same as `pagoda bench ...` (needs no other extras)."""
+    """`python -m pagoda.bench ...`: the same as `pagoda bench ...` (needs no other extras)."""
     parser = argparse.ArgumentParser(prog="pagoda bench", description=HELP)
     add_arguments(parser)
     return run(parser.parse_args(argv))

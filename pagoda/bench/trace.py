@@ -1,6 +1,6 @@
 """Where the GPU idles in a profiler trace: the gaps between its kernels and what the host was doing.
 
-    python -m pagoda.service.bench_trace TRACE.json [--min-gap-us 5] [--top 15]
+    python -m pagoda.bench.trace TRACE.json [--min-gap-us 5] [--top 15]
 
 TRACE.json is a Chrome trace from `torch.profiler` with CPU and CUDA activities, as
 `pagoda bench offline --busy-steps N --busy-trace TRACE.json` writes it. The GPU's work (kernels,
@@ -157,7 +157,7 @@ def format_report(report: Report, top: int = 15) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m pagoda.service.bench_trace", description=(__doc__ or "").splitlines()[0]
+        prog="python -m pagoda.bench.trace", description=(__doc__ or "").splitlines()[0]
     )
     parser.add_argument(
         "trace", help="a Chrome trace (JSON) from torch.profiler with CPU and CUDA activities"

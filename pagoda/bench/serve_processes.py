@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import httpx  # noqa: F401  (imported by each client process before the barrier, not in the timed window)
 
-from pagoda.service.bench_serve import RequestResult, Summary, make_prompts, send_requests, summarize
+from pagoda.bench.serve import RequestResult, Summary, make_prompts, send_requests, summarize
 
 _READY_TIMEOUT_S = 120.0  # for N interpreters to start and import on a busy machine
 
