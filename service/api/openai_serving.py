@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -47,6 +48,38 @@ def _usage(outputs: list[RequestOutput]) -> dict[str, Any]:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+
+
+@dataclass(frozen=True)
+class StreamChunks:
+    """The SSE chunks of one streamed response, chat or text completion, built in one place: each
+    carries the response's id, object, created time and model; with `stream_options.include_usage`,
+    every choice chunk has `"usage": null` and a last chunk with no choices has the usage, as OpenAI
+    streams them."""
+
+    object: str  # "chat.completion.chunk" or "text_completion"
+    response_id: str
+    created: int
+    model: str
+    include_usage: bool
+
+    def _payload(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.response_id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def choice(self, choice: dict[str, Any]) -> bytes:
+        payload = self._payload([choice])
+        if self.include_usage:
+            payload["usage"] = None
+        return sse(payload)
+
+    def usage(self, outputs: list[RequestOutput]) -> bytes:
+        return sse({**self._payload([]), "usage": _usage(outputs)})
 
 
 def _chat_logprobs(logprobs: list[Logprob] | None) -> dict[str, Any] | None:
@@ -244,21 +277,14 @@ class OpenAIServing:
         created: int,
         model: str,
     ) -> AsyncIterator[bytes]:
-        include_usage = request.include_usage
+        chunks = StreamChunks("chat.completion.chunk", response_id, created, model, request.include_usage)
 
         def chunk(
             index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None
         ) -> bytes:
-            payload: dict[str, Any] = {
-                "id": response_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
-            }
-            if include_usage:
-                payload["usage"] = None
-            return sse(payload)
+            return chunks.choice(
+                {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            )
 
         last = first
         done: set[int] = set()
@@ -286,17 +312,8 @@ class OpenAIServing:
                             for delta in deltas:
                                 yield chunk(c.index, delta)
                         yield chunk(c.index, {}, None, _tool_finish(c.finish_reason, made_calls))
-            if include_usage:
-                yield sse(
-                    {
-                        "id": response_id,
-                        "object": "chat.completion.chunk",
-                        "created": created,
-                        "model": model,
-                        "choices": [],
-                        "usage": _usage([last]),
-                    }
-                )
+            if chunks.include_usage:
+                yield chunks.usage([last])
             yield sse("[DONE]")
         except APIError as exc:  # after the 200 went out: report in the stream, as OpenAI does
             yield sse(error_event(exc))
@@ -357,23 +374,11 @@ class OpenAIServing:
         created: int,
         model: str,
     ) -> AsyncIterator[bytes]:
-        include_usage = request.include_usage
+        chunks = StreamChunks("text_completion", response_id, created, model, request.include_usage)
         lasts = list(firsts)
         offsets = {(p, i): len(echoes[p]) for p in range(len(streams)) for i in range(n)}
         echoed: set[tuple[int, int]] = set()
         done: set[tuple[int, int]] = set()
-
-        def chunk(index: int, text: str, logprobs: Any, finish: str | None) -> bytes:
-            payload: dict[str, Any] = {
-                "id": response_id,
-                "object": "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-            }
-            if include_usage:
-                payload["usage"] = None
-            return sse(payload)
 
         try:
             async for p, out in _merge([_chain(f, s) for f, s in zip(firsts, streams, strict=True)]):
@@ -390,18 +395,17 @@ class OpenAIServing:
                         if prefix:
                             logprobs = _join_logprobs(_prompt_logprobs(out, self.client), logprobs)
                         offsets[key] += len(prefix) + len(c.text_delta)
-                        yield chunk(p * n + c.index, prefix + c.text_delta, logprobs, finish)
-            if include_usage:
-                yield sse(
-                    {
-                        "id": response_id,
-                        "object": "text_completion",
-                        "created": created,
-                        "model": model,
-                        "choices": [],
-                        "usage": _usage(lasts),
-                    }
-                )
+                        text = prefix + c.text_delta
+                        yield chunks.choice(
+                            {
+                                "index": p * n + c.index,
+                                "text": text,
+                                "logprobs": logprobs,
+                                "finish_reason": finish,
+                            }
+                        )
+            if chunks.include_usage:
+                yield chunks.usage(lasts)
             yield sse("[DONE]")
         except APIError as exc:
             yield sse(error_event(exc))
