@@ -10,12 +10,12 @@ source "$(dirname "$0")/device_env.sh"
 python3 -c "import msgspec, zmq, pagoda.service.engine.core.engine_core, pagoda.service.llm" || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 start=$SECONDS
-[ -f /tmp/llama-8b-random/config.json ] || python3 -m pagoda.service.gpu_check --tokenizer "$tok" --build-8b /tmp/llama-8b-random 2>&1 | tail -2
+[ -f /tmp/llama-8b-random/config.json ] || python3 -m pagoda.bench.gpu_check --tokenizer "$tok" --build-8b /tmp/llama-8b-random 2>&1 | tail -2
 echo "checkpoint ready after $((SECONDS - start)) s"
 python3 -m pagoda.bench offline --model /tmp/llama-8b-random --dtype bfloat16 \
     --num-prompts 256 --input-len 128 --output-len 128 --peer none --async-scheduling both --busy-steps 20 \
     --output "$out/bench.md" 2>&1 | tee "$out/bench.log" | grep -v Loading
 echo "bench done after $((SECONDS - start)) s"
-timeout "${CHECK_TIMEOUT:-150}" python3 -m pagoda.service.gpu_check --tokenizer "$tok" --only llama-gqa4-d64-llama3rope \
+timeout "${CHECK_TIMEOUT:-150}" python3 -m pagoda.bench.gpu_check --tokenizer "$tok" --only llama-gqa4-d64-llama3rope \
     2>&1 | tee "$out/engine_check.log" | grep -v Loading | tail -12
 echo "all done after $((SECONDS - start)) s"

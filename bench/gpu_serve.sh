@@ -6,7 +6,7 @@
 set -uo pipefail
 tok=${1:?tokenizer folder}; out=${2:?output folder}
 source "$(dirname "$0")/device_env.sh"
-python3 -m pagoda.service.gpu_check --tokenizer "$tok" --build-8b /tmp/llama-8b-random > /dev/null 2>&1 || exit 1
+python3 -m pagoda.bench.gpu_check --tokenizer "$tok" --build-8b /tmp/llama-8b-random > /dev/null 2>&1 || exit 1
 python3 -m pagoda.cli serve --model /tmp/llama-8b-random --served-model-name llama-8b-random --port 8000 \
     --grpc-port 8001 --max-num-seqs 128 > "$out/serve.log" 2>&1 &
 for _ in $(seq 300); do curl -sf localhost:8000/v1/health/ready > /dev/null && break; sleep 1; done

@@ -8,7 +8,7 @@ tok=${1:?tokenizer folder}; out=${2:?output folder}; concurrencies=${3:?concurre
 for tree in "$@"; do
     (
         source "$tree/bench/device_env.sh"
-        [ -d /tmp/llama-8b-random ] || python3 -m pagoda.service.gpu_check --tokenizer "$tok" \
+        [ -d /tmp/llama-8b-random ] || python3 -m pagoda.bench.gpu_check --tokenizer "$tok" \
             --build-8b /tmp/llama-8b-random > /dev/null 2>&1 || exit 1
         python3 -m pagoda.cli serve --model /tmp/llama-8b-random --served-model-name llama-8b-random \
             --port 8000 --grpc-port 8001 --max-num-seqs 256 > "$out/serve-$(basename "$tree").log" 2>&1 &

@@ -10,7 +10,7 @@ tok=${1:?tokenizer folder}; out=${2:?output folder}; duration=${3:-600}
 mkdir -p "$out"
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt"
-python3 -m pagoda.service.gpu_check --tokenizer "$tok" --build-8b /tmp/llama-8b-random > "$out/build.log" 2>&1 \
+python3 -m pagoda.bench.gpu_check --tokenizer "$tok" --build-8b /tmp/llama-8b-random > "$out/build.log" 2>&1 \
     || { echo "build failed"; tail -20 "$out/build.log"; exit 1; }
 python3 -m pagoda.cli serve --model /tmp/llama-8b-random --served-model-name llama-8b-random --port 8000 \
     --grpc-port 8001 --max-num-seqs 256 > "$out/serve.log" 2>&1 &

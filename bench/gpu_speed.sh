@@ -28,11 +28,11 @@ precision_args() {  # bench offline's arguments for a precision name
         fp8-kv8) echo --quantization fp8 --kv-cache-dtype fp8 ;; *) echo "unknown precision $1" >&2; return 1 ;;
     esac
 }
-[ -f /tmp/llama-8b-random/config.json ] || python3 -m pagoda.service.gpu_check --tokenizer "$tok" --build-8b /tmp/llama-8b-random 2>&1 | tail -1
+[ -f /tmp/llama-8b-random/config.json ] || python3 -m pagoda.bench.gpu_check --tokenizer "$tok" --build-8b /tmp/llama-8b-random 2>&1 | tail -1
 step checkpoint
 model=(--model /tmp/llama-8b-random --dtype bfloat16 --peer none)
 if has check; then
-    timeout "${CHECK_TIMEOUT:-240}" python3 -m pagoda.service.gpu_check --tokenizer "$tok" --only llama-gqa4-d64-llama3rope \
+    timeout "${CHECK_TIMEOUT:-240}" python3 -m pagoda.bench.gpu_check --tokenizer "$tok" --only llama-gqa4-d64-llama3rope \
         2>&1 | tee "$out/engine_check.log" | grep -v Loading | tail -14
     # The batched sampler against transformers' logits processors, each test on the CPU and on the GPU.
     timeout 120 python3 -m pytest -q -p no:cacheprovider "$root"/tests/test_sampler_reference.py 2>&1 | tail -2

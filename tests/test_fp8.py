@@ -1,6 +1,6 @@
 """FP8 projections (W8A8; W8A16 for few rows when asked): the layer against a float matmul, the model
 against its unquantized self, and the engine end to end with `quantization="fp8"` (the CPU runs the
-float32 emulation that the GPU's kernels are checked against in `pagoda.service.gpu_check`)."""
+float32 emulation that the GPU's kernels are checked against in `pagoda.bench.gpu_check`)."""
 
 from __future__ import annotations
 

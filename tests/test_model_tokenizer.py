@@ -192,7 +192,7 @@ def test_widened_vocab_gives_every_id_text_and_encodes_as_before(tokenizer_files
     text, so a random model's stream carries text on (nearly) every token; encoding is SmolLM2's."""
     import random
 
-    from pagoda.service.gpu_check import widen_vocab
+    from pagoda.bench.gpu_check import widen_vocab
 
     original = json.loads((tokenizer_files / "tokenizer.json").read_text())
     folder = tokenizer_files.parent / "widened"

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from pagoda.service.gpu_check import release_llm
+from pagoda.bench.gpu_check import release_llm
 from pagoda.service.llm import LLM
 from pagoda.service.model.fp8 import TARGETS, Fp8Linear, fuse_input_quantization
 from pagoda.service.sampling_params import SamplingParams

@@ -1,6 +1,6 @@
 """The engine on a CUDA GPU against Hugging Face transformers, on random-weight checkpoints built here.
 
-Run on a GPU machine (no network needed): `python -m pagoda.service.gpu_check --tokenizer DIR`, where
+Run on a GPU machine (no network needed): `python -m pagoda.bench.gpu_check --tokenizer DIR`, where
 DIR holds a `tokenizer.json` + `tokenizer_config.json` (any byte-level BPE works: the checks feed
 token ids). The checks, each printed as a row of a pass/fail table:
 
