@@ -52,6 +52,7 @@ test-fast: setup
 # TARGETS="block_manager http_guards" picks some; the kill rates go to docs/testing.md by hand.
 mutation: setup
 	$(VENV)/bin/python tests/mutation/run.py $(TARGETS)
+	$(VENV)/bin/python tests/mutation/chart.py
 
 # k8s-bin first: the chart tests of the fast tier run the cluster's helm.
 test: lint k8s-bin test-fast e2e

@@ -317,3 +317,46 @@ def test_operator_metrics_port_is_served_named_and_annotated() -> None:
             text=True,
         )
         assert out.returncode != 0 and "metricsPort" in out.stderr, (bad, out.stderr)
+
+
+@needs_helm
+def test_operator_pod_is_locked_down() -> None:
+    """The operator's pod: not root (the image's own user), no privilege escalation, no capabilities, the
+    runtime's seccomp profile, a read-only root with a writable /tmp; one replica, replaced rather than
+    rolled (kopf runs standalone: two would reconcile the same objects); bound to the ClusterRole
+    through its own ServiceAccount."""
+    docs = render()
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    dockerfile = (ROOT / "docker" / "operator.Dockerfile").read_text()
+    uid, gid = re.findall(r"^USER (\d+):(\d+)$", dockerfile, re.M)[-1]
+    assert pod["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": int(uid),
+        "runAsGroup": int(gid),
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    (container,) = pod["containers"]
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[mounts["/tmp"]] == {"name": mounts["/tmp"], "emptyDir": {}}
+    assert "privileged" not in container["securityContext"] and "hostNetwork" not in pod
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
+
+    (account,) = [d for d in docs if d["kind"] == "ServiceAccount"]
+    (binding,) = [d for d in docs if d["kind"] == "ClusterRoleBinding"]
+    (role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    assert pod["serviceAccountName"] == account["metadata"]["name"]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": role["metadata"]["name"],
+    }
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": "pagoda-system"}
+    ]
