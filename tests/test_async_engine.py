@@ -13,6 +13,7 @@ from pagoda.service.engine.client.async_engine import AsyncEngine, EngineDeadErr
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.errors import InvalidRequestError
 from pagoda.service.sampling_params import SamplingParams
+from pagoda.service.tokenizer import RELEASE_GIL_CHARS
 
 
 @pytest.mark.parametrize("is_async", [False, True], ids=["in-turn", "async"])
@@ -66,6 +67,20 @@ def test_concurrent_streams_cancel_and_errors(llama_ckpt: Path, is_async: bool) 
             with pytest.raises(InvalidRequestError):
                 async for _ in engine.generate([1, 2], SamplingParams(temperature=-1)):
                     pass
+
+            # One registry of live requests: an id is taken from the moment `generate` starts, while a
+            # long prompt is still tokenized off the event loop, and freed however the request ends.
+            first = engine.generate("word " * (RELEASE_GIL_CHARS // 5 + 1), params, request_id="same")
+            tokenizing = asyncio.ensure_future(first.__anext__())
+            await asyncio.sleep(0)  # the first runs up to its tokenizing thread
+            assert engine.has_request("same") and engine.num_requests == 1
+            with pytest.raises(InvalidRequestError, match="already in use"):
+                await engine.generate([1, 2], params, request_id="same").__anext__()
+            with pytest.raises(InvalidRequestError, match="context"):  # longer than the tiny model's
+                await tokenizing
+            assert not engine.has_request("same") and engine.request_ids == []
+            outputs = [out async for out in engine.generate([1, 2], params, request_id="same")]
+            assert outputs[-1].finished and engine.num_requests == 0
             assert engine.is_healthy
         finally:
             await engine.shutdown()

@@ -104,7 +104,6 @@ class EngineClient:
         self._engine: AsyncEngine | None = None
         self._state = ServingState.LOADING
         self.state_changed = asyncio.Event()  # set on every explicit transition (health mirrors wait on it)
-        self._in_flight: set[str] = set()
         self._admitted = 0  # admitted, not yet in flight (see `admit`)
         self._idle = asyncio.Event()
         self._idle.set()
@@ -156,7 +155,8 @@ class EngineClient:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._in_flight)
+        """Requests from `generate` until their stream closes: the engine's registry, the only one."""
+        return self._engine.num_requests if self._engine is not None else 0
 
     def fail(self, message: str) -> None:
         """Unhealthy for good (another process of the server died): open streams end, health fails."""
@@ -186,8 +186,8 @@ class EngineClient:
         reason = (
             "second signal" if force is not None and force.is_set() else f"drain timeout ({timeout_s:.1f} s)"
         )
-        logger.warning("%s: aborting %d requests", reason, len(self._in_flight))
-        for request_id in list(self._in_flight):
+        logger.warning("%s: aborting %d requests", reason, self.num_in_flight)
+        for request_id in self._engine.request_ids if self._engine is not None else []:
             self.abort(request_id)
         return False
 
@@ -339,7 +339,7 @@ class EngineClient:
                 )
             stats = self.engine.stats()
             # Requests handed to the engine but not yet in its queue count as waiting too.
-            num_waiting = max(stats.num_waiting, len(self._in_flight) + self._admitted - stats.num_running)
+            num_waiting = max(stats.num_waiting, self.num_in_flight + self._admitted - stats.num_running)
             if num_waiting + num_requests > self.max_waiting_requests:
                 self.metrics.count_error("queue_full")
                 raise APIError(
@@ -364,16 +364,15 @@ class EngineClient:
         own = admission is None
         admission = self.admit() if admission is None else admission
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self._in_flight:  # refused before anything could touch the live one
+        engine = self.engine
+        if engine.has_request(request_id):  # refused before anything could touch the live one
             if own:
                 admission.release()
             self.metrics.count_error("invalid_request")
             message = f"request id {quoted(request_id)} is already in use"
             raise APIError("invalid_request", message, "request_id")
-        engine = self.engine
         tracker = RequestTracker(self.metrics)
-        admission.take()  # from admitted to in flight, in the same turn of the loop
-        self._in_flight.add(request_id)
+        admission.take()  # from admitted to in flight (the engine registers it, in the same loop turn)
         self._idle.clear()
         finished = failed = False
         stream = engine.generate(prompt, params, request_id)
@@ -409,8 +408,7 @@ class EngineClient:
                 if not failed:  # closed early: the client went away or the drain timed out
                     tracker.close()
             await stream.aclose()
-            self._in_flight.discard(request_id)
-            if not self._in_flight:
+            if engine.num_requests == 0:
                 self._idle.set()
 
     def abort(self, request_id: str) -> None:

@@ -247,25 +247,27 @@ class AsyncEngine:
         if self._input_processor is None or self._output_processor is None:
             raise EngineDeadError("the engine has not started")
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._output_processor.requests:
+        if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
-        if params.grammar is not None or (isinstance(prompt, str) and len(prompt) > RELEASE_GIL_CHARS):
-            # Off the event loop (the tokenizer releases the GIL for such texts, llguidance while it
-            # validates a grammar): health probes and other requests are answered meanwhile.
-            token_ids = await asyncio.to_thread(self._input_processor.process, prompt, params)
-        else:
-            token_ids = self._input_processor.process(prompt, params)
-        now = time.monotonic()
-        self._output_processor.add_request(
-            request_id, prompt if isinstance(prompt, str) else None, token_ids, params, now
-        )
         stream = OutputStream()
         if not self._streams:
-            self._heard_at = now  # idle until now: silence before this request is no stall
+            self._heard_at = time.monotonic()  # idle until now: silence before this request is no stall
+        # The API process's one registry of live requests, from here until the stream is closed: an id
+        # is reserved before anything awaits, so a second request of the same id is refused meanwhile.
         self._streams[request_id] = stream
-        self._send(AddRequest(self._id_prefix + request_id, token_ids, params, now))
         finished = False
         try:
+            if params.grammar is not None or (isinstance(prompt, str) and len(prompt) > RELEASE_GIL_CHARS):
+                # Off the event loop (the tokenizer releases the GIL for such texts, llguidance while it
+                # validates a grammar): health probes and other requests are answered meanwhile.
+                token_ids = await asyncio.to_thread(self._input_processor.process, prompt, params)
+            else:
+                token_ids = self._input_processor.process(prompt, params)
+            now = time.monotonic()
+            self._output_processor.add_request(
+                request_id, prompt if isinstance(prompt, str) else None, token_ids, params, now
+            )
+            self._send(AddRequest(self._id_prefix + request_id, token_ids, params, now))
             while True:
                 item = await stream.get()
                 if self.observe_delay is not None:
@@ -280,6 +282,18 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests of this process from `generate` until their stream closes."""
+        return len(self._streams)
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self._streams)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._streams
 
     def abort(self, request_id: str) -> None:
         """Stop a request now; its stream, if still open, gets a final output. Idempotent."""
