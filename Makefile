@@ -10,7 +10,7 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 # standard library's `operator` (Python >= 3.11).
 export PYTHONSAFEPATH := 1
 
-.PHONY: setup demo test test-fast lint e2e mutation cluster cluster-down demo-cluster gpu-check bench-kernels clean
+.PHONY: setup demo test test-fast lint e2e mutation cluster cluster-down demo-cluster clean
 
 $(UV):
 	$(PY) -m venv $(VENV)
