@@ -20,10 +20,8 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -32,6 +30,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from pagoda.service.engine.client.core_supervisor import CoreSupervisor
 from pagoda.service.engine.client.input_processor import InputProcessor
 from pagoda.service.engine.client.output_processor import OutputProcessor
 from pagoda.service.engine.client.output_stream import OutputStream
@@ -100,8 +99,7 @@ class AsyncEngine:
         self._heard_at = time.monotonic()  # the core's last message, or when work began after none
         self._error: str | None = None
         self._ids = itertools.count()
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._exited = asyncio.Event()
+        self._core = CoreSupervisor()  # API process 0's child; never started in the others
         self._owns_socket_dir = link is None
         self.link = link or CoreLink(tempfile.mkdtemp(prefix="pagoda-engine-"))
         self._id_prefix = "" if self.link.num_api_servers == 1 else core_request_id(self.link.api_index, "")
@@ -123,11 +121,11 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self._pump is not None and self._error is None and not self._exited.is_set()
+        return self._pump is not None and self._error is None and not self._core.exited.is_set()
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        return self._core.pid
 
     @property
     def vocab_size(self) -> int:
@@ -163,13 +161,13 @@ class AsyncEngine:
         # kills this one.
         decode = output_decoder().decode
         receive = asyncio.ensure_future(self._outputs.recv())
-        exited = asyncio.ensure_future(self._exited.wait())
+        exited = asyncio.ensure_future(self._core.exited.wait())
         await asyncio.wait({receive, exited}, return_when=asyncio.FIRST_COMPLETED)
         exited.cancel()
         if not receive.done():
             receive.cancel()
-            assert self._proc is not None
-            raise EngineDeadError(f"the engine core exited with code {self._proc.returncode} while starting")
+            code = self._core.returncode
+            raise EngineDeadError(f"the engine core exited with code {code} while starting")
         message: CoreMessage = decode(receive.result())
         if isinstance(message, CoreFailed):
             raise EngineDeadError(f"the engine core failed to start: {message.message}")
@@ -199,35 +197,23 @@ class AsyncEngine:
             "--log-level",
             self.log_level,
         ]
-        env = {**os.environ, "PYTHONSAFEPATH": "1"}  # the repo's operator/ must not shadow the stdlib
-        self._proc = subprocess.Popen(command, env=env)
-        loop = asyncio.get_running_loop()
-        proc = self._proc
-        threading.Thread(
-            target=lambda: (proc.wait(), loop.call_soon_threadsafe(self._on_exit)),
-            name="pagoda-core-watch",
-            daemon=True,
-        ).start()
+        self._core.start(command, self._on_exit)
 
     async def shutdown(self) -> None:
         """Stop the core (it stops its workers) and wait for it; kill it past the timeout. An attached
         process only closes its sockets: the core is API process 0's to stop, after every process drained."""
         self._stopping = True
-        if self._proc is not None and self._proc.poll() is None and self._pump is None:
-            self._proc.kill()  # still loading: nothing to drain
-            await asyncio.to_thread(self._proc.wait)
-        if self._proc is not None and self._proc.poll() is None:
+        if self._core.running and self._pump is None:
+            await self._core.kill()  # still loading: nothing to drain
+        if self._core.running:
             # Past `_send`'s check: failed by another API process's death, this one's core still runs.
             # Never a blocking send: a core that closed its sockets on its way out leaves the PUSH socket
             # without a peer, where a blocking send waits for ever (it hung `pagoda serve` after a
             # tensor-parallel worker died). Either way the wait below sees the exit.
             self._send_now(Shutdown())
-            try:
-                await asyncio.wait_for(self._exited.wait(), _SHUTDOWN_TIMEOUT_S)
-            except TimeoutError:
+            if not await self._core.wait(_SHUTDOWN_TIMEOUT_S):
                 logger.warning("the engine core did not stop in %.0f s: killing it", _SHUTDOWN_TIMEOUT_S)
-                self._proc.kill()
-                await asyncio.to_thread(self._proc.wait)
+                await self._core.kill()
         if self._pump is not None:
             self._pump.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -350,10 +336,8 @@ class AsyncEngine:
                 self.observe_delay("api_process", time.monotonic() - received)
 
     def _on_exit(self) -> None:
-        self._exited.set()
-        assert self._proc is not None
         if self._error is None and self._pump is not None and not self._stopping:
-            self.fail(f"the engine core exited with code {self._proc.returncode}")
+            self.fail(f"the engine core exited with code {self._core.returncode}")
 
     def fail(self, message: str) -> None:
         """Every open stream ends with `EngineDeadError`; new requests are refused."""
