@@ -15,6 +15,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +89,8 @@ def _helm() -> str:
     cached = glob.glob(os.path.expanduser("~/.cache/pagoda/k8s/*/bin/helm"))
     found = os.environ.get("PAGODA_K8S_BIN", "") and os.path.join(os.environ["PAGODA_K8S_BIN"], "helm")
     helm = found or (cached[0] if cached else shutil.which("helm"))
-    assert helm, "no helm binary: `make k8s-bin` builds it"
+    if not helm:  # as tests/test_chart.py: listed loudly at the end outside CI, a failure under CI
+        pytest.skip("no helm binary (run e2e/tools/build.sh)")
     return helm
 
 
