@@ -17,7 +17,7 @@
 set -uo pipefail
 tok=${1:?tokenizer folder}; out=${2:?output folder}; sections=${3:-kernels bs1 offline serve}
 source "$(dirname "$0")/device_env.sh"
-python3 -c "import msgspec, zmq, fastapi, uvicorn, httpx, pagoda.service.server, pagoda.service.llm, pagoda.kernels.bench_fp8" || exit 1
+python3 -c "import msgspec, zmq, fastapi, uvicorn, httpx, pagoda.service.server, pagoda.service.llm, pagoda.bench.kernels_fp8" || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 start=$SECONDS
 step() { echo "== $1 after $((SECONDS - start)) s"; }
@@ -43,20 +43,20 @@ if has kchecks; then  # the Triton kernels against their references, on the GPU 
     step "kernel checks"
 fi
 if has kernels; then
-    timeout 200 python3 -m pagoda.kernels.bench_fp8 --sweep --markdown "$out/fp8_kernels.md" 2>&1 | tail -40
+    timeout 200 python3 -m pagoda.bench.kernels_fp8 --sweep --markdown "$out/fp8_kernels.md" 2>&1 | tail -40
     step "fp8 kernels"
 fi
 if has kernels || has attention; then
-    timeout 120 python3 -m pagoda.kernels.bench ${SPLITS_ARGS:---quick --sweep splits} --markdown "$out/attention.md" 2>&1 | tail -40
+    timeout 120 python3 -m pagoda.bench.kernels ${SPLITS_ARGS:---quick --sweep splits} --markdown "$out/attention.md" 2>&1 | tail -40
     step "attention kernels"
 fi
 if has sweeps; then  # SiLU-quant layouts, decode splits, fp8-cache layouts, cuBLASLt's fp8 kernels by workspace
-    timeout 150 python3 -m pagoda.kernels.bench_fp8 --activation --markdown "$out/activation.md" 2>&1 | tail -12
+    timeout 150 python3 -m pagoda.bench.kernels_fp8 --activation --markdown "$out/activation.md" 2>&1 | tail -12
     for ws in default 0; do
         ( [ $ws = default ] || export CUBLASLT_WORKSPACE_SIZE=$ws
-          timeout 90 python3 -m pagoda.kernels.bench_fp8 --gemm-kernels --markdown "$out/gemm_kernels_$ws.md" 2>&1 | tail -14 )
+          timeout 90 python3 -m pagoda.bench.kernels_fp8 --gemm-kernels --markdown "$out/gemm_kernels_$ws.md" 2>&1 | tail -14 )
     done
-    timeout 330 python3 -m pagoda.kernels.bench --sweep splits --sweep fp8 --sweep-only \
+    timeout 330 python3 -m pagoda.bench.kernels --sweep splits --sweep fp8 --sweep-only \
         --markdown "$out/attention_sweeps.md" 2>&1 | grep "^  "
     step "sweeps"
 fi

@@ -159,13 +159,13 @@ _ONE_PASS_MAX = 16384
 # the second reading x again, from L2) instead of one program per row. On an H200 at 14336 columns, us a
 # call per row against tiled: 3.4 / 3.0 at 1 row, 4.0 / 4.1 at 16 (a tie), 4.3 / 5.7 at 64 (before quantizing
 # multiplied by the reciprocal scale, per row took 7.5 at 1 row and 8.3 at 64;
-# `python -m pagoda.kernels.bench_fp8 --activation`, BENCHMARKS.md, 2026-12-02).
+# `python -m pagoda.bench.kernels_fp8 --activation`, BENCHMARKS.md, 2026-12-02).
 TILED_MAX_ROWS = 16
 # With `scales` (the unit-scale path, which runs up to fp8.UNIT_SCALE_MAX_M rows) a row's program also
 # applies both column scales. Since quantizing multiplies by the row's reciprocal scale, one program per
 # row is the faster at 64 rows and more, tiles at 16 and fewer; 32, untimed, splits the difference. On an
 # H200 at 14336 columns, us a call per row against tiled: 6.4 against 4.7 at 16 rows, 6.5 / 6.7 at 64,
-# 7.0 / 9.2 at 128, 12.0 / 14.1 at 256 (`python -m pagoda.kernels.bench_fp8 --activation`, BENCHMARKS.md,
+# 7.0 / 9.2 at 128, 12.0 / 14.1 at 256 (`python -m pagoda.bench.kernels_fp8 --activation`, BENCHMARKS.md,
 # 2026-12-02).
 SCALED_TILED_MAX_ROWS = 32
 _TILE = 1024

@@ -124,7 +124,7 @@ def _widen_fp8(tile, DOT_DTYPE: tl.constexpr, ASM: tl.constexpr):
     memory (`ldmatrix.trans` for V). A cast, and a pure asm alike, are moved past that trip, and the V
     operand (contiguous along the dot's N, not its K) is then read back from shared memory a byte at a
     time (`ld.shared.b8`, seen in the sm_90 PTX): V widened that way ran at 0.4-0.6 of copy bandwidth
-    where K reached 0.8-1.0 (H200, `python -m pagoda.kernels.bench --sweep fp8`). The interpreter
+    where K reached 0.8-1.0 (H200, `python -m pagoda.bench.kernels --sweep fp8`). The interpreter
     cannot run PTX (`_COMPILED`).
     """
     if ASM:
@@ -477,7 +477,7 @@ class DecodeConfig:
     fp8_dot: Literal["float16", "q"] = "float16"
     # How float16 dots widen fp8 tiles: "v" widens V by inline PTX (`_widen_fp8`) and casts K; "cast"
     # casts both, as "v" does in the interpreter and below compute capability 8.9. H200, us a layer at
-    # 256x256 | 64x1k | 640x1.5k | 8x8k (`python -m pagoda.kernels.bench --sweep fp8 --sweep-only`,
+    # 256x256 | 64x1k | 640x1.5k | 8x8k (`python -m pagoda.bench.kernels --sweep fp8 --sweep-only`,
     # BENCHMARKS.md 2026-12-02): "v" tile 64 52.8 | 51.6 | 659 | 55.8; "cast" tile 128 70.3 | 65.4 |
     # 845 | 65.2. Dropped as slower: K by PTX too, tile 64 71.6 | 68.8 | 912 | 74.0; V loaded as 16-bit
     # words, tile 64 59.3 | 59.6 | 716 | 60.4. PAGODA_FP8_WIDEN (cast|v) sets the default. A token-major

@@ -33,7 +33,7 @@ import triton.language as tl
 
 @dataclass(frozen=True)
 class Fp8GemmConfig:
-    # Untuned defaults; `python -m pagoda.kernels.bench_fp8 --sweep` times the alternatives.
+    # Untuned defaults; `python -m pagoda.bench.kernels_fp8 --sweep` times the alternatives.
     block_m: int = 16
     block_n: int = 16
     block_k: int = 256

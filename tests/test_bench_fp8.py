@@ -1,4 +1,4 @@
-"""`python -m pagoda.kernels.bench_fp8` imports, parses its arguments and refuses a machine without a GPU;
+"""`python -m pagoda.bench.kernels_fp8` imports, parses its arguments and refuses a machine without a GPU;
 its tables run on the GPU machine only (the Triton kernels it times are checked in tests/kernels/)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.kernels import bench_fp8
+from pagoda.bench import kernels_fp8 as bench_fp8
 
 
 def test_help_and_arguments(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,4 @@
-"""`python -m pagoda.kernels.bench` parses its arguments and refuses a machine without a GPU; its
+"""`python -m pagoda.bench.kernels` parses its arguments and refuses a machine without a GPU; its
 tables and sweeps run on the GPU machine only (the kernels they time are checked in tests/kernels/)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagoda.kernels import bench
+from pagoda.bench import kernels as bench
 
 
 def test_help_lists_the_sweeps(capsys: pytest.CaptureFixture[str]) -> None:

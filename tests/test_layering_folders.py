@@ -54,7 +54,7 @@ RULES: list[tuple[tuple[str, ...], tuple[str, ...]]] = [
     (("pagoda.service.errors",), ("pagoda.service", "pagoda.kernels", "pagoda.operator")),
     (("pagoda.operator.*",), ("pagoda.service", "pagoda.kernels", "torch")),
     # The measuring tools sit outside the product: nothing the product runs reaches them.
-    (("pagoda.service.*", "pagoda.operator.*", "pagoda.kernels.*"), ("pagoda.bench",)),
+    (("pagoda.service.*", "pagoda.operator.*", "pagoda.kernels.*"), ("pagoda.bench", "pagoda.devtools")),
     (("pagoda.kernels.*",), ("pagoda.service", "pagoda.operator")),
 ]  # fmt: skip
 

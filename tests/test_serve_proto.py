@@ -9,7 +9,7 @@ from pathlib import Path
 
 from google.protobuf import descriptor_pb2
 
-from pagoda.service.api import protogen
+from pagoda.devtools import protogen
 from pagoda.service.grpc_gen import inference_pb2, inference_pb2_grpc
 
 PROTO = protogen.PROTO_ROOT / "pagoda" / "v1" / "inference.proto"
@@ -37,7 +37,7 @@ def test_committed_stubs_match_the_proto(tmp_path: Path) -> None:
         for field in message.field:
             field.ClearField("json_name")
     committed = descriptor_pb2.FileDescriptorProto.FromString(inference_pb2.DESCRIPTOR.serialized_pb)
-    assert fresh == committed, "service/grpc_gen drifted from proto/: python -m pagoda.service.api.protogen"
+    assert fresh == committed, "service/grpc_gen drifted from proto/: python -m pagoda.devtools.protogen"
 
     generated = protogen.generate(tmp_path / "gen")
     fresh_grpc = next(p for p in generated if p.name == "inference_pb2_grpc.py").read_text()

@@ -4,7 +4,7 @@
   Face `transformers` `generate()` on the same checkpoint; also single-stream decode latency.
 - `pagoda bench serve`: a running OpenAI-compatible server under load (`pagoda.bench.serve`).
 - `pagoda bench grammar`: structured output's cost per engine step (`pagoda.bench.grammar`).
-- `pagoda bench kernels`: the Triton kernels against their peers (see `pagoda.kernels.bench`).
+- `pagoda bench kernels`: the Triton kernels against their peers (see `pagoda.bench.kernels`).
 
 Results print as a Markdown table; `--output FILE` appends it with the command and the device.
 """
@@ -106,7 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     bench_grammar.add_arguments(grammar)
     kernels = sub.add_parser("kernels", help="Triton kernels vs references and SDPA (needs a CUDA GPU)")
-    kernels.add_argument("args", nargs=argparse.REMAINDER, help="passed to pagoda.kernels.bench")
+    kernels.add_argument("args", nargs=argparse.REMAINDER, help="passed to pagoda.bench.kernels")
 
 
 def _at_least_one(text: str) -> int:
@@ -477,7 +477,7 @@ def run(args: argparse.Namespace) -> int:
 
         return bench_grammar.run(args)
     if args.bench == "kernels":
-        from pagoda.kernels.bench import main as kernels_main
+        from pagoda.bench.kernels import main as kernels_main
 
         return kernels_main(args.args)
     results, runner = bench_engine(args)

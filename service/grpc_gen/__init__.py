@@ -1,1 +1,1 @@
-"""Generated from proto/ by `python -m pagoda.service.api.protogen`; do not edit."""
+"""Generated from proto/ by `python -m pagoda.devtools.protogen`; do not edit."""

@@ -10,7 +10,7 @@ activations per token (`kernels/quant.py`, one launch) and multiplies on the ten
   the decoder layers the op after each projection applies them instead, in its own launch
   (`product_with_scales`, `fuse_input_quantization`): no scaling launch of its own is left. With
   row-wise scales `_scaled_mm` takes a CUTLASS kernel that reads fp8 weights at 1-2.5 TB/s at small
-  M: slower than bf16 (measured on an H200, `python -m pagoda.kernels.bench_fp8`: per decode step of
+  M: slower than bf16 (measured on an H200, `python -m pagoda.bench.kernels_fp8`: per decode step of
   an 8B model at M=1, bf16 3.75 ms, row-wise 4.43 ms, unit scales 2.19 ms plus the scaling).
 - Above it, `_scaled_mm` with the row-wise scales, which is the faster of the two at large M.
 
@@ -44,7 +44,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 # Rows up to which a call takes the skinny W8A16 kernel (0: never; see the module docstring).
 SKINNY_MAX_M = 0
 # Rows up to which `_scaled_mm` runs with unit scales and the next op applies them. On an H200
-# (kernels/bench_fp8.py, 8B projections, per step) unit scales take 2.1-2.5 ms up to M=128 against
+# (pagoda/bench/kernels_fp8.py, 8B projections, per step) unit scales take 2.1-2.5 ms up to M=128 against
 # row-wise 3.9-4.4 ms, and at M=256 3.5 ms against 4.7 (row-wise including its input quantization). In
 # the engine at batch 256 the unit-scale path, its scales applied by the SiLU, the norms and the rotary,
 # ran the decode step in 7.49 ms against row-wise 7.76 (offline 256 x 128/128, 22.6k against 21.7k
@@ -185,7 +185,7 @@ def run_cublaslt_without_workspace() -> None:
     With a workspace, cuBLASLt runs gate_up_proj at 256 rows as a dynamically scheduled persistent
     kernel that zeroes a tile counter with a memset node first (5.5 us of idle a layer) and splits
     down_proj's K at one row; without one it takes a static kernel and no split, faster in both places
-    (H200, `python -m pagoda.kernels.bench_fp8 --gemm-kernels`: gate_up at 256 rows 53.0 -> 51.5 us,
+    (H200, `python -m pagoda.bench.kernels_fp8 --gemm-kernels`: gate_up at 256 rows 53.0 -> 51.5 us,
     down at 1 row 20.3 -> 18.3 us). In the engine (8B-shaped): batch-1 decode 3.48 -> 3.35 ms a
     step; with an fp8 KV cache, offline 256 x 128/128 23,208 -> 23,505 tok/s (decode idle 0.53 -> 0.44
     ms a step). bf16 engines gained nothing from it (BENCHMARKS.md), so only fp8 ones set it.

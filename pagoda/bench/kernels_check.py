@@ -1,6 +1,6 @@
 """Every Triton kernel against its reference on the GPU, over many shapes, on fresh random inputs.
 
-    python -m pagoda.kernels.gpu_check [--quick] [--seed N]
+    python -m pagoda.bench.kernels_check [--quick] [--seed N]
 
 The reference runs in float64 on the same (rounded) inputs; outputs are poisoned with NaN first, so
 an element the kernel never writes fails. A case passes when nothing is NaN and both
@@ -187,11 +187,11 @@ def check_rms_norm(device: str, dtypes: list[torch.dtype], quick: bool) -> Itera
                 res_out = torch.full_like(x, float("nan")) if with_residual else None
                 rms_norm(x, weight, 1e-5, residual, out=out, residual_out=res_out)
                 # The float64 reference on the rounded sum: the sum itself is checked bit-exactly.
-                x_sum = x + residual if with_residual else x
+                x_sum = x + residual if residual is not None else x
                 expected, _ = reference.rms_norm(x_sum.double(), weight.double(), 1e-5)
                 case = f"{n}x{hidden}" + (" +residual" if with_residual else "")
                 result = compare("rms_norm", dtype, case, out, expected)
-                if with_residual and not torch.equal(res_out, x_sum):
+                if res_out is not None and not torch.equal(res_out, x_sum):
                     result.ok, result.note = False, "residual sum differs"
                 yield result
 

@@ -1,6 +1,6 @@
 """fp8 projection benchmark at Llama-3-8B shapes: every way to run `Fp8Linear` against bf16, per row count.
 
-    python -m pagoda.kernels.bench_fp8 [--quick] [--sweep] [--activation] [--gemm-kernels] [--markdown PATH]
+    python -m pagoda.bench.kernels_fp8 [--quick] [--sweep] [--activation] [--gemm-kernels] [--markdown PATH]
 
 For M in 1..256 rows and the four projections of a decoder layer (qkv 4096->6144, o 4096->4096,
 gate_up 4096->28672, down 14336->4096) it times, in microseconds of CUDA-graph replay (the engine's
@@ -381,7 +381,7 @@ def run(args: argparse.Namespace) -> int:
     import triton
 
     if not torch.cuda.is_available():
-        print("pagoda.kernels.bench_fp8: needs a CUDA GPU", file=sys.stderr)
+        print("pagoda.bench.kernels_fp8: needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.manual_seed(0)
     header = (
@@ -416,7 +416,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pagoda.kernels.bench_fp8", description=HELP)
+    parser = argparse.ArgumentParser(prog="python -m pagoda.bench.kernels_fp8", description=HELP)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -1,6 +1,6 @@
 """Kernel benchmark: time, bytes moved and bandwidth against a device-to-device copy measured in the run.
 
-    python -m pagoda.kernels.bench [--quick] [--sweep] [--markdown PATH] [--json PATH]
+    python -m pagoda.bench.kernels [--quick] [--sweep] [--markdown PATH] [--json PATH]
 
 Every time is the median of CUDA-graph replays (`triton.testing.do_bench_cudagraph`: no host launch
 overhead, as the engine's decode steps run), in microseconds. "bytes" is the least traffic the

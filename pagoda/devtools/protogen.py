@@ -1,7 +1,7 @@
 """Generates the gRPC stubs in service/grpc_gen/ from proto/ with grpcio-tools.
 
-    python -m pagoda.service.api.protogen            # rewrite service/grpc_gen/
-    python -m pagoda.service.api.protogen --check    # exit 1 when the committed stubs drifted
+    python -m pagoda.devtools.protogen            # rewrite service/grpc_gen/
+    python -m pagoda.devtools.protogen --check    # exit 1 when the committed stubs drifted
 
 The stubs are committed so that the serving image needs no grpcio-tools; tests/test_serve_proto.py
 regenerates them into a temporary folder and compares.
@@ -24,7 +24,7 @@ GEN_DIR = REPO_ROOT / "service" / "grpc_gen"
 IMPORT_FIXES = {
     "from pagoda.v1 import inference_pb2": "from pagoda.service.grpc_gen import inference_pb2",
 }
-INIT_TEXT = '"""Generated from proto/ by `python -m pagoda.service.api.protogen`; do not edit."""\n'
+INIT_TEXT = '"""Generated from proto/ by `python -m pagoda.devtools.protogen`; do not edit."""\n'
 
 
 def generate(out_dir: Path) -> list[Path]:
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         generate(Path(tmp))
         drifted = diff(Path(tmp), GEN_DIR)
     if drifted:
-        print(f"stubs drifted from proto/: {', '.join(drifted)}; run python -m pagoda.service.api.protogen")
+        print(f"stubs drifted from proto/: {', '.join(drifted)}; run python -m pagoda.devtools.protogen")
         return 1
     return 0
 

@@ -1,0 +1,1 @@
+"""Developer tools outside the product: code generation (`python -m pagoda.devtools.protogen`)."""
