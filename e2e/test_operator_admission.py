@@ -33,6 +33,12 @@ REFUSED = [
     ),
     ({"engine": {"extraArgs": ["--api-key=secret"]}}, "cannot carry --api-key"),
     ({"engine": {"extraArgs": ["--api", "secret"]}}, "cannot carry --api-key"),
+    (
+        {"engine": {"extraArgs": ["--tensor-parallel-size 2"]}},
+        "holds a flag and its value separated by a space",
+    ),
+    ({"env": [{"name": "PAGODA_MAX_MODEL_LEN", "value": "9"}]}, "spec.env cannot set the PAGODA_ variable"),
+    ({"env": [{"name": "PAGODA_API_KEY", "value": "k"}]}, "nor PAGODA_API_KEY (use apiKeySecret)"),
     ({"apiKeySecret": {"key": "k"}}, "spec.apiKeySecret.name: Required value"),
 ]
 

@@ -179,7 +179,8 @@ def test_embedded_model_serves_from_a_real_pod(cluster, real_node, real_images, 
 
 def test_refused_args_end_in_crash_loop(cluster, real_node, real_images, operator, namespace) -> None:
     """The case kwok hid: the server refuses its args (no GPU for --device cuda) and exits; the kubelet
-    restarts it into CrashLoopBackOff, and the InferenceService's status says so."""
+    restarts it into CrashLoopBackOff, and the InferenceService's status says so, with the exit code and
+    the server's own last words (terminationMessagePolicy FallbackToLogsOnError: not just "Error")."""
     isvc = inference_service("refused", real_images["server"], extra_args=["--device", "cuda"])
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(isvc))
     context = describe(cluster, namespace, operator)
@@ -208,6 +209,8 @@ def test_refused_args_end_in_crash_loop(cluster, real_node, real_images, operato
         "status saying the pod crashed", says_crashed, timeout=60, context=lambda: context("refused")
     )
     assert got["Ready"]["status"] == "False"
+    message = got["Ready"]["message"]
+    assert "exit code 2" in message and "--device cuda: no NVIDIA GPU found" in message, message
 
 
 def ready_service(cluster, namespace: str, name: str, operator: Any, timeout: float = 300) -> dict:

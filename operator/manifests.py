@@ -249,6 +249,9 @@ def deployment(spec: ServiceSpec, decision: Decision, config: OperatorConfig) ->
         "readinessProbe": _probe("/v1/health/ready", 5, 3),
         "livenessProbe": _probe("/v1/health/live", 10, 6),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
+        # A server that exits at start (no such checkpoint, a refused flag) says why in its last log
+        # lines; the kubelet keeps them as the termination message, which status quotes (pods.py).
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": _container_security(),
     }
     if spec.image_pull_policy:

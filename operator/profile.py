@@ -171,10 +171,18 @@ def _gib(num_bytes: float) -> str:
     return f"{num_bytes / GIB:.1f} GiB"
 
 
-def _evaluate(request: ProfileRequest, group: GpuGroup, pref: GpuPreference | None) -> Decision:
-    """Does the model run on this group, and how; a Decision with is_selected False says why not."""
+def _evaluate(
+    request: ProfileRequest, group: GpuGroup, pref: GpuPreference | None, is_auto: bool | None = None
+) -> Decision:
+    """Does the model run on this group, and how; a Decision with is_selected False says why not.
+
+    is_auto: whether the spec left the precision to the operator (None: unless the preference or the
+    request names one); a kept profile passes its precision as a preference but was chosen as before.
+    """
     model = request.model
     wanted = (pref.precision if pref and pref.precision else None) or request.precision
+    if is_auto is None:
+        is_auto = wanted == "auto"
     precision = auto_precision(group.compute_capability) if wanted == "auto" else wanted
     if group.compute_capability < _MIN_CC[precision]:
         need_cc = ".".join(map(str, _MIN_CC[precision]))
@@ -219,7 +227,7 @@ def _evaluate(request: ProfileRequest, group: GpuGroup, pref: GpuPreference | No
             f"{model.size_label} {precision} TP {tp} needs {tp} free GPUs on one node; {in_use}",
             cause="Capacity",
         )
-    why = f"{precision} " + (f"(auto: compute capability {group.cc})" if wanted == "auto" else "(requested)")
+    why = f"{precision} " + (f"(auto: compute capability {group.cc})" if is_auto else "(requested)")
     reason = (
         f"{model.size_label} {why}, TP {tp}: {sizes} fits {tp} x {group.product} ({group.memory_gib:.0f} GiB)"
     )
@@ -295,9 +303,17 @@ def _nothing_fits(request: ProfileRequest, groups: list[GpuGroup], rejected: lis
 def _keep(request: ProfileRequest, groups: list[GpuGroup], current: CurrentProfile) -> Decision | None:
     """The current profile, if a group of its exact product still fits it (capacity included)."""
     pref = GpuPreference(current.product, current.precision, current.tensor_parallel_size)  # type: ignore[arg-type]
+    asked = next(
+        (
+            p.precision
+            for p in request.preferences
+            if p.precision and matches_product(current.product, p.product)
+        ),
+        request.precision,
+    )
     for group in groups:
         if group.product == current.product:
-            decision = _evaluate(request, group, pref)
+            decision = _evaluate(request, group, pref, is_auto=asked == "auto")
             if decision.is_selected:
                 return dataclasses.replace(
                     decision, reason=f"{decision.reason}; kept: the current profile still fits"

@@ -178,6 +178,12 @@ def _secret_key(raw: Mapping[str, Any] | None, default_key: str) -> tuple[str, s
 def _extra_args(raw: list[str] | None) -> tuple[str, ...]:
     for arg in raw or ():
         name = arg.split("=", 1)[0]
+        if arg.startswith("-") and any(c.isspace() for c in name):
+            # `pagoda serve` would take the whole item for one unknown flag and exit at every start.
+            raise ValueError(
+                f"engine.extraArgs: {arg!r} holds a flag and its value in one item: give them as "
+                "two items, or as --flag=value"
+            )
         if len(name) >= 5 and "--api-key".startswith(name):
             raise ValueError(
                 "engine.extraArgs cannot carry --api-key (visible in the pod spec): use apiKeySecret"
@@ -186,6 +192,31 @@ def _extra_args(raw: list[str] | None) -> tuple[str, ...]:
             raise ValueError(
                 f"engine.extraArgs: {arg!r} would override {flag}, which the operator sets "
                 "from the spec and the chosen profile"
+            )
+    return tuple(raw or ())
+
+
+def serve_env_name(flag: str) -> str:
+    """The variable `pagoda serve` reads a flag from (service/cli.py env_name; the operator imports no
+    service code, tests/test_operator_contract.py holds the two equal)."""
+    return "PAGODA_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def operator_env(name: str) -> str | None:
+    """The operator's flag that a `PAGODA_*` environment variable would set, if any (`pagoda serve`
+    reads every flag from PAGODA_ plus its name: a variable the command line does not override wins)."""
+    return next((flag for flag in OPERATOR_FLAGS if name == serve_env_name(flag)), None)
+
+
+def _env(raw: list[Mapping[str, Any]] | None) -> tuple[Mapping[str, Any], ...]:
+    for var in raw or ():
+        name = str(var.get("name", ""))
+        if name == serve_env_name("--api-key"):
+            raise ValueError(f"spec.env cannot set {name}: use apiKeySecret")
+        if (flag := operator_env(name)) is not None:
+            raise ValueError(
+                f"spec.env: {name} would set {flag}, which the operator sets from the spec and the chosen "
+                "profile"
             )
     return tuple(raw or ())
 
@@ -240,7 +271,7 @@ def parse_spec(body: Mapping[str, Any]) -> ServiceSpec:
         image_pull_policy=spec.get("imagePullPolicy"),
         image_pull_secrets=tuple(s["name"] for s in spec.get("imagePullSecrets") or ()),
         resources=spec.get("resources") or {},
-        env=tuple(spec.get("env") or ()),
+        env=_env(spec.get("env")),
         node_selector=spec.get("nodeSelector") or {},
         tolerations=tuple(spec.get("tolerations") or ()),
         affinity=spec.get("affinity"),

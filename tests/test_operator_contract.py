@@ -153,8 +153,11 @@ def test_serve_accepts_every_profile_the_operator_chooses(
 def _crd_flags() -> list[str]:
     crd = yaml.safe_load(CRD.read_text())
     spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
-    rule, api_key_rule = spec["engine"]["properties"]["extraArgs"]["items"]["x-kubernetes-validations"]
+    rule, api_key_rule, one_item_rule = spec["engine"]["properties"]["extraArgs"]["items"][
+        "x-kubernetes-validations"
+    ]
     assert "'--api-key'" in api_key_rule["rule"]  # the key never in args: apiKeySecret
+    assert "matches(r'\\s')" in one_item_rule["rule"]  # a flag and its value in one item
     return re.findall(r"'(--[a-z-]+)'", rule["rule"])
 
 
@@ -225,6 +228,54 @@ def test_extra_args_that_override_are_refused_at_parsing() -> None:
         parse_spec(_body(spec | {"engine": {"extraArgs": ["--kv-cache-dtype", "fp8"]}}))
     with pytest.raises(ValueError, match=r"'--api-server-count=4' would override --api-server-count"):
         parse_spec(_body(spec | {"engine": {"extraArgs": ["--api-server-count=4"]}}))
+
+
+def test_a_flag_and_its_value_in_one_item_is_refused() -> None:
+    """`pagoda serve` takes "--tensor-parallel-size 2" for one unknown flag and exits at every start."""
+    from pagoda.service import cli as serve_cli
+
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--seed 7"])
+    spec = {"model": {"name": "llama-3.1-8b", "source": {"imagePath": "/m"}}}
+    for arg in ("--tensor-parallel-size 2", "--seed 7", "--seed\t7", "-s 7"):
+        with pytest.raises(ValueError, match=r"holds a flag and its value in one item"):
+            parse_spec(_body(spec | {"engine": {"extraArgs": [arg]}}))
+    # A value may hold spaces, after '=' or as its own item.
+    ok = parse_spec(_body(spec | {"engine": {"extraArgs": ["--chat-template=a b", "--seed", "7", "a b"]}}))
+    assert ok.engine.extra_args == ("--chat-template=a b", "--seed", "7", "a b")
+
+
+def test_pagoda_variables_that_set_an_operator_flag_are_refused() -> None:
+    """`pagoda serve` reads every flag from PAGODA_<FLAG>; where the operator renders no flag (an unset
+    maxModelLen, kvCacheDtype, apiServerCount) the variable would win."""
+    from pagoda.operator.spec import operator_env, serve_env_name
+    from pagoda.service import cli as serve_cli
+
+    for flag in (*OPERATOR_FLAGS, "--api-key", "--seed"):
+        assert serve_env_name(flag) == serve_cli.env_name(flag)
+    assert operator_env("PAGODA_MAX_MODEL_LEN") == "--max-model-len"
+    assert operator_env("PAGODA_ENABLE_PREFIX_CACHING") == "--enable-prefix-caching"
+    assert operator_env("PAGODA_SEED") is None and operator_env("pagoda_max_model_len") is None
+    spec = {"model": {"name": "llama-3.1-8b", "source": {"imagePath": "/m"}}}
+    for name, message in [
+        ("PAGODA_MAX_MODEL_LEN", "spec.env: PAGODA_MAX_MODEL_LEN would set --max-model-len"),
+        ("PAGODA_TENSOR_PARALLEL_SIZE", "would set --tensor-parallel-size"),
+        ("PAGODA_API_KEY", "spec.env cannot set PAGODA_API_KEY: use apiKeySecret"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parse_spec(_body(spec | {"env": [{"name": "A", "value": "1"}, {"name": name, "value": "4"}]}))
+    crd = yaml.safe_load(CRD.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    (env_rule,) = [
+        v["rule"] for v in crd["properties"]["spec"]["x-kubernetes-validations"] if "env" in v["rule"]
+    ]
+    assert re.findall(r"'(PAGODA_[A-Z_]+)'", env_rule) == [
+        *(serve_env_name(f) for f in OPERATOR_FLAGS),
+        "PAGODA_API_KEY",
+    ]
+    ok = parse_spec(_body(spec | {"env": [{"name": "PAGODA_SEED", "value": "7"}, {"name": "HF_ENDPOINT"}]}))
+    assert [e["name"] for e in ok.env] == ["PAGODA_SEED", "HF_ENDPOINT"]
 
 
 def test_a_stored_int8_object_is_an_invalid_spec() -> None:

@@ -313,6 +313,35 @@ def test_capacity_and_stability_table(
     assert (d.precision, d.tensor_parallel_size) == want[1:]
 
 
+@pytest.mark.parametrize(
+    ("precision", "preferences", "says"),
+    [
+        ("auto", (), "fp8 (auto: compute capability 9.0)"),
+        ("fp8", (), "fp8 (requested)"),
+        # A preference naming the precision for this GPU is a request; one for another GPU is not.
+        ("auto", (GpuPreference("H100", "fp8"),), "fp8 (requested)"),
+        (
+            "auto",
+            (GpuPreference("H200", "bf16"), GpuPreference("H100")),
+            "fp8 (auto: compute capability 9.0)",
+        ),
+    ],
+)
+def test_a_kept_profile_says_how_its_precision_was_chosen(
+    precision: str, preferences: tuple, says: str
+) -> None:
+    """A kept profile is evaluated with its precision as a preference: it was still chosen as the spec said."""
+    from pagoda.operator.profile import CurrentProfile
+
+    groups = gpu_groups([node("H200", "h200"), node("H100", "h100")], used={})
+    request = ProfileRequest(resolve("llama-3.1-8b"), precision=precision, preferences=preferences)  # type: ignore[arg-type]
+    d = select_profile(request, groups, CurrentProfile("NVIDIA-H100-80GB-HBM3", "fp8", 1))
+    assert d.is_selected and d.gpu is not None and d.gpu.node_names == ("h100",), d.reason
+    assert f"8B {says}, TP 1" in d.reason and d.reason.endswith("kept: the current profile still fits"), (
+        d.reason
+    )
+
+
 def test_a_fixed_tp_that_no_node_has_says_so_at_the_top() -> None:
     d = decide("llama-3.1-8b", [node("L4")], tensor_parallel_size=8)
     assert not d.is_selected
