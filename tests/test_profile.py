@@ -330,7 +330,7 @@ def test_capacity_and_stability_table(
 def test_a_kept_profile_says_how_its_precision_was_chosen(
     precision: str, preferences: tuple, says: str
 ) -> None:
-    """A kept profile is evaluated with its precision as a preference: it was still chosen as the spec said."""
+    """A kept profile is evaluated with its precision as a preference; it was chosen as the spec said."""
     from pagoda.operator.profile import CurrentProfile
 
     groups = gpu_groups([node("H200", "h200"), node("H100", "h100")], used={})
