@@ -433,6 +433,64 @@ def test_scale_roll_repair_and_delete(cluster, namespace, operator) -> None:
         )
 
 
+def test_hand_edits_that_apply_cannot_undo_converge(cluster, namespace, operator) -> None:
+    """Server-side apply takes back the fields the operator sets but never removes what a hand edit added:
+    a Service port changed by hand once made every apply fail (two ports named http) until the Service was
+    deleted by hand. Each edit below converges back, with a DriftCorrected event, and the service stays
+    Ready (no InvalidSpec on the way)."""
+    apply(cluster, namespace, small_service("drift"))
+    ready_service(cluster, namespace, "drift", operator)
+    want = {
+        kind: get(cluster, namespace, kind, "drift")
+        for kind in ("service", "deployment", "poddisruptionbudget")
+    }
+
+    def ports(svc: dict | None) -> list:
+        return sorted((p["name"], p["port"]) for p in (svc or {}).get("spec", {}).get("ports", []))
+
+    def edit(kind: str, patch_type: str, patch: Any) -> None:
+        cluster.kubectl(
+            "patch", kind, "drift", "-n", namespace, f"--type={patch_type}", "-p", json.dumps(patch)
+        )
+
+    # The wedge: the http port moved to 9000 by hand.
+    http = next(i for i, p in enumerate(want["service"]["spec"]["ports"]) if p["name"] == "http")
+    edit("service", "json", [{"op": "replace", "path": f"/spec/ports/{http}/port", "value": 9000}])
+    assert 9000 in [p for _, p in ports(get(cluster, namespace, "service", "drift"))]
+    wait_for(
+        "the Service's ports to converge",
+        lambda: ports(get(cluster, namespace, "service", "drift")) == ports(want["service"]),
+        context=operator.tail,
+    )
+    # Keys added to a selector (the Service would select no pod) and to the pod template's labels.
+    edit("service", "merge", {"spec": {"selector": {"tier": "hand"}}})
+    edit("poddisruptionbudget", "merge", {"spec": {"selector": {"matchLabels": {"tier": "hand"}}}})
+    edit("deployment", "merge", {"spec": {"template": {"metadata": {"labels": {"tier": "hand"}}}}})
+    for kind, field in [
+        ("service", lambda o: o["spec"]["selector"]),
+        ("poddisruptionbudget", lambda o: o["spec"]["selector"]),
+        ("deployment", lambda o: o["spec"]["template"]["metadata"]["labels"]),
+    ]:
+        wait_for(
+            f"the {kind}'s selector or labels to converge",
+            lambda kind=kind, field=field: field(get(cluster, namespace, kind, "drift")) == field(want[kind]),
+            context=operator.tail,
+        )
+    assert (
+        get(cluster, namespace, "service", "drift")["spec"]["clusterIP"]
+        == want["service"]["spec"]["clusterIP"]
+    )
+    isvc = ready_service(cluster, namespace, "drift", operator)
+    ready = next(c for c in isvc["status"]["conditions"] if c["type"] == "Ready")
+    assert ready["reason"] != "InvalidSpec", ready
+    events = get(cluster, namespace, "events", "--field-selector", "reason=DriftCorrected")
+    said = " ".join(e["message"] for e in events["items"] if e["involvedObject"]["name"] == "drift")
+    assert "replaced Service drift: spec.ports[port=9000,protocol=TCP]" in said, said
+    assert "spec.selector.tier (kubectl-patch)" in said and "replaced PodDisruptionBudget drift" in said, said
+    assert "spec.template.metadata.labels.tier (kubectl-patch)" in said, said
+    cluster.kubectl("delete", "pis/drift", "-n", namespace, "--wait=true", "--timeout=60s")
+
+
 def test_objects_not_ours_are_left_alone(cluster, namespace, operator) -> None:
     cluster.kubectl("create", "service", "clusterip", "taken", "--tcp=80:80", "-n", namespace)
     apply(cluster, namespace, small_service("taken"))

@@ -109,6 +109,15 @@ class Kube:
             query.append(("dryRun", "All"))
         return self.request("PATCH", path, body=obj, query=query, content_type="application/apply-patch+yaml")
 
+    def replace(self, obj: Mapping[str, Any], dry_run: bool = False) -> dict[str, Any]:
+        """PUT: the whole object as given (its resourceVersion guards against a concurrent change)."""
+        meta = obj["metadata"]
+        path = object_path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
+        query = [("fieldManager", FIELD_MANAGER)]
+        if dry_run:
+            query.append(("dryRun", "All"))
+        return self.request("PUT", path, body=obj, query=query)
+
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
         try:
             body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}

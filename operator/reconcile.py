@@ -15,9 +15,9 @@ from typing import Any, Literal, cast
 
 import kopf
 
-from pagoda.operator import cache, manifests, placement
+from pagoda.operator import cache, drift, manifests, placement
 from pagoda.operator import status as status_mod
-from pagoda.operator.kube import Kube, KubeError
+from pagoda.operator.kube import FIELD_MANAGER, Kube, KubeError
 from pagoda.operator.pods import PodIssue, diagnose
 from pagoda.operator.profile import Decision
 from pagoda.operator.spec import OperatorConfig, ServiceSpec, parse_spec
@@ -287,19 +287,38 @@ def _apply(
 
     Returns the applied objects by kind, the failure if any, and the Created/RollingOut events.
     """
+    replaces: dict[str, dict[str, Any]] = {}  # kind -> PUT body: drift that wedges apply itself
     for obj in desired:
         try:
             kube.apply(obj, dry_run=True)
         except KubeError as err:
-            return {}, _failure(obj, err, is_dry_run=True), []
+            live = owned.get(obj["kind"])
+            if live is None or err.status != 422 or not drift.foreign_spec_fields(live, FIELD_MANAGER, obj):
+                return {}, _failure(obj, err, is_dry_run=True), []
+            body = drift.replacement(obj, live)
+            try:
+                kube.replace(body, dry_run=True)
+            except KubeError:
+                return {}, _failure(obj, err, is_dry_run=True), []  # the apply's words say more
+            replaces[obj["kind"]] = body
     applied: dict[str, dict[str, Any]] = {}
     events: list[Event] = []
     for obj in desired:
         kind, name = obj["kind"], obj["metadata"]["name"]
         try:
-            applied[kind] = kube.apply(obj)
+            if kind in replaces:
+                found = drift.foreign_spec_fields(owned[kind], FIELD_MANAGER, obj)
+                applied[kind] = kube.replace(replaces[kind])
+            else:
+                applied[kind] = kube.apply(obj)
+                found = drift.foreign_spec_fields(applied[kind], FIELD_MANAGER, obj)
+                if found:  # applied, but what others added stays: replace it
+                    applied[kind] = kube.replace(drift.replacement(obj, applied[kind]))
         except KubeError as err:
             return applied, _failure(obj, err, is_dry_run=False), events
+        if found:
+            said = f"replaced {kind} {name}: {drift.describe(found)} changed by hand, which apply cannot undo"
+            events.append(Event("Normal", "DriftCorrected", said))
         before = owned.get(kind)
         if kind == "Deployment" and before is not None and _template_changed(before, applied[kind]):
             events.append(Event("Normal", "RollingOut", f"rolling out Deployment {name}"))
