@@ -33,6 +33,12 @@ DTYPES = [torch.float32, torch.float16] + ([] if INTERPRET else [torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
 
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    """Each test draws the same inputs whatever ran before it (the files share one interpreter)."""
+    torch.manual_seed(0)
+
+
 def randn(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randn(*shape, device=DEVICE).to(dtype)
 
@@ -229,7 +235,10 @@ def test_rms_norm_float32_weight_and_strided_rows() -> None:
     got, _ = rms_norm(x, weight, 1e-5)
     expected, _ = reference.rms_norm(x, weight, 1e-5)
     assert got.dtype == expected.dtype == torch.float32
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    # The normed value is rounded to float16 before the float32 weight: where the kernel's float32 sum of
+    # squares differs from PyTorch's in its last bit, that rounding can land one float16 step away
+    # (7e-4 relative was seen once in an unseeded run).
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=TOL[torch.float16])
 
 
 def test_rms_norm_refuses_bad_shapes() -> None:
