@@ -144,6 +144,11 @@ def job(spec: ServiceSpec, config: OperatorConfig, target: str) -> dict[str, Any
     }
 
 
+def pod_selector(job_name: str) -> str:
+    """The label selector of a Job's pods (set by the Job controller)."""
+    return f"batch.kubernetes.io/job-name={job_name}"
+
+
 def state(spec: ServiceSpec, job_obj: Mapping[str, Any] | None, detail: str | None = None) -> CacheStatus:
     """Caching until the Job completes, Cached after, Failed with the Job's message (and detail: the
     download pod's last words)."""

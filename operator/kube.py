@@ -15,15 +15,14 @@ from pagoda.operator.spec import GROUP, PLURAL, VERSION
 FIELD_MANAGER = "pagoda-operator"
 
 # (apiVersion, kind) -> plural, for every kind the operator writes or reads.
-# Read only: Node, Pod (capacity, why pods wait), Secret (does it exist: metadata only, and
-# charts/pagoda grants `get` on secrets and nothing else). PVCs and Jobs: the model cache writes them.
-READ_ONLY = ("Node", "Pod", "Secret", "InferenceService")
+# Read only: Node, Pod (capacity, why pods wait). PVCs and Jobs: the model cache writes them. Secrets are
+# never read: the pods reference them, and a missing one is in the pods' status (operator/pods.py).
+READ_ONLY = ("Node", "Pod", "InferenceService")
 PLURALS = {
     ("v1", "Service"): "services",
     ("v1", "Node"): "nodes",
     ("v1", "Pod"): "pods",
     ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
-    ("v1", "Secret"): "secrets",
     ("batch/v1", "Job"): "jobs",
     ("apps/v1", "Deployment"): "deployments",
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
@@ -127,7 +126,7 @@ class Kube:
                 raise
 
     def exists(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
-        """Only the metadata is fetched (PartialObjectMetadata): a Secret's data never crosses the wire."""
+        """Only the metadata is fetched (PartialObjectMetadata)."""
         try:
             path = object_path(api_version, kind, namespace, name)
             self.request("GET", path, accept="application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1")

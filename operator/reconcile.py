@@ -79,19 +79,17 @@ def _warn_once(
 
 
 def missing_reference(kube: Kube, spec: ServiceSpec) -> PodIssue | None:
-    """A PVC or Secret the spec names that does not exist: pods would wait for it without a word."""
+    """A PVC the spec names that does not exist: pods would wait for it without a word.
+
+    Secrets are never read (the chart grants no access to them): the pods reference them, and a missing
+    one is in the pods' status (`CreateContainerConfigError: secret "hf" not found`), which diagnose()
+    quotes, for the download Job's pod too."""
     ns = spec.namespace
     if spec.source.kind == "pvc" and not kube.exists("v1", "PersistentVolumeClaim", ns, spec.source.location):
         message = (
             f'PersistentVolumeClaim "{spec.source.location}" (model.source.pvc) not found in namespace {ns}'
         )
         return PodIssue("PersistentVolumeClaimNotFound", message, True)
-    secrets = [(spec.source.token_secret[0], "model.source.tokenSecret")] if spec.source.token_secret else []
-    secrets += [(name, "imagePullSecrets") for name in spec.image_pull_secrets]
-    secrets += [(spec.api_key_secret[0], "apiKeySecret")] if spec.api_key_secret else []
-    for name, field in secrets:
-        if not kube.exists("v1", "Secret", ns, name):
-            return PodIssue("SecretNotFound", f'Secret "{name}" ({field}) not found in namespace {ns}', True)
     return None
 
 
@@ -211,6 +209,11 @@ def reconcile(body: Mapping[str, Any], kube: Kube, config: OperatorConfig, now: 
             assert cached is not None
             is_failed = cached.state == "Failed"
             issue = PodIssue("CacheFailed" if is_failed else "Caching", cached.message, is_failed)
+            if not is_failed:  # "downloading", unless its pod cannot start: no node for it, a missing Secret
+                job_pods = kube.list_objects("v1", "Pod", spec.namespace, cache.pod_selector(cached.job_name))
+                stuck = diagnose(job_pods)
+                if stuck is not None and stuck.is_failure:
+                    issue = PodIssue(stuck.reason, f"download Job {cached.job_name}: {stuck.message}", True)
         if issue is None and deployment is not None:
             issue = diagnose(kube.list_pods(spec.namespace, selector))
         if issue is not None and issue.is_failure:
@@ -265,7 +268,7 @@ def _ensure_cache(
             events.append(Event("Normal", "Caching", f"created PVC and download Job {name}"))
     now = cache.state(spec, existing)
     if now.state == "Failed":
-        pods = kube.list_objects("v1", "Pod", spec.namespace, f"batch.kubernetes.io/job-name={now.job_name}")
+        pods = kube.list_objects("v1", "Pod", spec.namespace, cache.pod_selector(now.job_name))
         now = cache.state(spec, existing, cache.last_words(pods))
     if now.state == "Cached":  # the weights of other revisions are no longer needed (pvc-protection
         for api, kind in (("batch/v1", "Job"), ("v1", "PersistentVolumeClaim")):  # waits for old pods)

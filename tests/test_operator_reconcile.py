@@ -316,12 +316,17 @@ def test_a_missing_pvc_or_secret_is_named_in_the_status() -> None:
     kube.pods = []
     assert conditions(run(kube, body))[status_mod.DEGRADED] == ("False", "AsExpected")
 
+    # A missing Secret is never looked up (no access): the kubelet's words in the pod's status say it.
     hf = {"uri": "hf://org/model", "tokenSecret": {"name": "hf-token"}}
     body = inference_service(model={"name": "llama-3.1-8b", "source": hf})
+    no_secret = {"reason": "CreateContainerConfigError", "message": 'secret "hf-token" not found'}
+    fetch = {"name": "fetch-model", "ready": False, "state": {"waiting": no_secret}}
+    kube.pods = [{"metadata": {"name": "llm-y"}, "status": {"initContainerStatuses": [fetch]}}]
+    kube.fail["exists"] = AssertionError("a Secret was looked up")
     result = run(kube, body)
-    assert conditions(result)[status_mod.DEGRADED] == ("True", "SecretNotFound")
+    assert conditions(result)[status_mod.DEGRADED] == ("True", "ContainerConfigError")
     assert (
-        'Secret "hf-token" (model.source.tokenSecret) not found' in result.status["conditions"][3]["message"]
+        'init container fetch-model: secret "hf-token" not found' in result.status["conditions"][3]["message"]
     )
 
 
@@ -330,7 +335,6 @@ def test_model_cache_fills_a_pvc_once_then_the_pods_mount_it_read_only() -> None
     cache = {"size": "40Gi", "storageClassName": "fast"}
     env = [{"name": "HF_ENDPOINT", "value": "http://mirror.local"}]
     kube = FakeKube([H100])
-    kube.present.add(("Secret", "hf"))
     body = inference_service(model={"name": "llama-3.1-8b", "source": source, "cache": cache}, env=env)
     result = run(kube, body)
     kinds = sorted(k for k, _, _ in kube.objects)
@@ -375,13 +379,36 @@ def test_model_cache_fills_a_pvc_once_then_the_pods_mount_it_read_only() -> None
     assert args[args.index("--model") + 1] == "/models/llama-3.1-8b"
 
 
-def test_a_failed_download_is_degraded_and_a_missing_token_secret_is_named_first() -> None:
+def test_a_stuck_or_failed_download_is_degraded_whatever_the_gpus() -> None:
     source = {"uri": "hf://org/llama-3.1-8b", "tokenSecret": {"name": "hf"}}
     kube = FakeKube([H100])
     body = inference_service(model={"name": "llama-3.1-8b", "source": source, "cache": {"size": "40Gi"}})
-    assert conditions(run(kube, body))[status_mod.DEGRADED] == ("True", "SecretNotFound")
-    kube.present.add(("Secret", "hf"))
+    result = run(kube, body)
+    assert conditions(result)[status_mod.DEGRADED] == ("False", "Caching")  # downloading, as far as known
     ((_, _, name),) = [key for key in kube.objects if key[0] == "Job"]
+    # Its pod cannot start: the token's Secret is missing (the kubelet's words), or no node takes it.
+    job_labels = {"batch.kubernetes.io/job-name": name}
+    no_secret = {"reason": "CreateContainerConfigError", "message": 'secret "hf" not found'}
+    waiting = {"name": "download", "ready": False, "state": {"waiting": no_secret}}
+    kube.pods = [
+        {"metadata": {"name": "dl-1", "labels": job_labels}, "status": {"containerStatuses": [waiting]}}
+    ]
+    result = run(kube, body)
+    assert conditions(result)[status_mod.DEGRADED] == ("True", "ContainerConfigError")
+    assert result.status["conditions"][3]["message"] == (
+        f'download Job {name}: pod dl-1 container download: secret "hf" not found'
+    )
+    pending = {
+        "type": "PodScheduled",
+        "status": "False",
+        "message": "0/3 nodes are available: 3 node(s) had taint",
+    }
+    kube.pods = [{"metadata": {"name": "dl-2", "labels": job_labels}, "status": {"conditions": [pending]}}]
+    assert conditions(run(kube, body))[status_mod.DEGRADED] == ("True", "Unschedulable")
+    kube.pods = [{"metadata": {"name": "other", "labels": {"batch.kubernetes.io/job-name": "x"}}, "status": {
+        "conditions": [pending]}}]  # fmt: skip
+    assert conditions(run(kube, body))[status_mod.DEGRADED] == ("False", "Caching")  # another Job's pod
+    kube.pods = []
     message = "Job has reached the specified backoff limit"
     kube.objects[("Job", "ns", name)]["status"] = {
         "conditions": [

@@ -18,7 +18,7 @@ class FakeKube:
     """Objects in a dict keyed (kind, namespace, name); every read and write hands out a deep copy.
 
     What a test sets up: `nodes`, `pods` (listed by `list_pods` and `list_objects("Pod")`), `present`
-    (the (kind, name) of PVCs and Secrets that `exists`), `refuse` (the API server's answer to an
+    (the (kind, name) of the PVCs that `exists`), `refuse` (the API server's answer to an
     apply of a kind, dry run or not) and `fail` (a method name -> what every call of it raises).
     What it records: `writes` ("apply Kind" when a spec changes, "delete Kind") and `statuses`
     (name -> the last status patched).
