@@ -10,8 +10,9 @@ in the spec, absent), Caching / CacheFailed (the model cache; while caching, the
 reason when it cannot start), then from the pods (Secrets are never read: a missing one is the
 kubelet's ContainerConfigError): Unschedulable / PersistentVolumeClaimNotReady (the scheduler's
 message), ImagePullFailed, ContainerConfigError, CrashLoop (the container's last message), Loading
-and Initializing (not faults), RollingOut, ReplicasNotReady, ScaledToZero. ProfileSelected=True KeptRunning: a running
-workload keeps its profile although a fresh selection would differ (a cordon moves nothing).
+and Initializing (not faults), RollingOut, ReplicasNotReady, ScaledToZero. ProfileSelected=True
+KeptRunning: a running workload keeps its profile although a fresh selection would differ (a cordon
+moves nothing).
 """
 
 from __future__ import annotations
