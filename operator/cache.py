@@ -14,6 +14,7 @@ import hashlib
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
+from pagoda.operator.gpus import GPU_TOLERATION
 from pagoda.operator.spec import OperatorConfig, ServiceSpec
 
 CacheState = Literal["Caching", "Cached", "Failed"]
@@ -133,6 +134,13 @@ def job(spec: ServiceSpec, config: OperatorConfig, target: str) -> dict[str, Any
     }
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
+    # Where the service's pods may run, the download may too: the user's node selection and tolerations
+    # (a cluster whose only nodes are tainted GPU nodes, a pool the storage reaches), and the GPU taint.
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    pod_spec["tolerations"] = [*spec.tolerations, GPU_TOLERATION]
+    if spec.affinity:
+        pod_spec["affinity"] = dict(spec.affinity)
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",

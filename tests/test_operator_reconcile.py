@@ -467,3 +467,36 @@ def test_a_failed_download_quotes_the_downloader() -> None:
     ]
     result = run(kube, body)
     assert said in result.status["cache"]["message"]
+
+
+def test_the_download_job_runs_where_the_service_may() -> None:
+    """It once ignored the spec's placement: on a cluster of tainted or labelled nodes its pod sat Pending
+    while status said 'downloading'."""
+    source = {"uri": "hf://org/llama-3.1-8b"}
+    toleration = {"key": "pool", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}}  # fmt: skip
+    kube = FakeKube([gpu_node("h100", "NVIDIA-H100-80GB-HBM3", "9.0", 81559, 8)])
+    kube.nodes[0]["metadata"]["labels"]["pool"] = "llm"
+    body = inference_service(
+        model={"name": "llama-3.1-8b", "source": source, "cache": {"size": "40Gi"}},
+        nodeSelector={"pool": "llm"},
+        tolerations=[toleration],
+        affinity=affinity,
+    )
+    run(kube, body)
+    ((job),) = [o for (kind, _, _), o in kube.objects.items() if kind == "Job"]
+    pod_spec = job["spec"]["template"]["spec"]
+    assert pod_spec["nodeSelector"] == {"pool": "llm"}
+    assert pod_spec["tolerations"] == [
+        toleration,
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+    ]
+    assert pod_spec["affinity"] == affinity
+    kube = FakeKube([H100])
+    run(kube, inference_service(model={"name": "llama-3.1-8b", "source": source, "cache": {"size": "40Gi"}}))
+    ((job),) = [o for (kind, _, _), o in kube.objects.items() if kind == "Job"]
+    assert (
+        "nodeSelector" not in job["spec"]["template"]["spec"]
+        and "affinity" not in job["spec"]["template"]["spec"]
+    )
