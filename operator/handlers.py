@@ -1,12 +1,19 @@
 """kopf wiring: every trigger calls the same reconcile(); handlers hold no logic of their own.
 
-Triggers: create, update and resume of an InferenceService; a per-object timer (the periodic
-re-check that notices nodes coming and going and hand edits); and events on the children it owns
-(a deleted Service comes back, Deployment progress reaches the status at once).
+Triggers: create, update and resume of an InferenceService; one operator-wide resync loop (the
+periodic re-check of every object: capacity, hand edits nothing watched); and events on the children
+it owns (a deleted Service comes back, Deployment progress reaches the status at once), on nodes and
+on server pods.
+
+No finalizer: kopf puts one on every object that has a timer or a daemon, and a finalizer outlives an
+operator that is gone (`helm uninstall`, a crashed or scaled-down operator): deleting the object then
+hangs. The children need none (owner references: the garbage collector removes them), so the resync
+is a loop of the operator's own rather than a kopf timer per object.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
 import threading
@@ -62,8 +69,7 @@ class Reconciler:
         """Reconcile and report; raises kopf.TemporaryError (no traceback, one retry later) on ApplyFailed.
 
         Nothing is done for an object being deleted: garbage collection is removing its children, and
-        re-applying them failed (ApplyFailed, a 30 s retry) and held kopf's deletion of it back (the
-        resync timer of an object must stop before its finalizer goes)."""
+        re-applying them failed (ApplyFailed, a 30 s retry)."""
         if body["metadata"].get("deletionTimestamp"):
             return None
         result = self._run(body)
@@ -104,10 +110,11 @@ class Reconciler:
             return
         if uid is not None and owner["metadata"]["uid"] != uid:
             return
-        self._run(owner)  # an event handler has no retry; the owner's own handlers and the timer do
+        self._run(owner)  # an event handler has no retry; the owner's own handlers and the resync do
 
     def run_all(self, namespaces: tuple[str, ...] = ()) -> None:
-        """For node changes: reconcile every InferenceService served (all namespaces when none given)."""
+        """For node changes and the resync: reconcile every InferenceService served (all namespaces when
+        none given)."""
         for namespace in namespaces or (None,):
             for body in self.kube.list_inference_services(namespace):
                 if not body["metadata"].get("deletionTimestamp"):
@@ -120,19 +127,25 @@ class Reconciler:
         self.metrics.forget(uid)
 
 
+async def resync(reconciler: Reconciler, namespaces: tuple[str, ...], interval: float) -> None:
+    """Every `interval` seconds, reconcile every InferenceService served; an API error waits for the next."""
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await asyncio.to_thread(reconciler.run_all, namespaces)
+        except Exception:  # the next pass tries again; the handlers retry their own
+            logging.getLogger(__name__).exception("resync pass failed")
+
+
 def configure(settings: kopf.OperatorSettings) -> None:
     """Keep kopf's bookkeeping under our own group, post only our events, and need fewer permissions."""
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration"
     )
+    # No handler needs a finalizer (module docstring); kopf removes this one from objects an earlier
+    # operator version left it on.
     settings.persistence.finalizer = f"{GROUP}/finalizer"
-    # A deletion that arrives while the resync timer is in a pass (a reconcile in a worker thread, 0.05-0.7 s
-    # on the e2e cluster) cannot stop it at once: kopf keeps the finalizer and looks again only after
-    # cancellation_polling seconds (60 by default) unless another change of the object wakes it sooner. A
-    # steady object's pass writes an unchanged status, so nothing did, and `kubectl delete --wait` waited
-    # 60 s ("Timer 'resync' is still exiting. The next check is in 60 seconds."). Look again after 1 s.
-    settings.background.cancellation_polling = 1.0
     settings.posting.level = logging.WARNING  # kopf's own "handler succeeded" lines are not events
     settings.scanning.disabled = True  # no CRD/namespace watching: serve the resources found at start
 
@@ -171,15 +184,14 @@ def register(
     def on_resume(body: kopf.Body, **_: Any) -> None:
         reconciler.run(body)
 
-    @kopf.timer(
-        **resource,
-        id="resync",
-        interval=config.resync_seconds,
-        initial_delay=config.resync_seconds,
-        backoff=min(RETRY_SECONDS, config.resync_seconds),
-    )
-    def on_timer(body: kopf.Body, **_: Any) -> None:
-        reconciler.run(body)
+    @kopf.on.startup(registry=registry, id="start_resync")
+    async def start_resync(memo: kopf.Memo, **_: Any) -> None:
+        memo["resync"] = asyncio.create_task(resync(reconciler, namespaces, config.resync_seconds))
+
+    @kopf.on.cleanup(registry=registry, id="stop_resync")
+    async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
+        if (task := memo.get("resync")) is not None:
+            task.cancel()
 
     @kopf.on.delete(**resource, id="forget", optional=True)
     def on_delete(uid: str, **_: Any) -> None:

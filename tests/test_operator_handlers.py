@@ -16,8 +16,12 @@ def test_handlers_are_registered() -> None:
     changing = {h.id: h for h in registry._changing.get_all_handlers()}
     assert {"reconcile-create", "reconcile-update", "reconcile-resume", "forget"} <= set(changing)
     assert changing["forget"].requires_finalizer is False  # garbage collection cleans up, not a handler
-    timers = {h.id: h for h in registry._spawning.get_all_handlers()}
-    assert timers["resync"].interval == 7
+    # No timer or daemon: kopf would put a finalizer on every object, which outlives an uninstalled
+    # operator (deleting the object hangs). The resync is the operator's own loop, started at startup.
+    assert registry._spawning.get_all_handlers() == []
+    assert not any(h.requires_finalizer for h in changing.values())
+    activities = {h.id for h in registry._activities.get_all_handlers()}
+    assert {"start_resync", "stop_resync"} <= activities
     watching = {h.id for h in registry._watching.get_all_handlers()}
     assert {f"child-{p}" for p in ("services", "deployments", "horizontalpodautoscalers")} <= watching
     assert {"server-pods", "nodes"} <= watching
@@ -28,8 +32,32 @@ def test_settings() -> None:
     configure(settings)
     assert settings.persistence.finalizer == "serving.pagoda.dev/finalizer"
     assert settings.scanning.disabled is True
-    # A deletion during a resync pass is released at kopf's next look, not 60 s later (handlers.configure).
-    assert settings.background.cancellation_polling <= 2
+
+
+def test_the_resync_passes_over_every_object_and_outlives_a_failed_pass() -> None:
+    import asyncio
+
+    from pagoda.operator.handlers import resync
+
+    class Counting:
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, ...]] = []
+
+        def run_all(self, namespaces: tuple[str, ...]) -> None:
+            self.calls.append(namespaces)
+            if len(self.calls) == 1:
+                raise RuntimeError("the API server is away")
+
+    counting = Counting()
+
+    async def three_passes() -> None:
+        task = asyncio.create_task(resync(counting, ("a", "b"), 0.01))  # type: ignore[arg-type]
+        while len(counting.calls) < 3:
+            await asyncio.sleep(0.01)
+        task.cancel()
+
+    asyncio.run(asyncio.wait_for(three_passes(), 30))
+    assert counting.calls[:3] == [("a", "b")] * 3
 
 
 def test_node_fingerprint_ignores_heartbeats_and_sees_what_selection_reads() -> None:
