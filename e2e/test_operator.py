@@ -101,7 +101,9 @@ def running_operator(cluster, log: Path, resync_seconds: float = RESYNC_SECONDS)
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
-        helm(cluster, "uninstall", RELEASE, "-n", RELEASE_NS)
+        # No pre-delete hook: its Job needs the operator image on a node, which only the real node has
+        # (test_real_pods.py runs it there).
+        helm(cluster, "uninstall", RELEASE, "-n", RELEASE_NS, "--no-hooks")
 
 
 @pytest.fixture(scope="module")

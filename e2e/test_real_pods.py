@@ -82,7 +82,8 @@ def host_operator(cluster, log_dir: Path, *extra_args: str) -> Iterator[HostOper
         yield host
     finally:
         host.stop()
-        helm(cluster, "uninstall", RELEASE, "-n", RELEASE_NS)
+        # The chart test below uninstalls it with its hook; else no hook (the operator ran on the host).
+        helm(cluster, "uninstall", RELEASE, "-n", RELEASE_NS, "--no-hooks", "--ignore-not-found")
 
 
 @pytest.fixture(scope="module")
@@ -389,6 +390,23 @@ def test_operator_pod_from_the_chart_serves_an_inference_service(
     pod = server_pods(cluster, namespace, "by-pod")[0]
     assert pod["spec"]["containers"][0]["image"] == real_images["server"]
     assert "Paris" in ask(service_url(cluster, namespace, "by-pod"))
+
+    # `helm uninstall` with a service present: its pre-delete hook (`pagoda uninstall` in the operator
+    # image, on the real node) deletes the InferenceService and waits for its children; nothing the
+    # operator made is left running, and nothing waits on a finalizer.
+    try:
+        helm(cluster, "uninstall", RELEASE, "-n", RELEASE_NS, "--wait", "--timeout=240s")
+    except subprocess.CalledProcessError as err:
+        hook = cluster.kubectl("logs", "-n", RELEASE_NS, f"job/{RELEASE}-uninstall", check=False)
+        raise AssertionError(f"helm uninstall failed: {err.stderr}\nthe hook said: {hook.stdout}") from err
+
+    def left(ns: str, kind: str, name: str) -> str:
+        return cluster.kubectl("get", kind, name, "-n", ns, "--ignore-not-found", "-o", "name").stdout.strip()
+
+    for kind in ("inferenceservice", "deployment", "service", "poddisruptionbudget"):
+        assert left(namespace, kind, "by-pod") == "", kind
+    assert server_pods(cluster, namespace, "by-pod") == []
+    assert left(RELEASE_NS, "deployment", RELEASE) == ""  # the operator went after them
 
 
 def test_the_node_holds_one_generation_of_images(cluster, real_node, real_images, cluster_harness) -> None:

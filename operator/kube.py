@@ -117,13 +117,23 @@ class Kube:
             query.append(("dryRun", "All"))
         return self.request("PUT", path, body=obj, query=query)
 
-    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+    def delete(
+        self, api_version: str, kind: str, namespace: str, name: str, propagation: str = "Background"
+    ) -> None:
+        """Foreground: the object goes only after its dependents (owner references) are gone."""
         try:
-            body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
+            body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": propagation}
             self.request("DELETE", object_path(api_version, kind, namespace, name), body=body)
         except KubeError as err:
             if err.status != 404:
                 raise
+
+    def patch_metadata(
+        self, api_version: str, kind: str, namespace: str, name: str, metadata: Mapping[str, Any]
+    ) -> None:
+        """A JSON merge patch of the metadata (a None value removes the field)."""
+        path = object_path(api_version, kind, namespace, name)
+        self.request("PATCH", path, body={"metadata": metadata}, content_type="application/merge-patch+json")
 
     def exists(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
         """Only the metadata is fetched (PartialObjectMetadata)."""

@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, str] = {
     "serve": "pagoda.service.cli",
     "bench": "pagoda.bench.offline",
     "download": "pagoda.operator.cmd_download",
+    "uninstall": "pagoda.operator.cmd_uninstall",
 }
 
 

@@ -362,3 +362,34 @@ def test_operator_pod_is_locked_down() -> None:
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": "pagoda-system"}
     ]
+
+
+@needs_helm
+def test_the_uninstall_hook_runs_pagoda_uninstall_as_the_values_say() -> None:
+    def hook(*args: str) -> dict | None:
+        jobs = [d for d in render(*args) if d["kind"] == "Job"]
+        assert len(jobs) <= 1
+        return jobs[0] if jobs else None
+
+    job = hook("--set", "operator.watchNamespaces={a,b}")
+    assert job is not None
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete"
+    pod = job["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "pagoda"  # the operator's account: delete on inferenceservices
+    (container,) = pod["containers"]
+    assert container["args"] == ["uninstall", "--timeout=600", "--namespace=a", "--namespace=b"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    refusing = hook(
+        "--set", "uninstall.deleteInferenceServices=false", "--set", "uninstall.keepModelCache=true"
+    )
+    assert refusing is not None
+    assert refusing["spec"]["template"]["spec"]["containers"][0]["args"] == [
+        "uninstall",
+        "--timeout=600",
+        "--refuse",
+        "--keep-model-cache",
+    ]
+    assert hook("--set", "uninstall.hook=false") is None
+    role = next(d for d in render() if d["kind"] == "ClusterRole")
+    isvc = next(r for r in role["rules"] if r["resources"] == ["inferenceservices"])
+    assert "delete" in isvc["verbs"]
