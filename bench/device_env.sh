@@ -7,6 +7,6 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # PAGODA_WHL_DIR: the wheels' folder when this tree is a copy without them (default: the repo's .whl).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${PAGODA_WHL_DIR:-$root/.whl}"/*.whl || exit 1
 shim=$(mktemp -d)/p
-mkdir -p "$shim/pagoda" && cp "$root"/pagoda/*.py "$shim/pagoda/" && ln -s "$root/pagoda/bench" "$shim/pagoda/bench"
+mkdir -p "$shim/pagoda" && cp "$root"/pagoda/*.py "$shim/pagoda/" && ln -s "$root/pagoda/bench" "$shim/pagoda/bench" && ln -s "$root/pagoda/devtools" "$shim/pagoda/devtools"
 for d in kernels service operator; do ln -s "$root/$d" "$shim/pagoda/$d"; done
 export PYTHONPATH=/tmp/site:$shim PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
