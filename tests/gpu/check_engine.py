@@ -19,7 +19,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from pagoda.bench import gpu_check  # noqa: E402
+from pagoda.bench import gpu_check
 
 KINDS = ("llama-gqa4-d64-llama3rope", "qwen2-gqa4-d128-bias")
 
