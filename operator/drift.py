@@ -2,9 +2,10 @@
 
 Apply with `force` takes back every field the operator sets, but it never removes a field that another
 manager added: a port entry a hand edit renamed (`kubectl edit` turned 8000 into 9000: the next apply
-merges 8000 back beside it and the API server refuses two ports named `http`), a key added to a
-Service's selector (it then selects no pod), a label added to a pod template. Such fields are the
-ones in `spec` that a manager other than the operator owns and the operator does not. The cure is a
+merges 8000 back beside it and the API server refuses two ports named `http`), a label added to a pod
+template (a new rollout of pods the operator did not ask for). Such fields are the ones in `spec` that
+a manager other than the operator owns and the operator does not. (A key added to a selector is not
+one: selectors are atomic maps, which apply takes back whole.) The cure is a
 replace (PUT) with the operator's object, keeping what the API server allocated or another controller
 is meant to own.
 
