@@ -96,6 +96,9 @@ def test_tensor_parallel_gets_shared_memory_and_gpus() -> None:
     whole_node = manifests.deployment(parse_spec(body()), decision(8, "bf16"), CONFIG)
     assert {v["name"]: v for v in pod(whole_node)["volumes"]}["dshm"]["emptyDir"]["sizeLimit"] == "16Gi"
     assert whole_node["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    # The smallest TP needs it too (NCCL's shared-memory transport between two ranks).
+    two = manifests.deployment(parse_spec(body(precision="bf16")), decision(2, "bf16"), CONFIG)
+    assert {v["name"]: v for v in pod(two)["volumes"]}["dshm"]["emptyDir"]["sizeLimit"] == "4Gi"
 
 
 def test_model_sources() -> None:
