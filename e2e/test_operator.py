@@ -495,6 +495,43 @@ def test_hand_edits_that_apply_cannot_undo_converge(cluster, namespace, operator
     cluster.kubectl("delete", "pis/drift", "-n", namespace, "--wait=true", "--timeout=60s")
 
 
+def test_pod_labels_annotations_and_service_from_the_spec(cluster, namespace, operator) -> None:
+    """What NIMService and KServe users reach for: labels and annotations on the pods, the Service's type
+    and annotations, through the real API server; the operator's own labels cannot be replaced."""
+    spec = {
+        "podLabels": {"team": "search"},
+        "podAnnotations": {"cost-centre": "42"},
+        "service": {"type": "NodePort", "annotations": {"lb.example/internal": "true"}},
+    }
+    apply(cluster, namespace, small_service("dressed", **spec))
+    ready_service(cluster, namespace, "dressed", operator)
+    template = get(cluster, namespace, "deployment", "dressed")["spec"]["template"]["metadata"]
+    assert template["labels"]["team"] == "search" and template["annotations"]["cost-centre"] == "42"
+    assert template["labels"]["app.kubernetes.io/instance"] == "dressed"
+    svc = get(cluster, namespace, "service", "dressed")
+    assert svc["spec"]["type"] == "NodePort" and all(p.get("nodePort") for p in svc["spec"]["ports"])
+    assert svc["metadata"]["annotations"]["lb.example/internal"] == "true"
+    pods = running_pods(cluster, namespace, "dressed")
+    assert pods and all(p["metadata"]["labels"]["team"] == "search" for p in pods)
+
+    bad = small_service("relabelled", podLabels={"app.kubernetes.io/instance": "dressed"})
+    apply(cluster, namespace, bad)
+
+    def refused() -> dict | None:
+        isvc = get(cluster, namespace, "inferenceservice", "relabelled")
+        ready = next(
+            (c for c in ((isvc or {}).get("status") or {}).get("conditions") or () if c["type"] == "Ready"),
+            None,
+        )
+        return ready if ready and ready["reason"] == "InvalidSpec" else None
+
+    ready = wait_for("the relabelling spec refused", refused, context=operator.tail)
+    assert "podLabels: app.kubernetes.io/instance is set by the operator" in ready["message"], ready
+    assert get(cluster, namespace, "deployment", "relabelled") is None  # nothing half-made
+    for name in ("dressed", "relabelled"):
+        cluster.kubectl("delete", "pis", name, "-n", namespace, "--wait=true", "--timeout=60s")
+
+
 def test_objects_not_ours_are_left_alone(cluster, namespace, operator) -> None:
     cluster.kubectl("create", "service", "clusterip", "taken", "--tcp=80:80", "-n", namespace)
     apply(cluster, namespace, small_service("taken"))

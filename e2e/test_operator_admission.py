@@ -39,6 +39,8 @@ REFUSED = [
     ),
     ({"env": [{"name": "PAGODA_MAX_MODEL_LEN", "value": "9"}]}, "spec.env cannot set the PAGODA_ variable"),
     ({"env": [{"name": "PAGODA_API_KEY", "value": "k"}]}, "nor PAGODA_API_KEY (use apiKeySecret)"),
+    ({"service": {"type": "ExternalName"}}, 'spec.service.type: Unsupported value: "ExternalName"'),
+    ({"podLabels": {"team": 7}}, "spec.podLabels.team: Invalid value"),
     ({"apiKeySecret": {"key": "k"}}, "spec.apiKeySecret.name: Required value"),
 ]
 

@@ -297,8 +297,9 @@ def deployment(spec: ServiceSpec, decision: Decision, config: OperatorConfig) ->
             "progressDeadlineSeconds": config.startup_timeout_seconds + 600,
             "template": {
                 "metadata": {
-                    "labels": labels(spec),
+                    "labels": {**spec.pod_labels, **labels(spec)},
                     "annotations": {
+                        **spec.pod_annotations,
                         ANNOTATION_PROFILE: profile,
                         "prometheus.io/scrape": "true",
                         "prometheus.io/port": str(HTTP_PORT),
@@ -315,12 +316,13 @@ def deployment(spec: ServiceSpec, decision: Decision, config: OperatorConfig) ->
 
 
 def service(spec: ServiceSpec) -> dict[str, Any]:
+    meta = _meta(spec) | ({"annotations": dict(spec.service_annotations)} if spec.service_annotations else {})
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(spec),
+        "metadata": meta,
         "spec": {
-            "type": "ClusterIP",
+            "type": spec.service_type,
             "selector": selector_labels(spec),
             "ports": [
                 {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},

@@ -116,6 +116,10 @@ class ServiceSpec:
     service_account_name: str | None = None
     cache: ModelCache | None = None
     api_key_secret: tuple[str, str] | None = None  # (secret name, key): PAGODA_API_KEY
+    pod_labels: Mapping[str, str] = dataclasses.field(default_factory=dict)  # added to the operator's
+    pod_annotations: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    service_type: str = "ClusterIP"
+    service_annotations: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def profile_request(self) -> ProfileRequest:
         return ProfileRequest(
@@ -221,6 +225,31 @@ def _env(raw: list[Mapping[str, Any]] | None) -> tuple[Mapping[str, Any], ...]:
     return tuple(raw or ())
 
 
+# Labels and annotations the operator sets on the pods: a spec may add others, never replace these (the
+# selector, status and metrics read them).
+OPERATOR_POD_LABELS = (
+    "app.kubernetes.io/name",
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/component",
+    "app.kubernetes.io/part-of",
+    "app.kubernetes.io/managed-by",
+)
+OPERATOR_POD_ANNOTATIONS = (
+    "serving.pagoda.dev/profile",
+    "prometheus.io/scrape",
+    "prometheus.io/port",
+    "prometheus.io/path",
+)
+
+
+def _string_map(raw: Mapping[str, Any] | None, where: str, reserved: tuple[str, ...]) -> dict[str, str]:
+    """A map of strings a spec adds to what the operator renders; the operator's own keys are refused."""
+    out = {str(k): str(v) for k, v in (raw or {}).items()}
+    if taken := sorted(k for k in out if k in reserved):
+        raise ValueError(f"{where}: {', '.join(taken)} is set by the operator (not settable)")
+    return out
+
+
 def _precision(value: str | None, where: str) -> str | None:
     # Objects stored before int8 left the CRD's enum still carry it.
     if value is not None and value not in PRECISIONS:
@@ -279,6 +308,12 @@ def parse_spec(body: Mapping[str, Any]) -> ServiceSpec:
         priority_class_name=spec.get("priorityClassName"),
         service_account_name=spec.get("serviceAccountName"),
         api_key_secret=_secret_key(spec.get("apiKeySecret"), "api-key"),
+        pod_labels=_string_map(spec.get("podLabels"), "podLabels", OPERATOR_POD_LABELS),
+        pod_annotations=_string_map(spec.get("podAnnotations"), "podAnnotations", OPERATOR_POD_ANNOTATIONS),
+        service_type=(spec.get("service") or {}).get("type", "ClusterIP"),
+        service_annotations=_string_map(
+            (spec.get("service") or {}).get("annotations"), "service.annotations", ()
+        ),
     )
 
 

@@ -335,3 +335,39 @@ def test_the_api_key_comes_from_its_secret_as_env_never_as_an_arg() -> None:
             assert "apiKeySecret" in str(exc)
         else:
             raise AssertionError(f"{extra} was accepted")
+
+
+def test_pod_labels_and_annotations_and_the_service_from_the_spec() -> None:
+    import pytest
+
+    from pagoda.operator.spec import OPERATOR_POD_ANNOTATIONS, OPERATOR_POD_LABELS
+
+    plain = manifests.deployment(parse_spec(body()), decision(), CONFIG)["spec"]["template"]["metadata"]
+    assert tuple(plain["labels"]) == OPERATOR_POD_LABELS  # the reserved lists are what is rendered
+    assert tuple(plain["annotations"]) == OPERATOR_POD_ANNOTATIONS
+    spec = parse_spec(
+        body(
+            podLabels={"team": "search", "sidecar.istio.io/inject": "true"},
+            podAnnotations={"cost-centre": "42"},
+            service={"type": "LoadBalancer", "annotations": {"lb.example/internal": "true"}},
+        )
+    )
+    template = manifests.deployment(spec, decision(), CONFIG)["spec"]["template"]["metadata"]
+    assert template["labels"] == {"team": "search", "sidecar.istio.io/inject": "true"} | plain["labels"]
+    assert template["annotations"] == {"cost-centre": "42"} | plain["annotations"]
+    svc = manifests.service(spec)
+    assert svc["spec"]["type"] == "LoadBalancer"
+    assert svc["metadata"]["annotations"] == {"lb.example/internal": "true"}
+    assert svc["spec"]["selector"] == manifests.selector_labels(spec)  # never the added labels
+    assert manifests.service(parse_spec(body()))["spec"]["type"] == "ClusterIP"
+    assert "annotations" not in manifests.service(parse_spec(body()))["metadata"]
+    for field, value, message in [
+        (
+            "podLabels",
+            {"app.kubernetes.io/instance": "other"},
+            "podLabels: app.kubernetes.io/instance is set",
+        ),
+        ("podAnnotations", {"prometheus.io/port": "1"}, "podAnnotations: prometheus.io/port is set"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parse_spec(body(**{field: value}))
