@@ -63,7 +63,24 @@ FIELDS: dict[str, tuple[str, bool, str]] = {
         False,
         "Passed to the pods (core/v1 Affinity); the operator adds node affinity to the chosen GPU product.",
     ),
+    "cache.resources": (
+        "ResourceRequirements",
+        False,
+        "The download Job's container resources (core/v1 ResourceRequirements; default: 1 CPU and 1 GiB "
+        "requested).",
+    ),
+    "cache.tolerations": (
+        "Toleration",
+        True,
+        "The download Job's tolerations (core/v1 Toleration; default: the service's); nvidia.com/gpu "
+        "NoSchedule is always tolerated.",
+    ),
 }
+
+
+def yaml_key(field: str) -> str:
+    """The key a field's block writes: `cache.resources` is `resources` inside model.cache."""
+    return field.rpartition(".")[2]
 
 
 def _ref_name(schema: dict[str, Any]) -> str | None:
@@ -110,15 +127,16 @@ def field_schemas(openapi: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def render(text: str, schemas: dict[str, dict[str, Any]]) -> str:
     """The CRD text with each generated block replaced; everything outside the markers is kept."""
     for field, schema in schemas.items():
+        name = re.escape(field)
         pattern = re.compile(
-            rf"^(?P<indent> *)# BEGIN generated {field}\b.*?\n.*?^(?P=indent)# END generated {field}\n",
+            rf"^(?P<indent> *)# BEGIN generated {name}\b.*?\n.*?^(?P=indent)# END generated {name}\n",
             re.MULTILINE | re.DOTALL,
         )
         match = pattern.search(text)
         if match is None:
             raise ValueError(f"{CRD.name}: no '# BEGIN generated {field}' ... '# END generated' block")
         indent = match["indent"]
-        body = yaml.safe_dump({field: schema}, sort_keys=False, width=10_000)
+        body = yaml.safe_dump({yaml_key(field): schema}, sort_keys=False, width=10_000)
         block = "".join(indent + line + "\n" for line in body.splitlines())
         source = f"core/v1 {FIELDS[field][0]} ({KUBE_VERSION}), crds/gen_passthrough.py"
         begin = f"{indent}# BEGIN generated {field}: {source}\n"

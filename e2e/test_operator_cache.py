@@ -27,7 +27,11 @@ def test_cache_goes_caching_then_cached_and_is_mounted_read_only(cluster, namesp
     model = {
         "name": "llama-3.1-8b",
         "source": {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct@main", "tokenSecret": {"name": "hf"}},
-        "cache": {"size": "40Gi", "storageClassName": storage_class},
+        "cache": {
+            "size": "40Gi",
+            "storageClassName": storage_class,
+            "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}},  # the Job's own
+        },
     }
     try:
         # Caching is seen first: the Job exists before any server pod.
@@ -57,6 +61,8 @@ def test_cache_goes_caching_then_cached_and_is_mounted_read_only(cluster, namesp
         claim = isvc["status"]["cache"]["claimName"]
         job = base.get(cluster, namespace, "job", claim)
         assert job is not None and job["metadata"]["ownerReferences"][0]["name"] == "cached"
+        download = job["spec"]["template"]["spec"]["containers"][0]
+        assert download["resources"] == {"requests": {"cpu": "100m", "memory": "64Mi"}}
         assert any(c["type"] == "Complete" and c["status"] == "True" for c in job["status"]["conditions"])
         pvc = base.get(cluster, namespace, "pvc", claim)
         assert pvc["status"]["phase"] == "Bound" and pvc["spec"]["volumeName"] == pv

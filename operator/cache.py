@@ -97,6 +97,8 @@ def pvc(spec: ServiceSpec) -> dict[str, Any]:
 def job(spec: ServiceSpec, config: OperatorConfig, target: str) -> dict[str, Any]:
     """The download Job: `pagoda download` into the claim; HF_ENDPOINT and proxies come from spec.env."""
     repo, revision = repo_revision(spec)
+    cache = spec.cache
+    assert cache is not None
     env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}, *spec.env]
     if spec.source.token_secret is not None:
         name, key = spec.source.token_secret
@@ -106,7 +108,7 @@ def job(spec: ServiceSpec, config: OperatorConfig, target: str) -> dict[str, Any
         "image": spec.image or config.server_image,
         "command": ["pagoda", "download", "--repo", repo, "--revision", revision, "--target", target],
         "env": env,
-        "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},
+        "resources": dict(cache.resources or {"requests": {"cpu": "1", "memory": "1Gi"}}),
         "volumeMounts": [{"name": "model", "mountPath": MOUNT}, {"name": "tmp", "mountPath": "/tmp"}],
         "terminationMessagePolicy": "FallbackToLogsOnError",  # the downloader's one-line error
         "securityContext": {
@@ -134,11 +136,14 @@ def job(spec: ServiceSpec, config: OperatorConfig, target: str) -> dict[str, Any
     }
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
-    # Where the service's pods may run, the download may too: the user's node selection and tolerations
-    # (a cluster whose only nodes are tainted GPU nodes, a pool the storage reaches), and the GPU taint.
-    if spec.node_selector:
-        pod_spec["nodeSelector"] = dict(spec.node_selector)
-    pod_spec["tolerations"] = [*spec.tolerations, GPU_TOLERATION]
+    # Where the service's pods may run, the download may too, unless model.cache says where: the node
+    # selection and tolerations (a cluster whose only nodes are tainted GPU nodes, a pool the storage
+    # reaches), and the GPU taint.
+    node_selector = spec.node_selector if cache.node_selector is None else cache.node_selector
+    if node_selector:
+        pod_spec["nodeSelector"] = dict(node_selector)
+    tolerations = spec.tolerations if cache.tolerations is None else cache.tolerations
+    pod_spec["tolerations"] = [*tolerations, GPU_TOLERATION]
     if spec.affinity:
         pod_spec["affinity"] = dict(spec.affinity)
     return {

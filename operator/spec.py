@@ -67,6 +67,10 @@ class ModelCache:
     size: str
     storage_class_name: str | None = None
     access_mode: str = "ReadWriteMany"  # replicas on several nodes read it
+    # The download Job's own; None: the service's placement, and 1 CPU / 1 GiB requested.
+    node_selector: Mapping[str, str] | None = None
+    tolerations: tuple[Mapping[str, Any], ...] | None = None
+    resources: Mapping[str, Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +155,15 @@ def _cache(raw: Mapping[str, Any] | None, source: ModelSource) -> ModelCache | N
         return None
     if source.kind != "uri":  # the CRD's rule, for objects that never met the API server
         raise ValueError("model.cache is only used with model.source.uri (an hf:// model to download)")
-    return ModelCache(str(raw["size"]), raw.get("storageClassName"), raw.get("accessMode", "ReadWriteMany"))
+    tolerations = raw.get("tolerations")
+    return ModelCache(
+        str(raw["size"]),
+        raw.get("storageClassName"),
+        raw.get("accessMode", "ReadWriteMany"),
+        node_selector=raw.get("nodeSelector"),
+        tolerations=None if tolerations is None else tuple(tolerations),
+        resources=raw.get("resources"),
+    )
 
 
 def _autoscaling(raw: Mapping[str, Any] | None) -> Autoscaling | None:

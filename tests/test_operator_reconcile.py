@@ -500,3 +500,20 @@ def test_the_download_job_runs_where_the_service_may() -> None:
         "nodeSelector" not in job["spec"]["template"]["spec"]
         and "affinity" not in job["spec"]["template"]["spec"]
     )
+    # Its own placement and resources, where model.cache gives them.
+    own = {
+        "size": "40Gi",
+        "nodeSelector": {"disk": "fast"},
+        "tolerations": [],
+        "resources": {"limits": {"cpu": "2"}},
+    }
+    kube = FakeKube([H100])
+    spec = {"tolerations": [toleration]}
+    run(kube, inference_service(model={"name": "llama-3.1-8b", "source": source, "cache": own}, **spec))
+    ((job),) = [o for (kind, _, _), o in kube.objects.items() if kind == "Job"]
+    pod_spec = job["spec"]["template"]["spec"]
+    assert pod_spec["nodeSelector"] == {"disk": "fast"}
+    assert pod_spec["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    ]
+    assert pod_spec["containers"][0]["resources"] == {"limits": {"cpu": "2"}}
