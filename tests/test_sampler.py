@@ -215,3 +215,17 @@ def test_token_counts_with_an_odd_vocabulary() -> None:
     """The padding goes to a spare column one past the vocabulary, whatever its parity."""
     counts = _token_counts([[0, 0], [98]], 99, torch.device("cpu"))
     assert counts.shape == (2, 99) and counts[0, 0] == 2 and counts[1, 98] == 1 and counts.sum() == 3
+
+
+def test_top_p_keeps_the_smallest_set_that_reaches_it_exactly() -> None:
+    """Two tokens of 0.5 each (exact in float32) and top_p 0.5: the first alone reaches it, so the second
+    is dropped: every row samples the same token (a strict `>` at the boundary kept both)."""
+    logits = torch.full((64, VOCAB), float("-inf"))
+    logits[:, [11, 42]] = 0.0
+    params = SamplingParams(temperature=1.0, max_tokens=8, top_p=0.5)
+    reqs = [_request(params, i) for i in range(64)]
+    got = {r.token_id for r in Sampler(VOCAB, {EOS})(logits, reqs).results()}
+    assert len(got) == 1 and got <= {11, 42}
+    both = SamplingParams(temperature=1.0, max_tokens=8, top_p=0.75)  # one more token is needed: both stay
+    got = {r.token_id for r in Sampler(VOCAB, {EOS})(logits, [_request(both, i) for i in range(64)]).results()}
+    assert got == {11, 42}
