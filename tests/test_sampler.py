@@ -227,5 +227,7 @@ def test_top_p_keeps_the_smallest_set_that_reaches_it_exactly() -> None:
     got = {r.token_id for r in Sampler(VOCAB, {EOS})(logits, reqs).results()}
     assert len(got) == 1 and got <= {11, 42}
     both = SamplingParams(temperature=1.0, max_tokens=8, top_p=0.75)  # one more token is needed: both stay
-    got = {r.token_id for r in Sampler(VOCAB, {EOS})(logits, [_request(both, i) for i in range(64)]).results()}
+    got = {
+        r.token_id for r in Sampler(VOCAB, {EOS})(logits, [_request(both, i) for i in range(64)]).results()
+    }
     assert got == {11, 42}
