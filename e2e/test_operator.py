@@ -514,6 +514,36 @@ def test_pod_labels_annotations_and_service_from_the_spec(cluster, namespace, op
     pods = running_pods(cluster, namespace, "dressed")
     assert pods and all(p["metadata"]["labels"]["team"] == "search" for p in pods)
 
+    # Extra volumes and mounts: a ConfigMap in the running pods at the path asked for.
+    cluster.kubectl("create", "configmap", "templates", "--from-literal=chat.jinja=hi", "-n", namespace)
+    volumes = [{"name": "templates", "configMap": {"name": "templates"}}]
+    mounts = [{"name": "templates", "mountPath": "/etc/templates", "readOnly": True}]
+    apply(cluster, namespace, small_service("dressed", **spec, volumes=volumes, volumeMounts=mounts))
+
+    def mounted() -> bool:
+        pods = running_pods(cluster, namespace, "dressed")
+        return bool(pods) and all(
+            {"name": "templates", "configMap": {"name": "templates", "defaultMode": 420}}
+            in p["spec"]["volumes"]
+            and any(m["mountPath"] == "/etc/templates" for m in p["spec"]["containers"][0]["volumeMounts"])
+            for p in pods
+        )
+
+    wait_for("the pods with the extra volume", mounted, timeout=120, context=operator.tail)
+    # A volume the API server refuses (no source of any kind it knows) is InvalidSpec, nothing changed.
+    broken = small_service("broken", volumes=[{"name": "v", "configMap": {}}], volumeMounts=[])
+    apply(cluster, namespace, broken)
+
+    def broken_refused() -> dict | None:
+        isvc = get(cluster, namespace, "inferenceservice", "broken")
+        conds = ((isvc or {}).get("status") or {}).get("conditions") or ()
+        ready = next((c for c in conds if c["type"] == "Ready"), None)
+        return ready if ready and ready["reason"] == "InvalidSpec" else None
+
+    said = wait_for("the broken volume refused by the dry run", broken_refused, context=operator.tail)
+    assert "Deployment broken refused by the API server" in said["message"], said
+    assert get(cluster, namespace, "deployment", "broken") is None
+
     bad = small_service("relabelled", podLabels={"app.kubernetes.io/instance": "dressed"})
     apply(cluster, namespace, bad)
 
@@ -528,7 +558,7 @@ def test_pod_labels_annotations_and_service_from_the_spec(cluster, namespace, op
     ready = wait_for("the relabelling spec refused", refused, context=operator.tail)
     assert "podLabels: app.kubernetes.io/instance is set by the operator" in ready["message"], ready
     assert get(cluster, namespace, "deployment", "relabelled") is None  # nothing half-made
-    for name in ("dressed", "relabelled"):
+    for name in ("dressed", "broken", "relabelled"):
         cluster.kubectl("delete", "pis", name, "-n", namespace, "--wait=true", "--timeout=60s")
 
 

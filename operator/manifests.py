@@ -243,7 +243,7 @@ def deployment(spec: ServiceSpec, decision: Decision, config: OperatorConfig) ->
             {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
         ],
         "resources": _resources(spec, decision),
-        "volumeMounts": mounts,
+        "volumeMounts": [*mounts, *spec.volume_mounts],
         # Startup gates liveness until the model is loaded; loads of large checkpoints take minutes.
         "startupProbe": _probe("/v1/health/ready", 10, max(1, config.startup_timeout_seconds // 10)),
         "readinessProbe": _probe("/v1/health/ready", 5, 3),
@@ -258,7 +258,7 @@ def deployment(spec: ServiceSpec, decision: Decision, config: OperatorConfig) ->
         container["imagePullPolicy"] = spec.image_pull_policy
     pod_spec: dict[str, Any] = {
         "containers": [container],
-        "volumes": volumes,
+        "volumes": [*volumes, *spec.volumes],
         "affinity": _affinity(spec, decision),
         "tolerations": [*spec.tolerations, GPU_TOLERATION],
         "terminationGracePeriodSeconds": config.drain_seconds

@@ -124,6 +124,8 @@ class ServiceSpec:
     pod_annotations: Mapping[str, str] = dataclasses.field(default_factory=dict)
     service_type: str = "ClusterIP"
     service_annotations: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    volumes: tuple[Mapping[str, Any], ...] = ()  # core/v1 Volume, added to the pod
+    volume_mounts: tuple[Mapping[str, Any], ...] = ()  # core/v1 VolumeMount, added to the server container
 
     def profile_request(self) -> ProfileRequest:
         return ProfileRequest(
@@ -262,6 +264,27 @@ def _string_map(raw: Mapping[str, Any] | None, where: str, reserved: tuple[str, 
     return out
 
 
+# The pod's own volumes and mount paths (manifests.py): a spec's may not take their names or paths.
+OPERATOR_VOLUMES = ("model", "kernel-cache", "tmp", "cache", "dshm")
+OPERATOR_MOUNT_PATHS = ("/models", "/tmp", "/dev/shm", "/var/cache/pagoda", "/home/pagoda/.cache")
+
+
+def _volumes(raw: Mapping[str, Any]) -> tuple[tuple[Mapping[str, Any], ...], tuple[Mapping[str, Any], ...]]:
+    volumes, mounts = tuple(raw.get("volumes") or ()), tuple(raw.get("volumeMounts") or ())
+    names = [str(v.get("name")) for v in volumes]
+    if taken := sorted(set(names) & set(OPERATOR_VOLUMES)):
+        raise ValueError(f"volumes: {', '.join(taken)} is a volume of the operator's (choose another name)")
+    for mount in mounts:
+        path = str(mount.get("mountPath", "")).rstrip("/")
+        if any(
+            path == p or path.startswith(p + "/") or p.startswith(path + "/") for p in OPERATOR_MOUNT_PATHS
+        ):
+            raise ValueError(f"volumeMounts: {path or '/'} overlaps a path the operator mounts")
+        if mount.get("name") not in names:
+            raise ValueError(f"volumeMounts: {mount.get('name')!r} names no volume in spec.volumes")
+    return volumes, mounts
+
+
 def _precision(value: str | None, where: str) -> str | None:
     # Objects stored before int8 left the CRD's enum still carry it.
     if value is not None and value not in PRECISIONS:
@@ -295,6 +318,7 @@ def parse_spec(body: Mapping[str, Any]) -> ServiceSpec:
         for p in spec.get("gpuPreferences") or ()
     )
     source = _source(model.get("source") or {})
+    volumes, volume_mounts = _volumes(spec)
     return ServiceSpec(
         name=meta["name"],
         namespace=meta.get("namespace", "default"),
@@ -326,6 +350,8 @@ def parse_spec(body: Mapping[str, Any]) -> ServiceSpec:
         service_annotations=_string_map(
             (spec.get("service") or {}).get("annotations"), "service.annotations", ()
         ),
+        volumes=volumes,
+        volume_mounts=volume_mounts,
     )
 
 

@@ -371,3 +371,26 @@ def test_pod_labels_and_annotations_and_the_service_from_the_spec() -> None:
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             parse_spec(body(**{field: value}))
+
+
+def test_extra_volumes_and_mounts_from_the_spec() -> None:
+    import pytest
+
+    templates = {"name": "templates", "configMap": {"name": "chat-templates"}}
+    mount = {"name": "templates", "mountPath": "/etc/templates", "readOnly": True}
+    spec = parse_spec(body(volumes=[templates], volumeMounts=[mount]))
+    pod_spec = manifests.deployment(spec, decision(), CONFIG)["spec"]["template"]["spec"]
+    assert pod_spec["volumes"][-1] == templates and pod_spec["containers"][0]["volumeMounts"][-1] == mount
+    plain = manifests.deployment(parse_spec(body()), decision(), CONFIG)["spec"]["template"]["spec"]
+    assert pod_spec["volumes"][:-1] == plain["volumes"]  # the operator's own are all still there
+    for volumes, mounts, message in [
+        ([{"name": "tmp", "emptyDir": {}}], [], "volumes: tmp is a volume of the operator's"),
+        ([templates], [{"name": "templates", "mountPath": "/models/extra"}], "/models/extra overlaps"),
+        ([templates], [{"name": "templates", "mountPath": "/var/cache"}], "/var/cache overlaps"),
+        ([templates], [{"name": "templates", "mountPath": "/"}], "/ overlaps"),
+        ([], [{"name": "nowhere", "mountPath": "/etc/x"}], "'nowhere' names no volume"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            parse_spec(body(volumes=volumes, volumeMounts=mounts))
+    ok = parse_spec(body(volumes=[templates], volumeMounts=[{"name": "templates", "mountPath": "/models2"}]))
+    assert ok.volume_mounts[0]["mountPath"] == "/models2"  # a neighbour of /models, not inside it
