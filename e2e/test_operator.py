@@ -562,6 +562,37 @@ def test_pod_labels_annotations_and_service_from_the_spec(cluster, namespace, op
         cluster.kubectl("delete", "pis", name, "-n", namespace, "--wait=true", "--timeout=60s")
 
 
+def test_an_ingress_comes_and_goes_with_the_spec(cluster, namespace, operator) -> None:
+    ingress = {"host": "llm.example.com", "className": "nginx", "tlsSecretName": "llm-cert"}
+    apply(cluster, namespace, small_service("exposed", ingress=ingress))
+    ready_service(cluster, namespace, "exposed", operator)
+    ing = wait_for(
+        "the Ingress", lambda: get(cluster, namespace, "ingress", "exposed"), context=operator.tail
+    )
+    (rule,) = ing["spec"]["rules"]
+    assert rule["host"] == "llm.example.com" and ing["spec"]["ingressClassName"] == "nginx"
+    assert rule["http"]["paths"][0]["backend"]["service"] == {"name": "exposed", "port": {"name": "http"}}
+    assert ing["spec"]["tls"] == [{"hosts": ["llm.example.com"], "secretName": "llm-cert"}]
+    assert ing["metadata"]["ownerReferences"][0]["name"] == "exposed"
+    cluster.kubectl(
+        "patch",
+        "pis",
+        "exposed",
+        "-n",
+        namespace,
+        "--type=json",
+        "-p",
+        '[{"op":"remove","path":"/spec/ingress"}]',
+    )
+    wait_for(
+        "the Ingress removed with the field",
+        lambda: get(cluster, namespace, "ingress", "exposed") is None,
+        context=operator.tail,
+    )
+    assert get(cluster, namespace, "service", "exposed") is not None
+    cluster.kubectl("delete", "pis", "exposed", "-n", namespace, "--wait=true", "--timeout=60s")
+
+
 def test_objects_not_ours_are_left_alone(cluster, namespace, operator) -> None:
     cluster.kubectl("create", "service", "clusterip", "taken", "--tcp=80:80", "-n", namespace)
     apply(cluster, namespace, small_service("taken"))

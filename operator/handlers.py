@@ -36,6 +36,7 @@ CHILD_RESOURCES = (
     ("apps", "v1", "deployments"),
     ("autoscaling", "v2", "horizontalpodautoscalers"),
     ("policy", "v1", "poddisruptionbudgets"),
+    ("networking.k8s.io", "v1", "ingresses"),
     ("batch", "v1", "jobs"),  # the model cache's download Job: Cached reaches the status at once
 )
 

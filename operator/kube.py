@@ -27,6 +27,7 @@ PLURALS = {
     ("apps/v1", "Deployment"): "deployments",
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("networking.k8s.io/v1", "Ingress"): "ingresses",
     (f"{GROUP}/{VERSION}", "InferenceService"): PLURAL,
 }
 

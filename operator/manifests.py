@@ -385,9 +385,32 @@ def pdb(spec: ServiceSpec) -> dict[str, Any]:
     }
 
 
+def ingress(spec: ServiceSpec) -> dict[str, Any] | None:
+    """spec.ingress: the Service's http port behind the cluster's ingress controller (OpenAI clients
+    and agents outside the cluster reach /v1 through it)."""
+    if spec.ingress is None:
+        return None
+    ing = spec.ingress
+    backend = {"service": {"name": spec.name, "port": {"name": "http"}}}
+    rule: dict[str, Any] = {"http": {"paths": [{"path": ing.path, "pathType": "Prefix", "backend": backend}]}}
+    if ing.host:
+        rule["host"] = ing.host
+    body: dict[str, Any] = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "Ingress",
+        "metadata": _meta(spec) | ({"annotations": dict(ing.annotations)} if ing.annotations else {}),
+        "spec": {"rules": [rule]},
+    }
+    if ing.class_name:
+        body["spec"]["ingressClassName"] = ing.class_name
+    if ing.tls_secret_name:
+        body["spec"]["tls"] = [{"hosts": [ing.host] if ing.host else [], "secretName": ing.tls_secret_name}]
+    return body
+
+
 def children(spec: ServiceSpec, decision: Decision, config: OperatorConfig) -> list[dict[str, Any]]:
     """Every object this InferenceService should own, in apply order."""
-    objects = [service(spec), pdb(spec), deployment(spec, decision, config), hpa(spec)]
+    objects = [service(spec), pdb(spec), deployment(spec, decision, config), hpa(spec), ingress(spec)]
     return [o for o in objects if o is not None]
 
 

@@ -28,8 +28,10 @@ CHILD_KINDS = (
     ("policy/v1", "PodDisruptionBudget"),
     ("apps/v1", "Deployment"),
     ("autoscaling/v2", "HorizontalPodAutoscaler"),
+    ("networking.k8s.io/v1", "Ingress"),
 )
 WORKLOAD_KINDS = {"Deployment", "HorizontalPodAutoscaler"}
+OPTIONAL_KINDS = {"Ingress"}  # removed as soon as the spec stops asking for it
 _RUNNING = ("gpu", "precision", "tensorParallelSize", "kvCacheDtype")  # status.profile of a workload
 
 
@@ -191,7 +193,7 @@ def reconcile(body: Mapping[str, Any], kube: Kube, config: OperatorConfig, now: 
                 if (
                     kind in owned
                     and kind not in wanted
-                    and (kind in WORKLOAD_KINDS or not decision.is_selected)
+                    and (kind in WORKLOAD_KINDS or kind in OPTIONAL_KINDS or not decision.is_selected)
                 ):
                     kube.delete(api, kind, spec.namespace, spec.name)
                     events.append(Event("Normal", "Deleted", f"deleted {kind} {spec.name}: no longer wanted"))

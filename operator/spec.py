@@ -74,6 +74,18 @@ class ModelCache:
 
 
 @dataclasses.dataclass(frozen=True)
+class Ingress:
+    """spec.ingress: a networking.k8s.io/v1 Ingress to the Service's http port (an ingress controller
+    of the cluster serves it)."""
+
+    host: str | None = None
+    class_name: str | None = None
+    path: str = "/"
+    annotations: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    tls_secret_name: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Autoscaling:
     min_replicas: int
     max_replicas: int
@@ -126,6 +138,7 @@ class ServiceSpec:
     service_annotations: Mapping[str, str] = dataclasses.field(default_factory=dict)
     volumes: tuple[Mapping[str, Any], ...] = ()  # core/v1 Volume, added to the pod
     volume_mounts: tuple[Mapping[str, Any], ...] = ()  # core/v1 VolumeMount, added to the server container
+    ingress: Ingress | None = None
 
     def profile_request(self) -> ProfileRequest:
         return ProfileRequest(
@@ -285,6 +298,18 @@ def _volumes(raw: Mapping[str, Any]) -> tuple[tuple[Mapping[str, Any], ...], tup
     return volumes, mounts
 
 
+def _ingress(raw: Mapping[str, Any] | None) -> Ingress | None:
+    if raw is None:
+        return None
+    return Ingress(
+        host=raw.get("host"),
+        class_name=raw.get("className"),
+        path=raw.get("path", "/"),
+        annotations=_string_map(raw.get("annotations"), "ingress.annotations", ()),
+        tls_secret_name=raw.get("tlsSecretName"),
+    )
+
+
 def _precision(value: str | None, where: str) -> str | None:
     # Objects stored before int8 left the CRD's enum still carry it.
     if value is not None and value not in PRECISIONS:
@@ -352,6 +377,7 @@ def parse_spec(body: Mapping[str, Any]) -> ServiceSpec:
         ),
         volumes=volumes,
         volume_mounts=volume_mounts,
+        ingress=_ingress(spec.get("ingress")),
     )
 
 

@@ -11,7 +11,6 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -135,7 +134,7 @@ def test_rbac_covers_every_kind_the_operator_writes() -> None:
         need = {"get", "list", "watch"}
         if kind not in kube.READ_ONLY:
             need |= {"patch", "delete"}  # server-side apply creates with patch
-        if kind in ("Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget"):
+        if kind in ("Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget", "Ingress"):
             need.add("update")  # a child drifted where apply cannot undo it is replaced
         assert need <= granted.get((group, plural), set()), (kind, granted.get((group, plural)))
     assert "patch" in granted[("serving.pagoda.dev", "inferenceservices/status")]
@@ -260,8 +259,11 @@ def test_dcgm_recording_rule_maps_the_exported_labels() -> None:
 
 
 def _spec() -> Any:
-    """Enough of a ServiceSpec for the label and Service builders (they read the name and namespace)."""
-    return SimpleNamespace(name="x", namespace="ns")
+    """A ServiceSpec named x in ns, for the label and Service builders."""
+    from pagoda.operator.spec import parse_spec
+
+    model = {"name": "llama-3.1-8b", "source": {"imagePath": "/m"}}
+    return parse_spec({"metadata": {"name": "x", "namespace": "ns"}, "spec": {"model": model}})
 
 
 @needs_helm

@@ -394,3 +394,48 @@ def test_extra_volumes_and_mounts_from_the_spec() -> None:
             parse_spec(body(volumes=volumes, volumeMounts=mounts))
     ok = parse_spec(body(volumes=[templates], volumeMounts=[{"name": "templates", "mountPath": "/models2"}]))
     assert ok.volume_mounts[0]["mountPath"] == "/models2"  # a neighbour of /models, not inside it
+
+
+def test_an_ingress_when_the_spec_asks_for_one() -> None:
+    assert manifests.ingress(parse_spec(body())) is None
+    assert [o["kind"] for o in manifests.children(parse_spec(body()), decision(), CONFIG)] == [
+        "Service",
+        "PodDisruptionBudget",
+        "Deployment",
+    ]
+    spec = parse_spec(
+        body(
+            ingress={
+                "host": "llm.example.com",
+                "className": "nginx",
+                "annotations": {"a": "b"},
+                "tlsSecretName": "cert",
+            }
+        )
+    )
+    ing = manifests.ingress(spec)
+    assert (
+        ing is not None and ing["metadata"]["name"] == "llm" and ing["metadata"]["annotations"] == {"a": "b"}
+    )
+    assert ing["spec"] == {
+        "rules": [
+            {
+                "host": "llm.example.com",
+                "http": {
+                    "paths": [
+                        {
+                            "path": "/",
+                            "pathType": "Prefix",
+                            "backend": {"service": {"name": "llm", "port": {"name": "http"}}},
+                        }
+                    ]
+                },
+            }
+        ],
+        "ingressClassName": "nginx",
+        "tls": [{"hosts": ["llm.example.com"], "secretName": "cert"}],
+    }
+    bare = manifests.ingress(parse_spec(body(ingress={"path": "/llm"})))
+    assert bare is not None and "host" not in bare["spec"]["rules"][0] and "tls" not in bare["spec"]
+    assert bare["spec"]["rules"][0]["http"]["paths"][0]["path"] == "/llm"
+    assert manifests.children(spec, decision(), CONFIG)[-1]["kind"] == "Ingress"

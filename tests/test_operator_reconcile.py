@@ -517,3 +517,13 @@ def test_the_download_job_runs_where_the_service_may() -> None:
         {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
     ]
     assert pod_spec["containers"][0]["resources"] == {"limits": {"cpu": "2"}}
+
+
+def test_an_ingress_comes_and_goes_with_the_spec() -> None:
+    kube = FakeKube([H100])
+    body = inference_service(ingress={"host": "llm.example.com"})
+    run(kube, body)
+    assert ("Ingress", "ns", "llm") in kube.objects
+    run(kube, inference_service())
+    assert ("Ingress", "ns", "llm") not in kube.objects and "delete Ingress" in kube.writes
+    assert ("Service", "ns", "llm") in kube.objects  # the rest stays
