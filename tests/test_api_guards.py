@@ -218,3 +218,10 @@ def test_content_length_against_a_limit_of_one_and_of_none() -> None:
     )
     fits = asyncio.run(_body_under_deadline([(0.0, b"xy")], timeout_s=5, max_bytes=0, headers=declared))
     assert fits[1]["body"] == b"2"  # a limit of 0 is no limit, whatever the header says
+
+
+def test_only_content_length_counts_as_the_declared_size() -> None:
+    """Other headers with large numbers, sorting before and after content-length, say nothing of the body."""
+    numbers = [(b"accept-count", b"999999"), (b"x-request-size", b"999999"), (b"content-length", b"2")]
+    fits = asyncio.run(_body_under_deadline([(0.0, b"xy")], timeout_s=0, max_bytes=10, headers=numbers))
+    assert fits[0]["status"] == 200 and fits[1]["body"] == b"2"
