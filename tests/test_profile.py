@@ -401,3 +401,44 @@ def test_every_refusal_names_its_cause(model: str, kinds: list, kwargs: dict, us
     d = select_profile(ProfileRequest(resolve(model), **kwargs), groups)
     assert d.is_selected == (cause is None), d.reason
     assert d.cause == cause, d.reason
+
+
+def test_a_reason_states_sizes_how_the_precision_was_chosen_and_which_preference() -> None:
+    from pagoda.operator.profile import GIB, KV_RESERVE_TOKENS
+
+    shape = resolve("llama-3.1-8b")
+    weights = shape.num_params  # fp8: one byte a parameter
+    kv = max(shape.kv_bytes_per_token(2) * KV_RESERVE_TOKENS, 0.10 * weights)  # a 16-bit KV cache
+    sizes = f"{weights / GIB:.1f} GiB weights + {kv / GIB:.1f} GiB KV reserve"
+    auto = decide("llama-3.1-8b", [node("H100")])
+    assert (
+        auto.reason
+        == f"8B fp8 (auto: compute capability 9.0), TP 1: {sizes} fits 1 x NVIDIA-H100-80GB-HBM3 (80 GiB)"
+    )
+    assert "fp8 (requested), TP 1" in decide("llama-3.1-8b", [node("H100")], precision="fp8").reason
+    preferred = decide("llama-3.1-8b", [node("H100"), node("L40S")], preferences=(GpuPreference("L40S"),))
+    assert preferred.reason.endswith("; preference 1: L40S"), preferred.reason
+
+
+def test_the_kv_cache_keeps_the_precisions_16_bit_type_unless_fp8_is_asked() -> None:
+    from pagoda.operator.profile import kv_cache_dtype
+
+    assert [kv_cache_dtype(p) for p in ("fp16", "bf16", "fp8", "fp32")] == ["fp16", "bf16", "bf16", "bf16"]
+    assert kv_cache_dtype("fp16", "fp8") == "fp8"
+
+
+def test_among_fitting_groups_the_newer_minor_capability_ranks_first_and_the_others_are_named() -> None:
+    """Same TP and major capability: 8.9 before 8.6; every other fitting group is a rejection saying so."""
+    ampere = node("L40S", "a6000", product="NVIDIA-RTX-A6000")
+    ampere["metadata"]["labels"]["nvidia.com/gpu.compute.minor"] = "6"
+    d = decide("llama-3.1-8b", [ampere, node("L40S")], precision="bf16")
+    assert d.is_selected and d.gpu is not None and d.gpu.product == "NVIDIA-L40S", d.reason
+    (rejected,) = d.rejected
+    assert "NVIDIA-RTX-A6000" in rejected.candidate and rejected.reason == "fits at TP 1, ranked lower"
+
+
+def test_nothing_fits_names_the_node_with_the_most_memory_in_all() -> None:
+    """Eight 22 GiB GPUs hold more than one 80 GiB GPU: the message names the larger node."""
+    d = decide("llama-3.1-405b", [node("H100", "one", allocatable=1), node("L4", "eight", allocatable=8)])
+    assert not d.is_selected
+    assert "largest node has 8 x 22 GiB (NVIDIA-L4)" in d.reason, d.reason
