@@ -38,6 +38,8 @@ SETTINGS: list[dict[str, float | int]] = [
     {"repetition_penalty": 0.8, "temperature": 0.5},
     {"presence_penalty": 0.5, "frequency_penalty": 0.3},
     {"presence_penalty": -1.0, "frequency_penalty": 1.5, "top_p": 0.95},
+    {"presence_penalty": 1.0},  # each alone: the penalties are applied when either is set
+    {"frequency_penalty": 0.7},
     {"temperature": 2.0, "top_k": 1},
 ]
 
