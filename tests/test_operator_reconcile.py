@@ -527,3 +527,24 @@ def test_an_ingress_comes_and_goes_with_the_spec() -> None:
     run(kube, inference_service())
     assert ("Ingress", "ns", "llm") not in kube.objects and "delete Ingress" in kube.writes
     assert ("Service", "ns", "llm") in kube.objects  # the rest stays
+
+
+def test_drift_apply_cannot_undo_is_replaced_even_when_it_wedges_the_dry_run() -> None:
+    kube = FakeKube([H100])
+    run(kube, inference_service())
+    edit = {
+        "manager": "kubectl-edit",
+        "operation": "Update",
+        "fieldsV1": {"f:spec": {"f:ports": {'k:{"port":9000,"protocol":"TCP"}': {".": {}}}}},
+    }
+    kube.objects[("Service", "ns", "llm")]["metadata"]["managedFields"] = [edit]
+    kube.refuse[("Service", True)] = KubeError(422, "PATCH", "/svc", {"message": 'Duplicate value: "http"'})
+    result = run(kube, inference_service())
+    assert "replace Service" in kube.writes
+    assert [e.reason for e in result.events if e.reason == "DriftCorrected"] == ["DriftCorrected"]
+    assert conditions(result)[status_mod.READY][1] != "InvalidSpec"
+    # Without drift of another manager, a refused dry run is the spec's fault: reported, nothing replaced.
+    kube.objects[("Service", "ns", "llm")]["metadata"].pop("managedFields", None)
+    kube.writes.clear()
+    assert conditions(run(kube, inference_service()))[status_mod.READY][1] == "InvalidSpec"
+    assert "replace Service" not in kube.writes

@@ -88,7 +88,19 @@ class FakeKube:
         self.objects[key] = stored
         return copy.deepcopy(stored)
 
-    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+    def replace(self, obj: dict, dry_run: bool = False) -> dict:
+        """A PUT: the object as given replaces the stored one (no managedFields kept)."""
+        self._call("replace")
+        if dry_run:
+            return copy.deepcopy(obj)
+        key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
+        self.writes.append(f"replace {obj['kind']}")
+        self.objects[key] = copy.deepcopy(obj)
+        return copy.deepcopy(obj)
+
+    def delete(
+        self, api_version: str, kind: str, namespace: str, name: str, propagation: str = "Background"
+    ) -> None:
         self._call("delete")
         self.writes.append(f"delete {kind}")
         self.objects.pop((kind, namespace, name), None)
