@@ -10,7 +10,13 @@ import torch
 
 from pagoda.service.engine.core.request import Request
 from pagoda.service.engine.core.scheduler import GrammarBitmask
-from pagoda.service.engine.runner.sampler import Sampler, _token_counts, apply_token_bitmask, unpack_forbidden
+from pagoda.service.engine.runner.sampler import (
+    BitmaskStaging,
+    Sampler,
+    _token_counts,
+    apply_token_bitmask,
+    unpack_forbidden,
+)
 from pagoda.service.sampling_params import SamplingParams
 
 VOCAB = 100
@@ -40,7 +46,7 @@ def test_apply_token_bitmask_keeps_exactly_the_allowed_tokens() -> None:
     rng = np.random.default_rng(0)
     bitmask = rng.integers(-(2**31), 2**31, size=(2, words), dtype=np.int32)
     logits = torch.randn(3, vocab)
-    masked = apply_token_bitmask(logits.clone(), [0, 2], bitmask)
+    masked = apply_token_bitmask(logits.clone(), [0, 2], torch.from_numpy(bitmask))
     bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little").astype(bool)
     for row, mask_row in ((0, 0), (2, 1)):
         allowed = torch.from_numpy(np.concatenate([bits[mask_row], np.zeros(vocab - 96, dtype=bool)]))
@@ -55,7 +61,7 @@ def test_a_bitmask_wider_than_the_vocabulary_is_cut_to_it() -> None:
     """A padded vocabulary's mask has more bits than the logits have columns (4 words, 100 tokens)."""
     logits = torch.randn(2, VOCAB)
     bitmask = np.stack([_mask([3, 99], words=4), _mask([0, 64], words=4)])
-    masked = apply_token_bitmask(logits.clone(), [0, 1], bitmask)  # every row: the whole-batch path
+    masked = apply_token_bitmask(logits.clone(), [0, 1], torch.from_numpy(bitmask))  # every row
     assert masked.shape == (2, VOCAB)
     assert torch.isfinite(masked[0]).nonzero().flatten().tolist() == [3, 99]
     assert torch.isfinite(masked[1]).nonzero().flatten().tolist() == [0, 64]
@@ -231,3 +237,72 @@ def test_top_p_keeps_the_smallest_set_that_reaches_it_exactly() -> None:
         r.token_id for r in Sampler(VOCAB, {EOS})(logits, [_request(both, i) for i in range(64)]).results()
     }
     assert got == {11, 42}
+
+
+def _unpinned(shape: tuple[int, int]) -> torch.Tensor:
+    """Test double for the page-locked allocation, which needs a GPU: plain host memory, same shape."""
+    return torch.empty(shape, dtype=torch.int32)
+
+
+def test_the_bitmask_staging_buffer_holds_the_mask_and_is_reused_until_it_no_longer_fits() -> None:
+    staging = BitmaskStaging(_unpinned)
+    rng = np.random.default_rng(4)
+    masks = {
+        rows: rng.integers(-(2**31), 2**31, size=(rows, words), dtype=np.int32)
+        for rows, words in ((1, 4), (64, 4), (3, 4), (65, 4), (2, 5))
+    }
+    first = staging.stage(masks[1])
+    assert np.array_equal(first.numpy(), masks[1])
+    buffer = first.data_ptr()
+    # Room for 64 rows from the first step; a smaller batch after a larger one reuses it too.
+    for rows in (64, 3):
+        staged = staging.stage(masks[rows])
+        assert staged.data_ptr() == buffer and np.array_equal(staged.numpy(), masks[rows])
+    grown = staging.stage(masks[65])  # past its room: a new, larger buffer
+    assert grown.data_ptr() != buffer and np.array_equal(grown.numpy(), masks[65])
+    assert staging.stage(masks[3][:, :4]).data_ptr() == grown.data_ptr()
+    other_width = staging.stage(masks[2])  # another vocabulary width: a buffer of that many words
+    assert other_width.shape == (2, 5) and np.array_equal(other_width.numpy(), masks[2])
+    assert other_width.data_ptr() != grown.data_ptr()
+    narrower = staging.stage(masks[64][:2, :3].copy())
+    assert narrower.shape == (2, 3) and np.array_equal(narrower.numpy(), masks[64][:2, :3])
+
+
+def test_a_staged_mask_masks_as_the_mask_itself_does() -> None:
+    logits = torch.randn(3, VOCAB)
+    bitmask = np.stack([_mask([1, 2, 3]), _mask([60, 61])])
+    staged = BitmaskStaging(_unpinned).stage(bitmask)
+    assert torch.equal(
+        apply_token_bitmask(logits.clone(), [0, 2], staged),
+        apply_token_bitmask(logits.clone(), [0, 2], torch.from_numpy(bitmask)),
+    )
+
+
+def test_a_logit_bias_of_minus_100_bans_the_token_outright() -> None:
+    logits = torch.zeros(2, VOCAB)
+    reqs = [_request(_greedy(logit_bias={4: -100, 5: -99.5})), _request(_greedy(logit_bias={4: -100.0}), 1)]
+    adjusted = Sampler(VOCAB, {EOS}).adjusted_logits(logits, reqs)
+    assert torch.isneginf(adjusted[:, 4]).all()
+    assert adjusted[0, 5] == -99.5  # only the floor itself is a ban
+
+
+def test_top_p_of_one_keeps_the_whole_tail_beside_a_row_that_filters() -> None:
+    """A float32 softmax can put the mass before a tail token at 1.0 exactly (rounding): top_p 1 must
+    still keep it, even when another row's top_p makes the batch sort and filter."""
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 0] = 30.0  # p(0) rounds to 1.0; every other token ~1e-13
+    reqs = [_request(SamplingParams(temperature=1.0, top_p=1.0), 0), _request(SamplingParams(top_p=0.5), 1)]
+    probs = Sampler(VOCAB, {EOS}).filtered_probs(logits, reqs)
+    assert (probs[0] > 0).all()
+    assert (probs[1] > 0).nonzero().flatten().tolist() == [0]
+
+
+def test_a_repetition_penalty_of_two_halves_positive_and_doubles_negative_logits_of_seen_tokens() -> None:
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 5] = 3.0  # in the prompt (5, 6, 7)
+    logits[:, 6] = -3.0
+    logits[:, 9] = 3.0  # never seen
+    reqs = [_request(_greedy(repetition_penalty=2.0), i) for i in range(2)]
+    adjusted = Sampler(VOCAB, {EOS}).adjusted_logits(logits, reqs)
+    assert adjusted[:, 5].tolist() == [1.5, 1.5] and adjusted[:, 6].tolist() == [-6.0, -6.0]
+    assert adjusted[:, 9].tolist() == [3.0, 3.0]

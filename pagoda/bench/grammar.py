@@ -99,18 +99,22 @@ def _mask_apply_ms(device: Any, vocab: int, rows: int, repeats: int = 50) -> flo
     import numpy as np
     import torch
 
-    from pagoda.service.engine.runner.sampler import Sampler, apply_token_bitmask
+    from pagoda.service.engine.runner.sampler import BitmaskStaging, apply_token_bitmask
 
     logits = torch.randn(rows, vocab, device=device)
     bitmask = np.random.default_rng(0).integers(
         -(2**31), 2**31, size=(rows, (vocab + 31) // 32), dtype=np.int32
     )
-    sampler = Sampler(vocab, set())  # its page-locked staging, as in a step
-    apply_token_bitmask(logits, list(range(rows)), bitmask, sampler.stage_bitmask(bitmask, logits.device))
+    staging = BitmaskStaging() if logits.device.type == "cuda" else None  # page-locked, as in a step
+
+    def bits() -> torch.Tensor:
+        return staging.stage(bitmask) if staging is not None else torch.from_numpy(bitmask)
+
+    apply_token_bitmask(logits, list(range(rows)), bits())
     _sync(device)
     start = time.perf_counter()
     for _ in range(repeats):
-        apply_token_bitmask(logits, list(range(rows)), bitmask, sampler.stage_bitmask(bitmask, logits.device))
+        apply_token_bitmask(logits, list(range(rows)), bits())
     _sync(device)
     return 1000 * (time.perf_counter() - start) / repeats
 

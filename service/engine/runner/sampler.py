@@ -11,6 +11,7 @@ tokens come back the same way, so the core can queue the next step before this o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,19 +22,22 @@ from pagoda.service.engine.core.scheduler import GrammarBitmask
 from pagoda.service.engine.messages import SampleResult
 from pagoda.service.grammar import LOGIT_BIAS_LIMIT
 
-_MASK_63 = (1 << 63) - 1
+
+def _pins(device: torch.device) -> bool:
+    """Whether copies to and from `device` go through page-locked host memory (a CUDA device's do)."""
+    return device.type == "cuda"
 
 
 def to_device(values: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small host list (or array) as a tensor on `device`, without waiting for the device's queue."""
     host = torch.as_tensor(values, dtype=dtype)
-    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+    return host.pin_memory().to(device, non_blocking=True) if _pins(device) else host
 
 
 def _to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
     """Copies of device tensors into page-locked host memory, queued behind what computes them; the
     event says when they have landed."""
-    if not tensors or tensors[0].device.type == "cpu":
+    if not _pins(tensors[0].device):
         return tensors, None
     host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
     for h, t in zip(host, tensors, strict=True):
@@ -49,7 +53,7 @@ class SampledBatch:
     reads its input ids from it before the host has seen them."""
 
     tokens: torch.Tensor  # [rows] int64, on the device
-    _host: list[torch.Tensor]  # tokens, and when asked for: chosen log-probabilities, top values, top ids
+    _host: list[torch.Tensor]  # tokens, and when a row asked for them: chosen logprobs, top values, top ids
     _ready: torch.cuda.Event | None
     _num_logprobs: list[int | None]  # per row
 
@@ -57,9 +61,10 @@ class SampledBatch:
         """Wait for this batch's copies (not for later work on the device) and build the results."""
         if self._ready is not None:
             self._ready.synchronize()
-        results = [SampleResult(t) for t in self._host[0].tolist()]
-        if len(self._host) > 1:
-            chosen, top_vals, top_ids = (h.tolist() for h in self._host[1:])
+        tokens, *logprobs = (h.tolist() for h in self._host)
+        results = [SampleResult(t) for t in tokens]
+        if logprobs:
+            chosen, top_vals, top_ids = logprobs
             for i, k in enumerate(self._num_logprobs):
                 if k is not None:
                     results[i].logprob = chosen[i]
@@ -68,16 +73,17 @@ class SampledBatch:
 
 
 def _token_counts(rows: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[num_rows, vocab_size] occurrence counts of each row's tokens."""
-    width = max((len(r) for r in rows), default=0)
-    counts = torch.zeros(len(rows), vocab_size + 1, device=device)
+    """[num_rows, vocab_size] occurrence counts of each row's tokens (`rows` not empty)."""
+    width = max(len(r) for r in rows)
+    counts = torch.zeros(len(rows), vocab_size, device=device)
     if width:
-        padded = torch.full((len(rows), width), vocab_size, dtype=torch.long)  # pad into a spare column
+        ids = torch.zeros((len(rows), width), dtype=torch.long)  # padding: token 0, counted with weight 0
+        weights = torch.zeros((len(rows), width))
         for i, r in enumerate(rows):
-            padded[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        ones = torch.ones(len(rows), width, device=device)
-        counts.scatter_add_(1, to_device(padded, torch.long, device), ones)
-    return counts[:, :vocab_size]
+            ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+            weights[i, : len(r)] = 1.0
+        counts.scatter_add_(1, to_device(ids, torch.long, device), to_device(weights, torch.float32, device))
+    return counts
 
 
 def _apply_logit_bias(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
@@ -104,50 +110,57 @@ def unpack_forbidden(bitmask: torch.Tensor) -> torch.Tensor:
     return ((~bitmask).unsqueeze(-1) >> shifts).bitwise_and_(1).bool().flatten(1)
 
 
-def apply_token_bitmask(
-    logits: torch.Tensor, rows: list[int], bitmask: np.ndarray, staged: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Set to -inf the logits of tokens a row's grammar forbids. `bitmask`: int32 [len(rows), words],
-    bit t of a row allows token t; tokens past its 32 * words bits are forbidden.
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bits: torch.Tensor) -> torch.Tensor:
+    """Set to -inf the logits of tokens a row's grammar forbids. `bits`: int32 [len(rows), words] on the
+    host (page-locked when bound for a GPU), bit t of a row allows token t; tokens past its 32 * words
+    bits are forbidden.
 
     On a GPU the bits travel (4 bytes per 32 tokens per row: 6 KiB for a 49k vocabulary) and unpack
     there in one batched op; on the CPU numpy unpacks them (0.06 ms for 16 rows x 49k tokens, where
     torch's shift-and-mask takes 14 ms)."""
     device, vocab = logits.device, logits.shape[1]
-    if device.type == "cpu":
-        # Unpack the inverted words: set bits are then the forbidden tokens (little-endian words).
-        unpacked = np.unpackbits((~bitmask).view(np.uint8), axis=1, bitorder="little")
-        forbidden = torch.from_numpy(unpacked.view(np.bool_))
+    if _pins(device):
+        forbidden = unpack_forbidden(bits.to(device, non_blocking=True))
     else:
-        host = staged if staged is not None else torch.from_numpy(bitmask)  # `staged`: pinned, same values
-        forbidden = unpack_forbidden(host.to(device, non_blocking=True))
-    if forbidden.shape[1] < vocab:
-        forbidden = torch.nn.functional.pad(forbidden, (0, vocab - forbidden.shape[1]), value=True)
-    forbidden = forbidden[:, :vocab]
-    if len(rows) == logits.shape[0]:
-        return logits.masked_fill_(forbidden, float("-inf"))
+        # Unpack the inverted words: set bits are then the forbidden tokens (little-endian words).
+        unpacked = np.unpackbits((~bits.numpy()).view(np.uint8), axis=1, bitorder="little")
+        forbidden = torch.from_numpy(unpacked.view(np.bool_))
+    # Past the mask's bits everything is forbidden: pad by a whole vocabulary, then cut to it.
+    forbidden = torch.nn.functional.pad(forbidden, (0, vocab), value=True)[:, :vocab]
     index = to_device(rows, torch.long, device)
     logits[index] = logits[index].masked_fill_(forbidden, float("-inf"))
     return logits
+
+
+def _pinned_int32(shape: tuple[int, int]) -> torch.Tensor:
+    return torch.empty(shape, dtype=torch.int32, pin_memory=True)
+
+
+class BitmaskStaging:
+    """One host buffer for the grammar bitmasks bound for a GPU, reused across steps: page-locked,
+    because a copy from pageable memory would wait for the forward pass to finish first. The step syncs
+    before the next one reuses it. Room for 64 rows at first; it grows with the batch and follows the
+    number of words."""
+
+    def __init__(self, alloc: Callable[[tuple[int, int]], torch.Tensor] = _pinned_int32) -> None:
+        self._alloc = alloc
+        self._buffer: torch.Tensor | None = None
+
+    def stage(self, bitmask: np.ndarray) -> torch.Tensor:
+        """`bitmask` copied into the buffer: a view of its first rows."""
+        rows, words = bitmask.shape
+        if self._buffer is None or self._buffer.shape[0] < rows or self._buffer.shape[1] != words:
+            self._buffer = self._alloc((max(rows, 64), words))
+        staged = self._buffer[:rows]
+        staged.numpy()[:] = bitmask
+        return staged
 
 
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: set[int]) -> None:
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
-        self._pinned: torch.Tensor | None = None  # host staging for grammar bitmasks bound for a GPU
-
-    def stage_bitmask(self, bitmask: np.ndarray, device: torch.device) -> torch.Tensor | None:
-        """A page-locked copy of `bitmask` (reused across steps): a copy from pageable memory would
-        wait for the forward pass to finish first. The step syncs before the next one reuses it."""
-        if device.type != "cuda":
-            return None
-        rows, words = bitmask.shape
-        if self._pinned is None or self._pinned.shape[0] < rows or self._pinned.shape[1] != words:
-            self._pinned = torch.empty((max(rows, 64), words), dtype=torch.int32, pin_memory=True)
-        staged = self._pinned[:rows]
-        staged.numpy()[:] = bitmask
-        return staged
+        self._staging = BitmaskStaging()
 
     def __call__(
         self, logits: torch.Tensor, reqs: list[Request], grammar: GrammarBitmask | None = None
@@ -161,22 +174,22 @@ class Sampler:
 
         # Structured output last: whatever the biases did, only the grammar's tokens stay possible.
         if grammar is not None:
-            staged = self.stage_bitmask(grammar.bitmask, device)
-            logits = apply_token_bitmask(logits, grammar.rows, grammar.bitmask, staged)
+            mask = grammar.bitmask
+            bits = self._staging.stage(mask) if _pins(device) else torch.from_numpy(mask)
+            logits = apply_token_bitmask(logits, grammar.rows, bits)
 
-        num_logprobs = [p.logprobs for p in params]
-        widest = max((k for k in num_logprobs if k is not None), default=None)
-        logprobs = torch.log_softmax(logits, dim=-1) if widest is not None else None
-
-        tokens = logits.argmax(dim=-1)
+        tokens = logits.argmax(dim=1)
         greedy = [p.is_greedy for p in params]
         if not all(greedy):
             tokens = torch.where(to_device(greedy, torch.bool, device), tokens, self._sample(logits, reqs))
 
         wanted = [tokens]
-        if logprobs is not None and widest is not None:
+        num_logprobs = [p.logprobs for p in params]
+        widest = max((k for k in num_logprobs if k is not None), default=None)
+        if widest is not None:
+            logprobs = torch.log_softmax(logits, dim=1)
             chosen = logprobs.gather(1, tokens.view(-1, 1)).view(-1)
-            top_vals, top_ids = logprobs.topk(widest, dim=-1)
+            top_vals, top_ids = logprobs.topk(widest, dim=1)
             wanted += [chosen, top_vals, top_ids]
         host, ready = _to_host(wanted)
         return SampledBatch(tokens, host, ready, num_logprobs)
@@ -208,9 +221,9 @@ class Sampler:
             counts = _token_counts([r.output_token_ids for r in reqs], self.vocab_size, device)
             presence = to_device([p.presence_penalty for p in params], torch.float32, device).view(-1, 1)
             frequency = to_device([p.frequency_penalty for p in params], torch.float32, device).view(-1, 1)
-            logits = logits - presence * (counts > 0) - frequency * counts
+            logits = logits - presence * counts.bool() - frequency * counts
         if any(p.repetition_penalty != 1.0 for p in params):
-            seen = _token_counts([r.token_ids for r in reqs], self.vocab_size, device) > 0
+            seen = _token_counts([r.token_ids for r in reqs], self.vocab_size, device).bool()
             penalty = to_device([p.repetition_penalty for p in params], torch.float32, device).view(-1, 1)
             penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
             logits = torch.where(seen, penalized, logits)
@@ -223,10 +236,11 @@ class Sampler:
         noise = torch.empty_like(probs).exponential_()
         for i, r in enumerate(reqs):
             if r.params.seed is not None:
-                seed = hash((r.params.seed, r.index, r.num_output_tokens)) & _MASK_63
+                # hash() of ints is the same in every process; manual_seed takes its whole (signed) range.
+                seed = hash((r.params.seed, r.index, r.num_output_tokens))
                 generator = torch.Generator(device=device).manual_seed(seed)
                 noise[i] = torch.empty(self.vocab_size, device=device).exponential_(generator=generator)
-        return (probs / noise).argmax(dim=-1)
+        return (probs / noise).argmax(dim=1)
 
     def filtered_probs(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """[rows, vocab] what each row samples from, unnormalised after min-p: temperature, then top-k
@@ -241,19 +255,19 @@ class Sampler:
         # the tail (seen with torch 2.15, a row at temperature 0.7 beside top-p rows).
         top_p = [p.top_p if p.top_p < 1.0 else float("inf") for p in params]
         if any(k < self.vocab_size for k in top_k) or any(p < 1.0 for p in top_p):
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            sorted_logits, order = logits.sort(dim=1, descending=True)
             ranks = torch.arange(self.vocab_size, device=device).view(1, -1)
             drop = ranks >= to_device(top_k, torch.long, device).view(-1, 1)
-            probs_sorted = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+            probs_sorted = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=1)
             # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-            drop |= (probs_sorted.cumsum(dim=-1) - probs_sorted) >= to_device(
+            drop |= (probs_sorted.cumsum(dim=1) - probs_sorted) >= to_device(
                 top_p, torch.float32, device
             ).view(-1, 1)
             logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
-        probs = logits.softmax(dim=-1)
+        probs = logits.softmax(dim=1)
         min_p = [p.min_p for p in params]
         if any(m > 0 for m in min_p):
-            floor = probs.max(dim=-1, keepdim=True).values * to_device(min_p, torch.float32, device)[:, None]
+            floor = probs.max(dim=1, keepdim=True).values * to_device(min_p, torch.float32, device)[:, None]
             probs = probs.masked_fill(probs < floor, 0.0)
         return probs
