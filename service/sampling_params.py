@@ -1,4 +1,6 @@
-"""How one request is sampled and when it stops. Validated before a request reaches the scheduler."""
+"""How one request is sampled and when it stops. Checked once, when built (as vLLM's are): every
+transport (HTTP, gRPC, the offline `LLM`) builds one, and what depends on the model (the vocabulary, the
+context length) is the input processor's to check."""
 
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ class SamplingParams:
             self.stop = [self.stop]
         if self.top_k == -1:
             self.top_k = 0
+        self.validate()
 
     @property
     def is_greedy(self) -> bool:

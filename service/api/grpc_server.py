@@ -56,7 +56,7 @@ SERVING_STATES = {
 
 
 def sampling_params(msg: pb.SamplingParameters) -> SamplingParams:
-    params = SamplingParams(
+    return SamplingParams(
         n=msg.n or 1,
         temperature=msg.temperature if msg.HasField("temperature") else 1.0,
         top_p=msg.top_p if msg.HasField("top_p") else 1.0,
@@ -75,8 +75,6 @@ def sampling_params(msg: pb.SamplingParameters) -> SamplingParams:
         grammar=grammar_from_proto(msg),
         logit_bias=dict(msg.logit_bias) or None,
     )
-    params.validate()
-    return params
 
 
 def _chat_message(m: pb.ChatMessage) -> dict[str, Any]:

@@ -97,7 +97,7 @@ class _Request(StructuredOutputFields):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", "stream_options")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        params = SamplingParams(
+        return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -117,8 +117,6 @@ class _Request(StructuredOutputFields):
             grammar=self.grammar(),
             logit_bias=self.token_bias(),
         )
-        params.validate()
-        return params
 
 
 class StreamOptions(BaseModel):

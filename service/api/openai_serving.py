@@ -199,8 +199,8 @@ class OpenAIServing:
 
     async def _start(self, prompts: list[str | list[int]], request: Any) -> tuple[list[Any], list[Any]]:
         """Admit, validate and start one engine request per prompt; return (streams, first outputs).
-        Any error surfaces here, before a response (or an SSE stream) begins."""
-        self.client.check_model(request.model)
+        Any error surfaces here, before a response (or an SSE stream) begins. The caller has checked the
+        model name."""
         try:
             params = request.sampling_params()
         except InvalidRequestError as exc:

@@ -29,8 +29,8 @@ class InputProcessor:
         self.max_model_len = max_model_len
 
     def process(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
-        """The prompt's token ids; `InvalidRequestError` naming the field when the request cannot run."""
-        params.validate()
+        """The prompt's token ids; `InvalidRequestError` naming the field when the request cannot run on
+        this model (`params` checked their own fields when built)."""
         self._check_token_params(params)
         if isinstance(prompt, str):
             check_text_fits(prompt, self.max_model_len, self.tokenizer)
