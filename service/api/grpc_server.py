@@ -150,8 +150,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 plan = (
                     _tool_plan(request.chat) if request.WhichOneof("prompt") == "chat" else ToolPlan("none")
                 )
+                params = sampling_params(request.sampling)  # checked before the prompt is rendered
                 prompt = await self._prompt(request, plan)
-                params = sampling_params(request.sampling)
                 if plan.grammar is not None:
                     if params.grammar is not None:
                         raise InvalidRequestError(

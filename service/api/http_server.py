@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from msgspec import Struct
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda import __version__
@@ -22,6 +23,7 @@ from pagoda.service.api.openai_protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagoda.service.api.openai_responses import ErrorBody, ErrorResponse, encode
 from pagoda.service.api.openai_serving import OpenAIServing
 from pagoda.service.metrics import CONTENT_TYPE
 
@@ -42,9 +44,14 @@ def error_response(
     param: str | None = None,
     code: str | None = None,
     **headers: str,
-) -> JSONResponse:
-    body = {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers or None)
+) -> Response:
+    body = ErrorResponse(ErrorBody(message, error_type, param, code))
+    return json_response(body, status, headers or None)
+
+
+def json_response(body: Struct, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """A typed response body (openai_responses.py), encoded by msgspec rather than FastAPI's encoder."""
+    return Response(encode(body), status_code=status, headers=headers, media_type="application/json")
 
 
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
@@ -76,13 +83,13 @@ def build_app(
         )
 
     @app.exception_handler(APIError)
-    async def on_api_error(_: Request, exc: APIError) -> JSONResponse:
+    async def on_api_error(_: Request, exc: APIError) -> Response:
         status, error_type = HTTP_ERRORS[exc.kind]
         headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else {}
         return error_response(status, exc.message, error_type, exc.param, exc.code, **headers)
 
     @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> Response:
         client.metrics.count_error("invalid_request")
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
@@ -93,13 +100,13 @@ def build_app(
         return error_response(400, message, "invalid_request_error", param)
 
     @app.exception_handler(Exception)
-    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def on_unexpected(_: Request, exc: Exception) -> Response:
         # Still JSON in OpenAI's shape; the traceback goes to the log (Starlette logs it after this).
         client.metrics.count_error("internal")
         return error_response(500, f"Internal server error: {type(exc).__name__}", "internal_server_error")
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> Response:
         error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return error_response(exc.status_code, str(exc.detail), error_type)
 
@@ -120,31 +127,31 @@ def build_app(
         return Response(client.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return serving.models()
+    async def models() -> Response:
+        return json_response(serving.models())
 
     @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str) -> dict[str, Any]:
-        return serving.model(model_id)
+    async def model(model_id: str) -> Response:
+        return json_response(serving.model(model_id))
 
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
     @app.post("/tokenize")
-    async def tokenize(request: TokenizeRequest) -> dict[str, Any]:
-        return await serving.tokenize(request)
+    async def tokenize(request: TokenizeRequest) -> Response:
+        return json_response(await serving.tokenize(request))
 
     @app.post("/detokenize")
-    async def detokenize(request: DetokenizeRequest) -> dict[str, Any]:
-        return await serving.detokenize(request)
+    async def detokenize(request: DetokenizeRequest) -> Response:
+        return json_response(await serving.detokenize(request))
 
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat(request: ChatCompletionRequest, raw: Request) -> Response | dict[str, Any]:
+    @app.post("/v1/chat/completions")
+    async def chat(request: ChatCompletionRequest, raw: Request) -> Response:
         return _respond(await _unless_disconnected(raw, serving.chat(request)))
 
-    @app.post("/v1/completions", response_model=None)
-    async def completions(request: CompletionRequest, raw: Request) -> Response | dict[str, Any]:
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest, raw: Request) -> Response:
         return _respond(await _unless_disconnected(raw, serving.completions(request)))
 
     return app
@@ -173,8 +180,10 @@ async def _unless_disconnected(raw: Request, work: Awaitable[Any]) -> Any:
     return task.result()
 
 
-def _respond(result: Any) -> Response | dict[str, Any]:
-    if isinstance(result, dict | Response):
+def _respond(result: Any) -> Response:
+    if isinstance(result, Response):
         return result
+    if isinstance(result, Struct):
+        return json_response(result)
     # A client that goes away cancels this stream; closing it aborts the engine request.
     return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -6,7 +6,7 @@ define are ignored (`extra="ignore"`). Tools are tool_calls.py's. Structured out
 (`response_format`, vLLM's `guided_*`) and `logit_bias` come from `StructuredOutputFields`
 (structured_output.py). A few vLLM extensions
 (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`) are honoured.
-Responses are plain dicts built in openai_serving.py.
+Responses are typed msgspec Structs (openai_responses.py), built in openai_serving.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """OpenAI chat and text completions over the engine client: request → prompt + SamplingParams, and
-RequestOutputs → OpenAI response objects or SSE chunks. No engine logic; errors are APIError.
+RequestOutputs → OpenAI response objects (openai_responses.py) or SSE chunks. No engine logic; errors
+are APIError.
 """
 
 from __future__ import annotations
@@ -8,9 +9,9 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-import msgspec
+from msgspec import UNSET
 
 from pagoda.service.api.engine_client import APIError, EngineClient, ServingState, now_s
 from pagoda.service.api.openai_protocol import (
@@ -19,35 +20,51 @@ from pagoda.service.api.openai_protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from pagoda.service.api.openai_responses import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatLogprobs,
+    ChatMessage,
+    ChatTokenLogprob,
+    Chunk,
+    Completion,
+    CompletionChoice,
+    CompletionChunkChoice,
+    CompletionLogprobs,
+    Detokenized,
+    ErrorBody,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    TokenLogprob,
+    Tokens,
+    Usage,
+    encode,
+)
 from pagoda.service.api.tool_calls import ParserName, ToolCallStream, ToolPlan, parse_calls
 from pagoda.service.errors import InvalidRequestError
 from pagoda.service.outputs import Logprob, RequestOutput
+from pagoda.service.sampling_params import SamplingParams
 
 _DONE = object()
 
 
-_json = msgspec.json.Encoder()  # ~10x json.dumps per streamed chunk, UTF-8 out as the stream needs
-
-
-def sse(payload: dict[str, Any] | str) -> bytes:
-    data = payload.encode() if isinstance(payload, str) else _json.encode(payload)
+def sse(payload: Chunk | ErrorResponse | str) -> bytes:
+    data = payload.encode() if isinstance(payload, str) else encode(payload)
     return b"data: " + data + b"\n\n"
 
 
-def error_event(exc: APIError) -> dict[str, Any]:
-    return {"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.code}}
+def error_event(exc: APIError) -> ErrorResponse:
+    return ErrorResponse(ErrorBody(exc.message, exc.kind, exc.param, exc.code))
 
 
-def _usage(outputs: list[RequestOutput]) -> dict[str, Any]:
+def _usage(outputs: list[RequestOutput]) -> Usage:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = sum(o.metrics.num_cached_tokens for o in outputs)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
+    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached))
 
 
 @dataclass(frozen=True)
@@ -57,62 +74,49 @@ class StreamChunks:
     every choice chunk has `"usage": null` and a last chunk with no choices has the usage, as OpenAI
     streams them."""
 
-    object: str  # "chat.completion.chunk" or "text_completion"
+    object: Literal["chat.completion.chunk", "text_completion"]
     response_id: str
     created: int
     model: str
     include_usage: bool
 
-    def _payload(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": self.response_id,
-            "object": self.object,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-
-    def choice(self, choice: dict[str, Any]) -> bytes:
-        payload = self._payload([choice])
-        if self.include_usage:
-            payload["usage"] = None
-        return sse(payload)
+    def choice(self, choice: ChatChunkChoice | CompletionChunkChoice) -> bytes:
+        usage = None if self.include_usage else UNSET
+        choices: Any = [choice]
+        return sse(Chunk(self.response_id, self.object, self.created, self.model, choices, usage))
 
     def usage(self, outputs: list[RequestOutput]) -> bytes:
-        return sse({**self._payload([]), "usage": _usage(outputs)})
+        return sse(Chunk(self.response_id, self.object, self.created, self.model, [], _usage(outputs)))
 
 
-def _chat_logprobs(logprobs: list[Logprob] | None) -> dict[str, Any] | None:
+def _chat_logprobs(logprobs: list[Logprob] | None) -> ChatLogprobs | None:
     if logprobs is None:
         return None
 
-    def entry(token: str, logprob: float) -> dict[str, Any]:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+    def top(lp: Logprob) -> list[TokenLogprob]:
+        return [TokenLogprob(t.token, t.logprob, list(t.token.encode("utf-8"))) for t in lp.top]
 
-    return {
-        "content": [
-            {**entry(lp.token, lp.logprob), "top_logprobs": [entry(t.token, t.logprob) for t in lp.top]}
-            for lp in logprobs
-        ]
-    }
+    return ChatLogprobs(
+        [ChatTokenLogprob(lp.token, lp.logprob, list(lp.token.encode("utf-8")), top(lp)) for lp in logprobs]
+    )
 
 
-def _completion_logprobs(logprobs: list[Logprob] | None, text_offset: int) -> dict[str, Any] | None:
+def _completion_logprobs(logprobs: list[Logprob] | None, text_offset: int) -> CompletionLogprobs | None:
     if logprobs is None:
         return None
     offsets = []
     for lp in logprobs:
         offsets.append(text_offset)
         text_offset += len(lp.token)
-    return {
-        "tokens": [lp.token for lp in logprobs],
-        "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{t.token: t.logprob for t in lp.top} for lp in logprobs],
-        "text_offset": offsets,
-    }
+    return CompletionLogprobs(
+        [lp.token for lp in logprobs],
+        [lp.logprob for lp in logprobs],
+        [{t.token: t.logprob for t in lp.top} for lp in logprobs],
+        offsets,
+    )
 
 
-def _prompt_logprobs(out: RequestOutput, client: EngineClient) -> dict[str, Any] | None:
+def _prompt_logprobs(out: RequestOutput, client: EngineClient) -> CompletionLogprobs | None:
     """The echoed prompt's part of a completion's `logprobs` (None for its first token)."""
     if out.prompt_logprobs is None:
         return None
@@ -121,14 +125,12 @@ def _prompt_logprobs(out: RequestOutput, client: EngineClient) -> dict[str, Any]
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [None if lp is None else lp.logprob for lp in out.prompt_logprobs],
-        "top_logprobs": [
-            None if lp is None else {t.token: t.logprob for t in lp.top} for lp in out.prompt_logprobs
-        ],
-        "text_offset": offsets,
-    }
+    return CompletionLogprobs(
+        tokens,
+        [None if lp is None else lp.logprob for lp in out.prompt_logprobs],
+        [None if lp is None else {t.token: t.logprob for t in lp.top} for lp in out.prompt_logprobs],
+        offsets,
+    )
 
 
 def _tool_finish(finish_reason: str | None, made_calls: bool) -> str | None:
@@ -136,40 +138,36 @@ def _tool_finish(finish_reason: str | None, made_calls: bool) -> str | None:
     return "tool_calls" if made_calls and finish_reason == "stop" else finish_reason
 
 
-def _join_logprobs(head: dict[str, Any] | None, tail: dict[str, Any] | None) -> dict[str, Any] | None:
+def _join_logprobs(
+    head: CompletionLogprobs | None, tail: CompletionLogprobs | None
+) -> CompletionLogprobs | None:
     if head is None or tail is None:
         return head or tail
-    return {key: head[key] + tail[key] for key in head}
+    return CompletionLogprobs(
+        head.tokens + tail.tokens,
+        head.token_logprobs + tail.token_logprobs,
+        head.top_logprobs + tail.top_logprobs,
+        head.text_offset + tail.text_offset,
+    )
 
 
 class OpenAIServing:
     def __init__(self, client: EngineClient) -> None:
         self.client = client
 
-    def models(self) -> dict[str, Any]:
+    def models(self) -> ModelList:
         if self.client.state is ServingState.LOADING:
             raise self.client.unavailable_error()
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": self.client.model_name,
-                    "object": "model",
-                    "created": now_s(),
-                    "owned_by": "pagoda",
-                    "max_model_len": self.client.max_model_len,
-                }
-            ],
-        }
+        return ModelList([ModelCard(self.client.model_name, now_s(), self.client.max_model_len)])
 
-    def model(self, model_id: str) -> dict[str, Any]:
+    def model(self, model_id: str) -> ModelCard:
         """`GET /v1/models/{id}`: the served model, or a 404 naming it."""
-        listed = self.models()["data"][0]
-        if model_id != listed["id"]:
+        listed = self.models().data[0]
+        if model_id != listed.id:
             self.client.check_model(model_id)
-        return listed  # type: ignore[no-any-return]
+        return listed
 
-    async def tokenize(self, request: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(self, request: TokenizeRequest) -> Tokens:
         self.client.check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
             self.client.metrics.count_error("invalid_request")
@@ -184,28 +182,21 @@ class OpenAIServing:
         else:
             assert request.prompt is not None
             tokens = await self.client.tokenize(request.prompt, request.add_special_tokens)
-        result: dict[str, Any] = {
-            "count": len(tokens),
-            "max_model_len": self.client.max_model_len,
-            "tokens": tokens,
-        }
+        result = Tokens(len(tokens), self.client.max_model_len, tokens)
         if request.return_token_strs:
-            result["token_strs"] = self.client.token_strings(tokens)
+            result.token_strs = self.client.token_strings(tokens)
         return result
 
-    async def detokenize(self, request: DetokenizeRequest) -> dict[str, Any]:
+    async def detokenize(self, request: DetokenizeRequest) -> Detokenized:
         self.client.check_model(request.model)
-        return {"prompt": await self.client.detokenize(request.tokens)}
+        return Detokenized(await self.client.detokenize(request.tokens))
 
-    async def _start(self, prompts: list[str | list[int]], request: Any) -> tuple[list[Any], list[Any]]:
-        """Admit, validate and start one engine request per prompt; return (streams, first outputs).
-        Any error surfaces here, before a response (or an SSE stream) begins. The caller has checked the
-        model name."""
-        try:
-            params = request.sampling_params()
-        except InvalidRequestError as exc:
-            self.client.metrics.count_error("invalid_request")
-            raise APIError("invalid_request", str(exc), param=exc.param) from exc
+    async def _start(
+        self, prompts: list[str | list[int]], params: SamplingParams
+    ) -> tuple[list[Any], list[Any]]:
+        """Admit and start one engine request per prompt; return (streams, first outputs). Any error
+        surfaces here, before a response (or an SSE stream) begins. The caller has checked the request
+        and its sampling parameters; the engine client checks each prompt against the model."""
         admission = self.client.admit(len(prompts))  # a batch is admitted whole, or not at all
         base_id = uuid.uuid4().hex
         streams = [
@@ -225,15 +216,15 @@ class OpenAIServing:
         return streams, results
 
     # ---- chat -----------------------------------------------------------------------------------------
-    async def chat(self, request: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:
+    async def chat(self, request: ChatCompletionRequest) -> ChatCompletion | AsyncIterator[bytes]:
         self.client.check_model(request.model)
         try:
-            messages, plan = request.chat_messages(), request.tool_plan
+            messages, plan, params = request.chat_messages(), request.tool_plan, request.sampling_params()
         except InvalidRequestError as exc:
             self.client.metrics.count_error("invalid_request")
             raise APIError("invalid_request", str(exc), param=exc.param) from exc
         prompt = await self.client.render_chat(messages, request.add_generation_prompt, plan.template_tools)
-        streams, firsts = await self._start([prompt], request)
+        streams, firsts = await self._start([prompt], params)
         response_id, created, model = f"chatcmpl-{uuid.uuid4().hex}", now_s(), self.client.model_name
         parser = self.client.tool_parser
         if request.stream:
@@ -244,27 +235,10 @@ class OpenAIServing:
         choices = []
         for c in final.outputs:
             content, calls = parse_calls(c.text, plan, parser)
-            message: dict[str, Any] = {"role": "assistant", "content": content}
-            if calls:
-                message["tool_calls"] = calls
-            choices.append(
-                {
-                    "index": c.index,
-                    "message": message,
-                    "logprobs": _chat_logprobs(c.logprobs),
-                    "finish_reason": _tool_finish(c.finish_reason, bool(calls)),
-                    "stop_reason": c.stop_reason,
-                }
-            )
-        return {
-            "id": response_id,
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "choices": choices,
-            "usage": _usage([final]),
-            "system_fingerprint": None,
-        }
+            message = ChatMessage("assistant", content, calls or UNSET)
+            finish = _tool_finish(c.finish_reason, bool(calls))
+            choices.append(ChatChoice(c.index, message, _chat_logprobs(c.logprobs), finish, c.stop_reason))
+        return ChatCompletion(response_id, created, model, choices, _usage([final]))
 
     async def _chat_stream(
         self,
@@ -280,11 +254,9 @@ class OpenAIServing:
         chunks = StreamChunks("chat.completion.chunk", response_id, created, model, request.include_usage)
 
         def chunk(
-            index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None
+            index: int, delta: dict[str, Any], logprobs: ChatLogprobs | None = None, finish: str | None = None
         ) -> bytes:
-            return chunks.choice(
-                {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            )
+            return chunks.choice(ChatChunkChoice(index, delta, logprobs, finish))
 
         last = first
         done: set[int] = set()
@@ -321,14 +293,14 @@ class OpenAIServing:
             await stream.aclose()  # type: ignore[attr-defined]
 
     # ---- text completions -------------------------------------------------------------------------------
-    async def completions(self, request: CompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:
+    async def completions(self, request: CompletionRequest) -> Completion | AsyncIterator[bytes]:
         self.client.check_model(request.model)
         try:
-            prompts = request.prompts()
+            prompts, params = request.prompts(), request.sampling_params()
         except InvalidRequestError as exc:
             self.client.metrics.count_error("invalid_request")
             raise APIError("invalid_request", str(exc), param=exc.param) from exc
-        streams, firsts = await self._start(prompts, request)
+        streams, firsts = await self._start(prompts, params)
         response_id, created, model = f"cmpl-{uuid.uuid4().hex}", now_s(), self.client.model_name
         echoes = [self._echo_text(p) if request.echo else "" for p in prompts]
         n = request.n
@@ -338,27 +310,16 @@ class OpenAIServing:
         choices = []
         for p, final in enumerate(finals):
             for c in final.outputs:
-                choices.append(
-                    {
-                        "index": p * n + c.index,
-                        "text": echoes[p] + c.text,
-                        "logprobs": _join_logprobs(
-                            _prompt_logprobs(final, self.client) if request.echo else None,
-                            _completion_logprobs(c.logprobs, len(echoes[p])),
-                        ),
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                    }
+                logprobs = _join_logprobs(
+                    _prompt_logprobs(final, self.client) if request.echo else None,
+                    _completion_logprobs(c.logprobs, len(echoes[p])),
                 )
-        return {
-            "id": response_id,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": choices,
-            "usage": _usage(list(finals)),
-            "system_fingerprint": None,
-        }
+                choices.append(
+                    CompletionChoice(
+                        p * n + c.index, echoes[p] + c.text, logprobs, c.finish_reason, c.stop_reason
+                    )
+                )
+        return Completion(response_id, created, model, choices, _usage(list(finals)))
 
     def _echo_text(self, prompt: str | list[int]) -> str:
         return prompt if isinstance(prompt, str) else self.client.decode(prompt)
@@ -396,14 +357,7 @@ class OpenAIServing:
                             logprobs = _join_logprobs(_prompt_logprobs(out, self.client), logprobs)
                         offsets[key] += len(prefix) + len(c.text_delta)
                         text = prefix + c.text_delta
-                        yield chunks.choice(
-                            {
-                                "index": p * n + c.index,
-                                "text": text,
-                                "logprobs": logprobs,
-                                "finish_reason": finish,
-                            }
-                        )
+                        yield chunks.choice(CompletionChunkChoice(p * n + c.index, text, logprobs, finish))
             if chunks.include_usage:
                 yield chunks.usage(lasts)
             yield sse("[DONE]")
