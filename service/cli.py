@@ -136,7 +136,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     flag(
         "--gpu-memory-utilization",
-        "Fraction of the GPU memory free after the weights that the KV cache takes.",
+        "Fraction of the GPU memory the engine uses, weights and KV cache included (as vLLM's).",
         0.9,
         float,
     )

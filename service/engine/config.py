@@ -31,7 +31,7 @@ class EngineConfig:
     # arriving prompts open in every running stream (inter-token latency), at some cost in TTFT.
     max_mixed_prefill_tokens: int = 0
     block_size: int = 16
-    gpu_memory_utilization: float = 0.9  # fraction of free device memory after the weights for the KV cache
+    gpu_memory_utilization: float = 0.9  # of the whole GPU memory: weights, KV cache, activations
     kv_cache_memory_bytes: int | None = None  # overrides the fraction; the CPU default is 512 MiB
     enable_prefix_caching: bool = True
     seed: int = 0

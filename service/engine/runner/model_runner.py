@@ -33,6 +33,17 @@ from pagoda.service.model.parallel import SINGLE_RANK, TPGroup
 logger = logging.getLogger(__name__)
 
 _CPU_DEFAULT_KV_BYTES = 512 << 20
+_CUDA_RESERVE_BYTES = 512 << 20  # the allocator's fragmentation, cuBLAS workspaces, NCCL buffers
+
+
+def kv_cache_budget(total: int, free: int, utilization: float, activations: int) -> int:
+    """Bytes for the KV cache on one GPU, as vLLM's `--gpu-memory-utilization` means it: the engine
+    uses `utilization` of the GPU's whole memory, weights and everything else included. What is in use
+    already (`total - free`: the weights once loaded, the CUDA context, other processes) comes out of
+    that share, then the activations of the largest step and a fixed reserve."""
+    return int(total * utilization) - (total - free) - activations - _CUDA_RESERVE_BYTES
+
+
 InputFill = Callable[[torch.Tensor], None]  # writes inputs the host does not have into a step's input ids
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -225,18 +236,19 @@ class ModelRunner:
         if cfg.kv_cache_memory_bytes is not None:
             budget = cfg.kv_cache_memory_bytes
         elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
             # Activations of the largest step and the sampler's float32 logits stay outside the cache.
             activations = cfg.max_num_batched_tokens * (4 * mc.hidden_size + 3 * mc.intermediate_size)
             activations = activations * element_size + 3 * cfg.max_num_seqs * mc.vocab_size * 4
-            budget = int(free * cfg.gpu_memory_utilization) - activations - (512 << 20)
+            budget = kv_cache_budget(total, free, cfg.gpu_memory_utilization, activations)
         else:
             budget = _CPU_DEFAULT_KV_BYTES
         num_blocks = budget // bytes_per_block
         if num_blocks < 1:
             raise ValueError(
                 f"no room for the KV cache: the budget is {budget / 2**20:.1f} MiB and one block of "
-                f"{cfg.block_size} tokens takes {bytes_per_block / 2**20:.2f} MiB"
+                f"{cfg.block_size} tokens takes {bytes_per_block / 2**20:.2f} MiB (--gpu-memory-utilization "
+                f"{cfg.gpu_memory_utilization} is the share of the whole GPU memory, the weights included)"
             )
         if agree_num_blocks is not None:
             num_blocks = agree_num_blocks(int(num_blocks))
