@@ -336,11 +336,12 @@ def test_killed_engine_fails_liveness_and_is_restarted(
 
 
 def test_operator_pod_from_the_chart_serves_an_inference_service(
-    cluster, real_node, real_images, operator, namespace, tmp_path
+    cluster, real_node, real_images, operator, namespace, tmp_path, metrics_pipeline
 ) -> None:
     """The operator as the chart deploys it: a pod of the operator image on the real node, with the chart's
     ServiceAccount and RBAC, reaching the API through the `kubernetes` Service; its default server image
-    is the real one. It serves an InferenceService that names no image."""
+    is the real one. It serves an InferenceService that names no image, and Prometheus scrapes its
+    metrics by the chart's operator PodMonitor (the dashboard's Operator row)."""
     operator.stop()  # the host process of the other tests: one operator at a time
     repo, tag = real_images["operator"].split(":")
     server_repo, server_tag = real_images["server"].split(":")
@@ -383,6 +384,7 @@ def test_operator_pod_from_the_chart_serves_an_inference_service(
 
     context = describe(cluster, RELEASE_NS, operator_log)
     wait_for("the operator pod Ready on the real node", operator_running, 120, lambda: context(""))
+    metrics_pipeline.scrape_operator_of(RELEASE, RELEASE_NS)
     isvc = inference_service("by-pod", real_images["server"])
     del isvc["spec"]["image"]  # the chart's default server image
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(isvc))
@@ -390,6 +392,15 @@ def test_operator_pod_from_the_chart_serves_an_inference_service(
     pod = server_pods(cluster, namespace, "by-pod")[0]
     assert pod["spec"]["containers"][0]["image"] == real_images["server"]
     assert "Paris" in ask(service_url(cluster, namespace, "by-pod"))
+    [operator_pod] = get(cluster, RELEASE_NS, "pods", "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]
+    pod_name = operator_pod["metadata"]["name"]
+    scraped = f'pagoda_operator_reconciles_total{{namespace="{RELEASE_NS}",pod="{pod_name}"}}'
+    wait_for(
+        "Prometheus to scrape the operator pod's reconciles by the chart's PodMonitor",
+        lambda: metrics_pipeline.query(scraped),
+        60,
+        lambda: json.dumps([t["labels"] for t in metrics_pipeline.targets()], indent=1),
+    )
 
     # `helm uninstall` with a service present: its pre-delete hook (`pagoda uninstall` in the operator
     # image, on the real node) deletes the InferenceService and waits for its children; nothing the

@@ -149,11 +149,12 @@ def main() -> int:
     print("1/5 the control plane, the real node and the metrics pipeline")
     cluster = harness.start(workdir, harness.ensure_binaries(), attached=False)
     node = harness.start_real_node(cluster, attached=False)
-    harness.start_metrics(cluster, attached=False)
+    pipeline = harness.start_metrics(cluster, attached=False)
     print(f"2/5 the server and operator images (built once, then cached) after {time.monotonic() - t0:.0f}s")
     images = harness.build_images(cluster, node, attached=False)
     print(f"3/5 the chart and the operator pod after {time.monotonic() - t0:.0f}s")
     _install(cluster, node, images)
+    pipeline.scrape_operator_of(RELEASE, "pagoda-system")  # the dashboard's Operator row
     print(f"4/5 InferenceService {NAMESPACE}/{NAME} after {time.monotonic() - t0:.0f}s")
     cluster.kubectl("create", "namespace", NAMESPACE)
     cluster.kubectl("apply", "-f", "-", input=json.dumps(_inference_service(node)))

@@ -5,8 +5,9 @@ test cluster, fed with the chart's own monitoring objects.
   pods through Kubernetes service discovery against the test kube-apiserver, as a ServiceAccount with
   kube-prometheus-stack's read rights, and scrapes them with the scrape config prometheus-operator
   generates from the chart's PodMonitor (`pod_monitor_scrape_config`). It loads the chart's
-  PrometheusRule groups as its rule file. Static targets (the DCGM test double, the operator) are added
-  at run time through file_sd.
+  PrometheusRule groups as its rule file. Static targets (the DCGM test double, a host operator) are
+  added at run time through file_sd; an operator pod of an installed release by its own PodMonitor
+  (`scrape_operator_of`), as prometheus-operator would pick it up: the config rewritten and reloaded.
 - prometheus-adapter v0.12.0 (built by the same script) serves custom.metrics.k8s.io v1beta1/v1beta2 from the
   chart's adapter rules, registered by APIServices whose Service is an ExternalName to localhost (as in
   test_aggregation.py); kube-apiserver reaches it with its front-proxy client certificate, and the real
@@ -49,24 +50,40 @@ def ensure_binaries() -> Path:
 @dataclass(frozen=True)
 class ChartMonitoring:
     """What the chart gives a Prometheus stack: adapter rules (the adapter's config file, as text), the
-    PrometheusRule's rule groups, and the PodMonitor."""
+    PrometheusRule's rule groups, the servers' PodMonitor and the operator's."""
 
     adapter_rules: str
     rule_groups: list[dict[str, Any]]
     pod_monitor: dict[str, Any]
+    operator_pod_monitor: dict[str, Any]
 
 
-def render_chart(helm: Path, interval: str = SCRAPE_INTERVAL) -> ChartMonitoring:
-    """The chart's monitoring objects, rendered by helm as a kube-prometheus-stack cluster would get them."""
+def render_chart(
+    helm: Path, interval: str = SCRAPE_INTERVAL, release: str = "pagoda", namespace: str = NAMESPACE
+) -> ChartMonitoring:
+    """The chart's monitoring objects, rendered by helm as a kube-prometheus-stack cluster would get them
+    for `release` installed in `namespace` (the operator's PodMonitor selects by both)."""
     out = subprocess.run(
-        [str(helm), "template", "pagoda", str(CHART), "--namespace", NAMESPACE,
+        [str(helm), "template", release, str(CHART), "--namespace", namespace,
          "--set", "monitoring.podMonitor.enabled=true", "--set", "monitoring.prometheusRule.enabled=true",
          "--set", f"monitoring.podMonitor.interval={interval}"],
         check=True, capture_output=True, text=True,
     ).stdout  # fmt: skip
-    docs = {d["metadata"]["name"]: d for d in yaml.safe_load_all(out) if d}
-    rules = docs["pagoda-adapter-rules"]["data"]["config.yaml"]
-    return ChartMonitoring(rules, docs["pagoda-dcgm"]["spec"]["groups"], docs["pagoda-servers"])
+
+    def one(kind: str, suffix: str) -> dict[str, Any]:
+        [doc] = [
+            d
+            for d in yaml.safe_load_all(out)
+            if d and d["kind"] == kind and d["metadata"]["name"].endswith(suffix)
+        ]
+        return doc
+
+    return ChartMonitoring(
+        one("ConfigMap", "-adapter-rules")["data"]["config.yaml"],
+        one("PrometheusRule", "-dcgm")["spec"]["groups"],
+        one("PodMonitor", "-servers"),
+        one("PodMonitor", "-operator"),
+    )
 
 
 def _label_name(label: str) -> str:
@@ -80,8 +97,9 @@ def pod_monitor_scrape_config(pod_monitor: dict[str, Any], kubeconfig: Path) -> 
     `container`, `endpoint`, `job` target labels."""
     meta, spec = pod_monitor["metadata"], pod_monitor["spec"]
     sd: dict[str, Any] = {"role": "pod", "kubeconfig_file": str(kubeconfig)}
-    if names := spec.get("namespaceSelector", {}).get("matchNames"):
-        sd["namespaces"] = {"names": names}
+    selector = spec.get("namespaceSelector", {})
+    if not selector.get("any"):  # no selector: the PodMonitor's own namespace only
+        sd["namespaces"] = {"names": selector.get("matchNames") or [meta["namespace"]]}
     configs = []
     for i, endpoint in enumerate(spec["podMetricsEndpoints"]):
         relabel: list[dict[str, Any]] = [
@@ -125,6 +143,23 @@ class MetricsPipeline:
     url: str
     adapter_port: int
     targets_dir: Path
+    config: Path  # prometheus.yml
+    helm: Path
+    kubeconfig: Path  # Prometheus's ServiceAccount
+
+    def scrape_operator_of(self, release: str, namespace: str) -> None:
+        """Scrape the operator pod of the chart installed as `release` in `namespace`, by the chart's own
+        operator PodMonitor for that release, as prometheus-operator would once the chart creates it."""
+        monitor = render_chart(self.helm, release=release, namespace=namespace).operator_pod_monitor
+        config = yaml.safe_load(self.config.read_text())
+        jobs = {c["job_name"] for c in config["scrape_configs"]}
+        config["scrape_configs"] += [
+            c for c in pod_monitor_scrape_config(monitor, self.kubeconfig) if c["job_name"] not in jobs
+        ]
+        self.config.write_text(yaml.safe_dump(config, sort_keys=False))
+        request = urllib.request.Request(f"{self.url}/-/reload", method="POST")
+        with urllib.request.urlopen(request, timeout=30) as r:
+            assert r.status == 200, r.status
 
     def add_target(self, job: str, address: str, labels: dict[str, str]) -> None:
         """Scrape `address` (host:port) as `job` with these target labels (file_sd; read within seconds)."""
@@ -234,7 +269,7 @@ def start(
         "prometheus": spawn("prometheus", [
             str(bin_dir / "prometheus"), f"--config.file={_prometheus_config(workdir, chart, prom_kc)}",
             f"--storage.tsdb.path={workdir}/tsdb", f"--web.listen-address=127.0.0.1:{prom_port}",
-            "--storage.tsdb.retention.time=2h", "--log.level=warn",
+            "--storage.tsdb.retention.time=2h", "--log.level=warn", "--web.enable-lifecycle",
         ]),
     }  # fmt: skip
 
@@ -262,7 +297,7 @@ def start(
         )
 
     wait(f"APIService {CUSTOM_METRICS} Available", available, procs)
-    return MetricsPipeline(url, adapter_port, workdir / "targets")
+    return MetricsPipeline(url, adapter_port, workdir / "targets", workdir / "prometheus.yml", helm, prom_kc)
 
 
 def _adapter_registration(port: int) -> dict[str, Any]:
