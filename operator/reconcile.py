@@ -254,7 +254,8 @@ def _ensure_cache(
 ) -> tuple[cache.CacheStatus | None, ApplyFailure | None, list[Event]]:
     """The model cache's PVC and Job (created once: a Job's template is immutable), and its state."""
     owner = kopf.Body(cast(kopf.RawBody, dict(body)))
-    claim, job = cache.pvc(spec), cache.job(spec, config, manifests.model_path(spec))
+    claim = cache.pvc(spec)
+    job = cache.job(spec, config, manifests.download_folder(spec), manifests.download_env(spec))
     for obj in (claim, job):
         kopf.adopt(obj, owner=owner)
     events: list[Event] = []

@@ -10,6 +10,7 @@ a CRD installed before the rule).
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -52,12 +53,22 @@ OPERATOR_FLAGS: tuple[str, ...] = (
 )
 
 
+# model.source.uri: the CRD holds the same pattern (tests/test_operator_contract.py).
+URI_PATTERN = re.compile(
+    r"^(hf://[A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+(@[A-Za-z0-9_./-]+)?"
+    r"|(s3|gs)://[a-z0-9][a-z0-9._-]{1,62}/[^\s]+"
+    r"|https?://[^\s/]+/[^\s]+\.gguf)$"
+)
+URI_FORMS = "give hf://org/name[@revision], s3://bucket/path, gs://bucket/path or http(s)://host/path/file.gguf"
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelSource:
     kind: SourceKind
-    location: str  # claim name, host path, image path, or hf://org/name[@revision]
+    location: str  # claim name, host path, image path, or a URI (operator/sources.py)
     path: str = ""  # inside the PVC
-    token_secret: tuple[str, str] | None = None  # (secret name, key)
+    token_secret: tuple[str, str] | None = None  # (secret name, key): HF_TOKEN for an hf:// source
+    credentials_secret: str | None = None  # a Secret whose keys the download gets as environment
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,9 +170,13 @@ def _source(raw: Mapping[str, Any]) -> ModelSource:
         if kind in raw:
             return ModelSource(kind, raw[kind])  # type: ignore[arg-type]
     if "uri" in raw:
+        uri = str(raw["uri"])
+        if not URI_PATTERN.match(uri):  # the CRD's pattern, for objects that never met the API server
+            raise ValueError(f"model.source.uri {uri!r}: {URI_FORMS}")
         secret = raw.get("tokenSecret")
         token = (secret["name"], secret.get("key", "token")) if secret else None
-        return ModelSource("uri", raw["uri"], token_secret=token)
+        credentials = (raw.get("credentialsSecret") or {}).get("name")
+        return ModelSource("uri", uri, token_secret=token, credentials_secret=credentials)
     raise ValueError("model.source: give exactly one of pvc, hostPath, imagePath or uri")
 
 
@@ -169,7 +184,7 @@ def _cache(raw: Mapping[str, Any] | None, source: ModelSource) -> ModelCache | N
     if raw is None:
         return None
     if source.kind != "uri":  # the CRD's rule, for objects that never met the API server
-        raise ValueError("model.cache is only used with model.source.uri (an hf:// model to download)")
+        raise ValueError("model.cache is only used with model.source.uri (a model to download)")
     tolerations = raw.get("tolerations")
     return ModelCache(
         str(raw["size"]),

@@ -363,3 +363,11 @@ def test_the_profiles_serve_on_the_cpu(
         assert choice["finish_reason"] in ("length", "stop") and isinstance(choice["text"], str)
         if decision.tensor_parallel_size != 1:  # really sharded, over that many gloo ranks
             assert f"tensor parallel over {decision.tensor_parallel_size} ranks" in server.log()
+
+
+def test_the_model_uri_pattern_is_one_with_the_crd() -> None:
+    from pagoda.operator.spec import URI_PATTERN
+
+    crd = yaml.safe_load(CRD.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    uri = crd["properties"]["spec"]["properties"]["model"]["properties"]["source"]["properties"]["uri"]
+    assert uri["pattern"] == URI_PATTERN.pattern

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pagoda.operator import manifests
 from pagoda.operator.gpus import GpuGroup
 from pagoda.operator.profile import Decision
@@ -130,6 +132,36 @@ def test_model_sources() -> None:
     model = next(v for v in pod(dep)["volumes"] if v["name"] == "model")
     assert model["emptyDir"] == {"sizeLimit": "15Gi"}  # 7B x 2 bytes + 10%, not unbounded
     assert "/models/name" in pod(dep)["containers"][0]["args"]
+    assert "envFrom" not in init
+
+
+@pytest.mark.parametrize(
+    ("uri", "folder", "served"),
+    [
+        ("s3://bucket/team/llama-3.1-8b/", "/models/llama-3.1-8b", "/models/llama-3.1-8b"),
+        ("gs://bucket/m/SmolLM2.Q4_1.gguf", "/models/SmolLM2.Q4_1", "/models/SmolLM2.Q4_1/SmolLM2.Q4_1.gguf"),
+        ("https://mirror.local/ggufs/tiny.gguf", "/models/tiny", "/models/tiny/tiny.gguf"),
+    ],
+)
+def test_an_object_store_source_is_fetched_by_uri_with_its_credentials(uri: str, folder: str, served: str) -> None:
+    source = {"uri": uri, "credentialsSecret": {"name": "store"}}
+    spec = parse_spec(body(model={"name": "x", "parameters": "7B", "source": source}))
+    dep = manifests.deployment(spec, decision(), CONFIG)
+    init = pod(dep)["initContainers"][0]
+    assert init["command"] + init["args"] == ["pagoda", "download", "--uri", uri, "--target", folder]
+    assert init["envFrom"] == [{"secretRef": {"name": "store"}}]  # AWS_* / GOOGLE_* keys, never read here
+    assert "HF_TOKEN" not in {e["name"] for e in init["env"]}
+    args = pod(dep)["containers"][0]["args"]
+    assert args[args.index("--model") + 1] == served
+
+
+@pytest.mark.parametrize(
+    "uri",
+    ["s3://b", "s3:///path", "ftp://host/m.gguf", "https://host/folder/", "hf://justname", "s3://b/ path"],
+)
+def test_a_uri_of_no_known_form_is_refused(uri: str) -> None:
+    with pytest.raises(ValueError, match="give hf://org/name"):
+        parse_spec(body(model={"name": "x", "parameters": "7B", "source": {"uri": uri}}))
 
 
 def test_pass_through_and_user_affinity_is_anded() -> None:
