@@ -166,9 +166,5 @@ def state(spec: ServiceSpec, job_obj: Mapping[str, Any] | None, detail: str | No
         if cond.get("type") == "Failed":
             why = cond.get("message") or cond.get("reason") or "failed"
             why += f"; the download said: {detail}" if detail else ""
-            return CacheStatus(
-                "Failed", f"download Job {name} of {what} failed: {why}", name, name
-            )
-    return CacheStatus(
-        "Caching", f"downloading {what} into PersistentVolumeClaim {name}", name, name
-    )
+            return CacheStatus("Failed", f"download Job {name} of {what} failed: {why}", name, name)
+    return CacheStatus("Caching", f"downloading {what} into PersistentVolumeClaim {name}", name, name)

@@ -2,10 +2,11 @@
 file of an object store or web server (`--uri s3://... | gs://... | https://...`, through fsspec).
 
 Run by the operator's model-cache Job and init container in the server image (nothing is
-pip-installed at start-up). For the Hub it speaks its HTTP API with the standard library: `GET {endpoint}/api/models/{repo}/revision/{revision}` lists the files and
-the commit, `GET {endpoint}/{repo}/resolve/{commit}/{file}` fetches each. HF_ENDPOINT points it at a
-mirror; HTTPS_PROXY/HTTP_PROXY/NO_PROXY are honoured by urllib; HF_TOKEN authenticates (gated models).
-Each file is written to a temporary name and renamed, and `.pagoda-complete` (the commit) is written
+pip-installed at start-up). For the Hub it speaks its HTTP API with the standard library:
+`GET {endpoint}/api/models/{repo}/revision/{revision}` lists the files and the commit,
+`GET {endpoint}/{repo}/resolve/{commit}/{file}` fetches each. HF_ENDPOINT points it at a mirror;
+HTTPS_PROXY/HTTP_PROXY/NO_PROXY are honoured by urllib; HF_TOKEN authenticates (gated models). Each file
+is written to a temporary name and renamed, and `.pagoda-complete` (the commit) is written
 last, so a Job that is retried after a crash starts over cleanly and a finished folder is recognised.
 A `--uri` source is copied by fsspec's filesystem for its scheme (s3fs, gcsfs, HTTP), which read their
 credentials from the environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS); its version is a digest of
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             token = os.environ.get("HF_TOKEN") or None
             version = snapshot(args.repo, args.revision, args.target, args.endpoint, token)
-    except Exception as err:  # noqa: BLE001 - any library's error: one line, the pod's termination message
+    except Exception as err:  # any library's error (urllib, botocore, google-auth, fsspec)
         # One line: the Job's pod ends with it as its termination message (FallbackToLogsOnError).
         reason = " ".join(str(err).split()) or type(err).__name__
         print(f"download of {what} failed: {reason[:500]}", file=sys.stderr)

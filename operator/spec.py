@@ -59,7 +59,9 @@ URI_PATTERN = re.compile(
     r"|(s3|gs)://[a-z0-9][a-z0-9._-]{1,62}/[^\s]+"
     r"|https?://[^\s/]+/[^\s]+\.gguf)$"
 )
-URI_FORMS = "give hf://org/name[@revision], s3://bucket/path, gs://bucket/path or http(s)://host/path/file.gguf"
+URI_FORMS = (
+    "give hf://org/name[@revision], s3://bucket/path, gs://bucket/path or http(s)://host/path/file.gguf"
+)
 
 
 @dataclasses.dataclass(frozen=True)

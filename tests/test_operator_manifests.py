@@ -143,7 +143,9 @@ def test_model_sources() -> None:
         ("https://mirror.local/ggufs/tiny.gguf", "/models/tiny", "/models/tiny/tiny.gguf"),
     ],
 )
-def test_an_object_store_source_is_fetched_by_uri_with_its_credentials(uri: str, folder: str, served: str) -> None:
+def test_an_object_store_source_is_fetched_by_uri_with_its_credentials(
+    uri: str, folder: str, served: str
+) -> None:
     source = {"uri": uri, "credentialsSecret": {"name": "store"}}
     spec = parse_spec(body(model={"name": "x", "parameters": "7B", "source": source}))
     dep = manifests.deployment(spec, decision(), CONFIG)
