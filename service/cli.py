@@ -147,6 +147,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         optional_int,
     )
     boolean("--enable-prefix-caching", "Share the KV cache of identical prompt prefixes.", True)
+
+    def kv_events_config(value: str) -> Any:
+        from pagoda.service.engine.config import KVEventsConfig  # standard library only
+
+        if not value:
+            return None
+        try:
+            return KVEventsConfig.from_json(value)
+        except (ValueError, TypeError) as exc:  # argparse turns this into a usage error naming the flag
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    flag(
+        "--kv-events-config",
+        'vLLM\'s KV-cache events as JSON, e.g. \'{"enable_kv_cache_events": true, "endpoint": '
+        '"tcp://*:5557", "topic": "kv"}\': block stored / removed / all cleared on ZMQ, msgpack.',
+        None,
+        kv_events_config,
+    )
     boolean(
         "--async-scheduling",
         "Queue each step on the GPU before reading the last one's tokens (one GPU rank; off: in turn).",
@@ -298,6 +316,7 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         tensor_parallel_size=args.tensor_parallel_size,
         async_scheduling=None if args.async_scheduling else False,
         executor_class=args.executor_class,
+        kv_events=args.kv_events_config,
     )
     return server, engine
 

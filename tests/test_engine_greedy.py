@@ -120,20 +120,21 @@ def test_prefix_cache_computes_only_new_tokens(llama_ckpt: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("params", "param"),
+    ("fields", "param"),
     [
-        (SamplingParams(max_tokens=0), "max_tokens"),
-        (SamplingParams(temperature=-0.5), "temperature"),
-        (SamplingParams(top_p=0.0), "top_p"),
-        (SamplingParams(top_p=1.5), "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
     ],
 )
-def test_bad_params_refused_before_scheduling(llama_ckpt: Path, params: SamplingParams, param: str) -> None:
+def test_bad_params_refused_before_scheduling(llama_ckpt: Path, fields: dict[str, float], param: str) -> None:
+    """Refused when the parameters are built (as vLLM's are), so no engine ever holds such a request."""
     from pagoda.service.errors import InvalidRequestError
 
     engine = LLMEngine(EngineConfig(model=str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=4 << 20))
     with pytest.raises(InvalidRequestError) as info:
-        engine.add_request("bad", [5, 6, 7], params)
+        engine.add_request("bad", [5, 6, 7], SamplingParams(**fields))  # type: ignore[arg-type]
     assert info.value.param == param and param in str(info.value)
     assert not engine.scheduler.has_unfinished and not engine.has_unfinished
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 # Longer than any legitimate step: the longest measured while serving on the H200 is 0.22 s, Triton's
@@ -12,6 +13,41 @@ from typing import Literal
 DEFAULT_STALL_TIMEOUT_S = 120.0
 
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's KVEventsConfig fields (`--kv-events-config '{"enable_kv_cache_events": true, ...}'`)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"  # "zmq" or "null"; "zmq" when enabled and not given
+    endpoint: str = "tcp://*:5557"  # bound if it has a wildcard host or is ipc/inproc, else connected
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's send high-water mark
+    topic: str = ""
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        """Parse the flag's JSON; a ValueError names an unknown field or a bad value."""
+        raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError("--kv-events-config takes a JSON object")
+        known = {f.name for f in fields(cls)}
+        if unknown := sorted(set(raw) - known):
+            raise ValueError(f"--kv-events-config: unknown field(s) {unknown}; known: {sorted(known)}")
+        if raw.get("enable_kv_cache_events") and "publisher" not in raw:
+            raw["publisher"] = "zmq"
+        config = cls(**raw)
+        if config.publisher not in ("zmq", "null"):
+            raise ValueError(f"--kv-events-config: publisher must be zmq or null, got {config.publisher!r}")
+        if config.buffer_steps < 1 or config.hwm < 0:
+            raise ValueError("--kv-events-config: buffer_steps must be >= 1 and hwm >= 0")
+        return config
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
 
 
 @dataclass(frozen=True)
@@ -48,6 +84,7 @@ class EngineConfig:
     # end-of-sequence ids and `relay_stop_signals`), for benchmarks and tests; None: the model.
     # `pagoda.service.engine.runner.null_executor:NullExecutor`: no model (`pagoda bench serve`'s ceiling).
     executor_class: str | None = None
+    kv_events: KVEventsConfig | None = None  # vLLM's --kv-events-config (core/kv_events.py)
 
     @property
     def model_path(self) -> str:

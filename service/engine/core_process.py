@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(core, inputs, outputs)
     finally:
+        core.close()
         _close(executor, context)
 
 

@@ -104,5 +104,7 @@ class LLMEngine:
         return self.core.stats()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (a no-op with one rank); idempotent."""
+        """Stop the tensor-parallel workers (a no-op with one rank) and close the KV-events sockets;
+        idempotent."""
+        self.core.close()
         self.runner.shutdown()

@@ -4,6 +4,8 @@ No torch here: the block manager only decides which block ids hold which tokens;
 the tensors. Prefix caching keys each *full* block by a chained hash of (previous block's hash, its
 tokens) and keeps the tokens beside it, so a hash collision is detected and never corrupts output.
 Freed blocks keep their hash and stay findable until they are reused (least recently freed first).
+With `record_events`, what enters and leaves the prefix cache is kept as vLLM's KV-cache events
+(kv_events.py) until the engine core publishes them after the step.
 """
 
 from __future__ import annotations
@@ -11,6 +13,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from pagoda.service.engine.core.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    external_hash,
+)
 from pagoda.service.engine.core.request import Request
 
 
@@ -23,7 +32,13 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        record_events: bool = False,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -37,6 +52,14 @@ class BlockManager:
         # Counters for metrics and tests (tokens, not blocks).
         self.prefix_queries_tokens = 0
         self.prefix_hits_tokens = 0
+        self._events: list[KVCacheEvent] | None = [] if record_events else None
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV-cache events since the last call (none unless `record_events`)."""
+        if self._events is None:
+            return []
+        events, self._events = self._events, []
+        return events
 
     # ---- queries -------------------------------------------------------------------------------
 
@@ -99,6 +122,8 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.block_hash is not None and self._hash_to_block.get(block.block_hash) == block_id:
             del self._hash_to_block[block.block_hash]  # evicted from the prefix cache
+            if self._events is not None:
+                self._events.append(BlockRemoved([external_hash(block.block_hash)], "GPU"))
         block.block_hash = None
         block.token_ids = None
         block.ref_count = 1
@@ -150,6 +175,7 @@ class BlockManager:
         self._num_registered[req.request_id] = num_full
         hashes = self._hashes(req, num_full)
         bs = self.block_size
+        stored: list[int] = []  # block indexes newly in the cache, in order
         for i in range(start, num_full):
             block = self.blocks[req.block_ids[i]]
             if block.block_hash is not None:
@@ -159,6 +185,25 @@ class BlockManager:
             block.block_hash = hashes[i]
             block.token_ids = tuple(req.token_ids[i * bs : (i + 1) * bs])
             self._hash_to_block[hashes[i]] = block.block_id
+            stored.append(i)
+        if self._events is not None and stored:
+            self._record_stored(req, hashes, stored)
+
+    def _record_stored(self, req: Request, hashes: list[int], stored: list[int]) -> None:
+        """One BlockStored per run of consecutive blocks, its parent the block before the run."""
+        bs = self.block_size
+        runs: list[list[int]] = []
+        for i in stored:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        assert self._events is not None
+        for run in runs:
+            parent = external_hash(hashes[run[0] - 1]) if run[0] > 0 else None
+            tokens = req.token_ids[run[0] * bs : (run[-1] + 1) * bs]
+            chain = [external_hash(hashes[i]) for i in run]
+            self._events.append(BlockStored(chain, parent, list(tokens), bs, None, "GPU", None))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's `LLM.reset_prefix_cache()`), so the next requests compute
@@ -170,6 +215,8 @@ class BlockManager:
             block.block_hash = None
             block.token_ids = None
         self._hash_to_block.clear()
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
         return True
 
     def fork(self, parent: Request, child: Request) -> None:

@@ -32,6 +32,7 @@ from typing import Any, NamedTuple, Protocol
 
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.core.block_manager import BlockManager
+from pagoda.service.engine.core.kv_events import build_publisher
 from pagoda.service.engine.core.request import PLACEHOLDER, Request, RequestStatus
 from pagoda.service.engine.core.scheduler import GrammarBitmask, Scheduler, SchedulerOutput
 from pagoda.service.engine.core.structured_output import StructuredOutputManager
@@ -159,8 +160,13 @@ class EngineCore:
         self.executor = executor
         self.max_model_len = executor.max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        # vLLM's --kv-events-config: what enters and leaves the prefix cache, for cache-aware routers.
+        self.kv_events = build_publisher(config.kv_events)
         self.block_manager = BlockManager(
-            executor.kv.num_blocks, config.block_size, config.enable_prefix_caching
+            executor.kv.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            record_events=self.kv_events is not None,
         )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -225,7 +231,19 @@ class EngineCore:
 
     def step(self) -> StepOutputs:
         """Run one batch; with async scheduling, queue it and complete the one queued before. A request
-        that makes the step raise fails alone (see `_execute_isolated`)."""
+        that makes the step raise fails alone (see `_execute_isolated`). The step's KV-cache events go
+        out after it."""
+        outputs = self._step()
+        if self.kv_events is not None:
+            self.kv_events.publish(self.block_manager.take_events())
+        return outputs
+
+    def close(self) -> None:
+        """Release what the core holds besides the executor (the KV-events sockets)."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+
+    def _step(self) -> StepOutputs:
         started = time.monotonic()
         outputs = StepOutputs([], [], [])
         if self.structured_output.is_active:
