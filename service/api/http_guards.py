@@ -14,7 +14,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagoda.service.api.api_keys import APIKeys
 
 # Probes and scrapes never need a key: the kubelet and Prometheus do not hold one.
-OPEN_PATHS = frozenset({"/v1/health/live", "/v1/health/ready", "/metrics", "/version"})
+OPEN_PATHS = frozenset(
+    {"/v1/health/live", "/v1/health/ready", "/health", "/get_load", "/metrics", "/version"}
+)
 
 
 async def send_error(

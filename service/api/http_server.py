@@ -122,6 +122,23 @@ def build_app(
         state = client.state
         return JSONResponse({"status": state.value}, status_code=200 if state is ServingState.READY else 503)
 
+    @app.get("/health")
+    async def health() -> Response:
+        # vLLM's probe, which routers call (vllm-router at start, sglang-router always): 200 while serving.
+        return Response(status_code=200 if client.state is ServingState.READY else 503)
+
+    @app.get("/get_load")
+    async def get_load() -> Response:
+        return json_response(serving.load())
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat(request: ChatCompletionRequest) -> Response:
+        return json_response(await serving.render_chat(request))
+
+    @app.post("/v1/completions/render")
+    async def render_completion(request: CompletionRequest) -> Response:
+        return Response(encode(await serving.render_completion(request)), media_type="application/json")
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(client.metrics.render(), media_type=CONTENT_TYPE)

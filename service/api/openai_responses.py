@@ -18,7 +18,7 @@ from msgspec import UNSET, Struct, UnsetType
 _encoder = msgspec.json.Encoder()
 
 
-def encode(body: Struct | dict[str, Any]) -> bytes:
+def encode(body: Struct | list[Any] | dict[str, Any]) -> bytes:
     """A response body as UTF-8 JSON."""
     return _encoder.encode(body)
 
@@ -149,6 +149,18 @@ class Tokens(Struct):
 
 class Detokenized(Struct):
     prompt: str
+
+
+class Rendered(Struct):
+    """A prompt as the model will see it (vLLM's `/v1/.../render`): routers key prefix affinity on it."""
+
+    token_ids: list[int]
+
+
+class Load(Struct):
+    """`GET /get_load` (SGLang's and vllm-router's power-of-two policy): requests waiting + running."""
+
+    load: int
 
 
 class ErrorBody(Struct):

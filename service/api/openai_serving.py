@@ -35,9 +35,11 @@ from pagoda.service.api.openai_responses import (
     Detokenized,
     ErrorBody,
     ErrorResponse,
+    Load,
     ModelCard,
     ModelList,
     PromptTokensDetails,
+    Rendered,
     TokenLogprob,
     Tokens,
     Usage,
@@ -186,6 +188,32 @@ class OpenAIServing:
         if request.return_token_strs:
             result.token_strs = self.client.token_strings(tokens)
         return result
+
+    async def render_chat(self, request: ChatCompletionRequest) -> Rendered:
+        """`POST /v1/chat/completions/render`: the token ids the chat request would run on."""
+        self.client.check_model(request.model)
+        try:
+            messages, plan = request.chat_messages(), request.tool_plan
+        except InvalidRequestError as exc:
+            self.client.metrics.count_error("invalid_request")
+            raise APIError("invalid_request", str(exc), param=exc.param) from exc
+        return Rendered(
+            await self.client.render_chat(messages, request.add_generation_prompt, plan.template_tools)
+        )
+
+    async def render_completion(self, request: CompletionRequest) -> list[Rendered]:
+        """`POST /v1/completions/render`: the token ids of each prompt, as generation would encode it."""
+        self.client.check_model(request.model)
+        try:
+            prompts = request.prompts()
+        except InvalidRequestError as exc:
+            self.client.metrics.count_error("invalid_request")
+            raise APIError("invalid_request", str(exc), param=exc.param) from exc
+        return [Rendered(p if isinstance(p, list) else await self.client.tokenize(p)) for p in prompts]
+
+    def load(self) -> Load:
+        stats = self.client.stats_or_none()
+        return Load(stats.num_waiting + stats.num_running if stats is not None else self.client.num_in_flight)
 
     async def detokenize(self, request: DetokenizeRequest) -> Detokenized:
         self.client.check_model(request.model)
