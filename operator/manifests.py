@@ -10,7 +10,7 @@ import copy
 import posixpath
 from typing import Any
 
-from pagoda.operator import sources
+from pagoda.operator import router, sources
 from pagoda.operator.cache import cache_name
 from pagoda.operator.gpus import GPU_TOLERATION, PRODUCT, RESOURCE
 from pagoda.operator.profile import Decision
@@ -147,6 +147,16 @@ def _model_volumes(spec: ServiceSpec, config: OperatorConfig) -> tuple[list, lis
     return [volume], [{"name": "model", "mountPath": MODEL_DIR, "readOnly": True}], [fetch]
 
 
+def _pod_security() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": 1000,
+        "runAsGroup": 1000,
+        "fsGroup": 1000,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
 def _container_security() -> dict[str, Any]:
     return {
         "allowPrivilegeEscalation": False,
@@ -280,13 +290,7 @@ def deployment(spec: ServiceSpec, decision: Decision, config: OperatorConfig) ->
         "terminationGracePeriodSeconds": config.drain_seconds
         + PRESTOP_SLEEP_SECONDS
         + SHUTDOWN_MARGIN_SECONDS,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": 1000,
-            "runAsGroup": 1000,
-            "fsGroup": 1000,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": _pod_security(),
     }
     if init_containers:
         pod_spec["initContainers"] = init_containers
@@ -332,13 +336,37 @@ def deployment(spec: ServiceSpec, decision: Decision, config: OperatorConfig) ->
 
 
 def service(spec: ServiceSpec) -> dict[str, Any]:
+    """The InferenceService's Service: the router's pods when there is one, else the servers'."""
     meta = _meta(spec) | ({"annotations": dict(spec.service_annotations)} if spec.service_annotations else {})
+    if spec.router.enabled:
+        return {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": meta,
+            "spec": {
+                "type": spec.service_type,
+                "selector": router.selector_labels(spec.name),
+                "ports": [
+                    {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+                    {"name": "router-metrics", "port": router.METRICS_PORT, "targetPort": "metrics"},
+                ],
+            },
+        }
+    body = servers_service(spec)
+    body["metadata"] = meta
+    body["spec"]["type"] = spec.service_type
+    return body
+
+
+def servers_service(spec: ServiceSpec) -> dict[str, Any]:
+    """The server pods' own Service (`<name>-servers` beside a router; the main one without)."""
+    name = f"{spec.name}-servers" if spec.router.enabled else spec.name
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": meta,
+        "metadata": {"name": name, "namespace": spec.namespace, "labels": labels(spec)},
         "spec": {
-            "type": spec.service_type,
+            "type": "ClusterIP",
             "selector": selector_labels(spec),
             "ports": [
                 {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
@@ -427,9 +455,33 @@ def ingress(spec: ServiceSpec) -> dict[str, Any] | None:
 def children(spec: ServiceSpec, decision: Decision, config: OperatorConfig) -> list[dict[str, Any]]:
     """Every object this InferenceService should own, in apply order."""
     objects = [service(spec), pdb(spec), deployment(spec, decision, config), hpa(spec), ingress(spec)]
+    if spec.router.enabled:
+        placement = {
+            "nodeSelector": dict(spec.node_selector) or None,
+            "tolerations": list(spec.tolerations) or None,
+            "imagePullSecrets": [{"name": s} for s in spec.image_pull_secrets] or None,
+        }
+        objects += [servers_service(spec)]
+        objects += router.children(
+            spec.name,
+            spec.namespace,
+            image=spec.image or config.server_image,
+            image_pull_policy=spec.image_pull_policy,
+            server_selector=selector_labels(spec),
+            server_port=HTTP_PORT,
+            policy=spec.router.policy,
+            replicas=spec.router.replicas,
+            api_key_env=_api_key_env(spec),
+            pod_security=_pod_security(),
+            container_security=_container_security(),
+            placement={k: v for k, v in placement.items() if v is not None},
+        )
     return [o for o in objects if o is not None]
 
 
 def urls(spec: ServiceSpec, config: OperatorConfig) -> dict[str, str]:
+    """Where clients go: the Service (the router's, with one); gRPC, which the router does not carry,
+    to the servers' own Service."""
     host = f"{spec.name}.{spec.namespace}.svc.{config.cluster_domain}"
-    return {"url": f"http://{host}:{HTTP_PORT}/v1", "grpcAddress": f"{host}:{GRPC_PORT}"}
+    grpc_host = f"{servers_service(spec)['metadata']['name']}.{spec.namespace}.svc.{config.cluster_domain}"
+    return {"url": f"http://{host}:{HTTP_PORT}/v1", "grpcAddress": f"{grpc_host}:{GRPC_PORT}"}

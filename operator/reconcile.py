@@ -22,16 +22,30 @@ from pagoda.operator.pods import PodIssue, diagnose
 from pagoda.operator.profile import Decision
 from pagoda.operator.spec import OperatorConfig, ServiceSpec, parse_spec
 
-# Every kind an InferenceService may own, in apply order.
-CHILD_KINDS = (
-    ("v1", "Service"),
-    ("policy/v1", "PodDisruptionBudget"),
-    ("apps/v1", "Deployment"),
-    ("autoscaling/v2", "HorizontalPodAutoscaler"),
-    ("networking.k8s.io/v1", "Ingress"),
+# Every child an InferenceService may own: (apiVersion, kind, name suffix), in apply order. A child's key
+# is its kind and suffix ("Deployment", "Deployment-router"): its name is the service's plus the suffix.
+CHILD_SLOTS = (
+    ("v1", "Service", ""),
+    ("policy/v1", "PodDisruptionBudget", ""),
+    ("apps/v1", "Deployment", ""),
+    ("autoscaling/v2", "HorizontalPodAutoscaler", ""),
+    ("networking.k8s.io/v1", "Ingress", ""),
+    ("v1", "Service", "-servers"),
+    ("v1", "ServiceAccount", "-router"),
+    ("rbac.authorization.k8s.io/v1", "Role", "-router"),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding", "-router"),
+    ("policy/v1", "PodDisruptionBudget", "-router"),
+    ("apps/v1", "Deployment", "-router"),
 )
-WORKLOAD_KINDS = {"Deployment", "HorizontalPodAutoscaler"}
-OPTIONAL_KINDS = {"Ingress"}  # removed as soon as the spec stops asking for it
+WORKLOAD_KINDS = {"Deployment", "HorizontalPodAutoscaler"}  # the model's: keys, not the router's
+# Removed as soon as the spec stops asking for them (the rest only with the workload or the profile).
+OPTIONAL_KINDS = {"Ingress"} | {kind + suffix for _, kind, suffix in CHILD_SLOTS if suffix}
+
+
+def child_key(obj: Mapping[str, Any], service_name: str) -> str:
+    return obj["kind"] + obj["metadata"]["name"].removeprefix(service_name)
+
+
 _RUNNING = ("gpu", "precision", "tensorParallelSize", "kvCacheDtype")  # status.profile of a workload
 
 
@@ -145,9 +159,13 @@ def reconcile(body: Mapping[str, Any], kube: Kube, config: OperatorConfig, now: 
             result, tuple(_warn_once(old_status, invalid.reason, invalid.message)), decision=decision
         )
 
-    existing = {kind: kube.get(api, kind, spec.namespace, spec.name) for api, kind in CHILD_KINDS}
-    theirs = [f"{kind} {spec.name} exists and is not owned by this InferenceService" for kind, obj in
-              existing.items() if obj is not None and not is_owned(obj, uid)]  # fmt: skip
+    existing = {
+        kind + suffix: kube.get(api, kind, spec.namespace, spec.name + suffix)
+        for api, kind, suffix in CHILD_SLOTS
+    }
+    theirs = [f"{kind} {spec.name + suffix} exists and is not owned by this InferenceService"
+              for _, kind, suffix in CHILD_SLOTS
+              if (obj := existing[kind + suffix]) is not None and not is_owned(obj, uid)]  # fmt: skip
     owned = {kind: obj for kind, obj in existing.items() if obj is not None and is_owned(obj, uid)}
     spec_changed = old_status.get("observedGeneration") != generation
     current = None if spec_changed else placement.current_profile(owned.get("Deployment"))
@@ -177,28 +195,30 @@ def reconcile(body: Mapping[str, Any], kube: Kube, config: OperatorConfig, now: 
             cached, failure, cache_events = _ensure_cache(kube, spec, config, body, old_status)
             events += cache_events
             if cached is None or cached.state != "Cached":  # no server pods before the weights are there
-                desired = [obj for obj in desired if obj["kind"] not in WORKLOAD_KINDS]
+                desired = [obj for obj in desired if child_key(obj, spec.name) not in WORKLOAD_KINDS]
         for obj in desired:
             kopf.adopt(obj, owner=kopf.Body(cast(kopf.RawBody, dict(body))))
         applied, failure, apply_events = (
-            _apply(kube, desired, owned) if failure is None else ({}, failure, [])
+            _apply(kube, desired, owned, spec.name) if failure is None else ({}, failure, [])
         )
         events += apply_events
         deployment = applied.get("Deployment", deployment)
         owned |= applied
         if failure is None:
             # While a new revision is cached, the running Deployment serves on.
-            wanted = {obj["kind"] for obj in desired} | (WORKLOAD_KINDS if cached_pending(cached) else set())
-            for api, kind in CHILD_KINDS:
+            wanted = {child_key(obj, spec.name) for obj in desired}
+            wanted |= WORKLOAD_KINDS if cached_pending(cached) else set()
+            for api, kind, suffix in CHILD_SLOTS:
+                key, name = kind + suffix, spec.name + suffix
                 if (
-                    kind in owned
-                    and kind not in wanted
-                    and (kind in WORKLOAD_KINDS or kind in OPTIONAL_KINDS or not decision.is_selected)
+                    key in owned
+                    and key not in wanted
+                    and (key in WORKLOAD_KINDS or key in OPTIONAL_KINDS or not decision.is_selected)
                 ):
-                    kube.delete(api, kind, spec.namespace, spec.name)
-                    events.append(Event("Normal", "Deleted", f"deleted {kind} {spec.name}: no longer wanted"))
-                    owned.pop(kind)
-                    if kind == "Deployment":
+                    kube.delete(api, kind, spec.namespace, name)
+                    events.append(Event("Normal", "Deleted", f"deleted {kind} {name}: no longer wanted"))
+                    owned.pop(key)
+                    if key == "Deployment":
                         deployment = None
     if failure is not None:
         events += _warn_once(old_status, failure.reason, failure.message)
@@ -287,18 +307,18 @@ def _ensure_cache(
 
 
 def _apply(
-    kube: Kube, desired: list[dict[str, Any]], owned: Mapping[str, dict[str, Any]]
+    kube: Kube, desired: list[dict[str, Any]], owned: Mapping[str, dict[str, Any]], service_name: str
 ) -> tuple[dict[str, dict[str, Any]], ApplyFailure | None, list[Event]]:
     """Dry-run every child, then apply them all: a child the API server refuses leaves none half-made.
 
-    Returns the applied objects by kind, the failure if any, and the Created/RollingOut events.
+    Returns the applied objects by key (child_key), the failure if any, and the Created/RollingOut events.
     """
-    replaces: dict[str, dict[str, Any]] = {}  # kind -> PUT body: drift that wedges apply itself
+    replaces: dict[str, dict[str, Any]] = {}  # key -> PUT body: drift that wedges apply itself
     for obj in desired:
         try:
             kube.apply(obj, dry_run=True)
         except KubeError as err:
-            live = owned.get(obj["kind"])
+            live = owned.get(child_key(obj, service_name))
             if live is None or err.status != 422 or not drift.foreign_spec_fields(live, FIELD_MANAGER, obj):
                 return {}, _failure(obj, err, is_dry_run=True), []
             body = drift.replacement(obj, live)
@@ -306,27 +326,27 @@ def _apply(
                 kube.replace(body, dry_run=True)
             except KubeError:
                 return {}, _failure(obj, err, is_dry_run=True), []  # the apply's words say more
-            replaces[obj["kind"]] = body
+            replaces[child_key(obj, service_name)] = body
     applied: dict[str, dict[str, Any]] = {}
     events: list[Event] = []
     for obj in desired:
-        kind, name = obj["kind"], obj["metadata"]["name"]
+        kind, name, key = obj["kind"], obj["metadata"]["name"], child_key(obj, service_name)
         try:
-            if kind in replaces:
-                found = drift.foreign_spec_fields(owned[kind], FIELD_MANAGER, obj)
-                applied[kind] = kube.replace(replaces[kind])
+            if key in replaces:
+                found = drift.foreign_spec_fields(owned[key], FIELD_MANAGER, obj)
+                applied[key] = kube.replace(replaces[key])
             else:
-                applied[kind] = kube.apply(obj)
-                found = drift.foreign_spec_fields(applied[kind], FIELD_MANAGER, obj)
+                applied[key] = kube.apply(obj)
+                found = drift.foreign_spec_fields(applied[key], FIELD_MANAGER, obj)
                 if found:  # applied, but what others added stays: replace it
-                    applied[kind] = kube.replace(drift.replacement(obj, applied[kind]))
+                    applied[key] = kube.replace(drift.replacement(obj, applied[key]))
         except KubeError as err:
             return applied, _failure(obj, err, is_dry_run=False), events
         if found:
             said = f"replaced {kind} {name}: {drift.describe(found)} changed by hand, which apply cannot undo"
             events.append(Event("Normal", "DriftCorrected", said))
-        before = owned.get(kind)
-        if kind == "Deployment" and before is not None and _template_changed(before, applied[kind]):
+        before = owned.get(key)
+        if kind == "Deployment" and before is not None and _template_changed(before, applied[key]):
             events.append(Event("Normal", "RollingOut", f"rolling out Deployment {name}"))
         if before is None:
             events.append(Event("Normal", "Created", f"created {kind} {name}"))

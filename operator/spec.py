@@ -86,6 +86,18 @@ class ModelCache:
     resources: Mapping[str, Any] | None = None
 
 
+ROUTER_POLICIES = ("cache_aware", "power_of_two", "round_robin", "consistent_hash", "random")
+
+
+@dataclasses.dataclass(frozen=True)
+class Router:
+    """spec.router: vllm-router in front of the server pods (docs/routing.md); off unless enabled."""
+
+    enabled: bool = False
+    policy: str = "cache_aware"
+    replicas: int = 2
+
+
 @dataclasses.dataclass(frozen=True)
 class Ingress:
     """spec.ingress: a networking.k8s.io/v1 Ingress to the Service's http port (an ingress controller
@@ -152,6 +164,7 @@ class ServiceSpec:
     volumes: tuple[Mapping[str, Any], ...] = ()  # core/v1 Volume, added to the pod
     volume_mounts: tuple[Mapping[str, Any], ...] = ()  # core/v1 VolumeMount, added to the server container
     ingress: Ingress | None = None
+    router: Router = Router()
 
     def profile_request(self) -> ProfileRequest:
         return ProfileRequest(
@@ -315,6 +328,18 @@ def _volumes(raw: Mapping[str, Any]) -> tuple[tuple[Mapping[str, Any], ...], tup
     return volumes, mounts
 
 
+def _router(raw: Mapping[str, Any] | None) -> Router:
+    raw = raw or {}
+    router = Router(
+        bool(raw.get("enabled", False)), str(raw.get("policy", "cache_aware")), int(raw.get("replicas", 2))
+    )
+    if router.policy not in ROUTER_POLICIES:  # the CRD's enum, for objects that never met the API server
+        raise ValueError(f"router.policy {router.policy!r}: one of {', '.join(ROUTER_POLICIES)}")
+    if router.replicas < 1:
+        raise ValueError(f"router.replicas must be at least 1, got {router.replicas}")
+    return router
+
+
 def _ingress(raw: Mapping[str, Any] | None) -> Ingress | None:
     if raw is None:
         return None
@@ -395,6 +420,7 @@ def parse_spec(body: Mapping[str, Any]) -> ServiceSpec:
         volumes=volumes,
         volume_mounts=volume_mounts,
         ingress=_ingress(spec.get("ingress")),
+        router=_router(spec.get("router")),
     )
 
 

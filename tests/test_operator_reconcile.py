@@ -548,3 +548,58 @@ def test_drift_apply_cannot_undo_is_replaced_even_when_it_wedges_the_dry_run() -
     kube.writes.clear()
     assert conditions(run(kube, inference_service()))[status_mod.READY][1] == "InvalidSpec"
     assert "replace Service" not in kube.writes
+
+
+ROUTER_CHILDREN = {
+    ("ServiceAccount", "ns", "llm-router"),
+    ("Role", "ns", "llm-router"),
+    ("RoleBinding", "ns", "llm-router"),
+    ("PodDisruptionBudget", "ns", "llm-router"),
+    ("Deployment", "ns", "llm-router"),
+    ("Service", "ns", "llm-servers"),
+}
+
+
+def test_a_router_comes_and_goes_with_the_spec_and_the_service_follows_it() -> None:
+    kube = FakeKube([H100])
+    result = run(kube, inference_service(router={"enabled": True, "policy": "power_of_two"}))
+    assert set(kube.objects) >= ROUTER_CHILDREN
+    service = kube.objects[("Service", "ns", "llm")]
+    assert service["spec"]["selector"]["app.kubernetes.io/name"] == "pagoda-router"
+    servers = kube.objects[("Service", "ns", "llm-servers")]
+    assert servers["spec"]["selector"]["app.kubernetes.io/name"] == "pagoda-server"
+    router = kube.objects[("Deployment", "ns", "llm-router")]
+    args = router["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--policy") + 1] == "power_of_two"
+    assert args[args.index("--service-discovery-namespace") + 1] == "ns"
+    assert "app.kubernetes.io/name=pagoda-server" in args and "app.kubernetes.io/instance=llm" in args
+    assert router["metadata"]["ownerReferences"][0]["name"] == "llm"  # owned: deleted with the service
+    assert result.status["grpcAddress"].startswith("llm-servers.ns.svc")  # the router carries HTTP only
+    # The model's Deployment is the same one, not a second.
+    assert kube.objects[("Deployment", "ns", "llm")]["spec"]["selector"]["matchLabels"][
+        "app.kubernetes.io/name"
+    ] == ("pagoda-server")
+
+    result = run(kube, inference_service())  # router off: its objects go, the Service selects the servers
+    assert not ROUTER_CHILDREN & set(kube.objects)
+    assert (
+        kube.objects[("Service", "ns", "llm")]["spec"]["selector"]["app.kubernetes.io/name"]
+        == "pagoda-server"
+    )
+    assert {"delete Deployment", "delete Role", "delete RoleBinding"} <= set(kube.writes)
+    assert ("Deployment", "ns", "llm") in kube.objects and result.status["grpcAddress"].startswith(
+        "llm.ns.svc"
+    )
+
+
+def test_a_router_child_someone_else_owns_is_not_overwritten() -> None:
+    kube = FakeKube([H100])
+    kube.objects[("Role", "ns", "llm-router")] = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {"name": "llm-router", "namespace": "ns"},
+        "rules": [],
+    }
+    result = run(kube, inference_service(router={"enabled": True}))
+    assert any("Role llm-router exists and is not owned" in e.message for e in result.events)
+    assert ("Deployment", "ns", "llm-router") not in kube.objects
