@@ -260,6 +260,56 @@ def test_a_model_from_an_s3_compatible_store_serves(
         store.stop()
 
 
+def test_a_router_in_front_of_the_servers_routes_by_prefix(
+    cluster, real_node, real_images, operator, namespace
+) -> None:
+    """spec.router on the real node: vllm-router (from the server image) finds the server pods through
+    the API with its own ServiceAccount and Role, the Service sends clients to it, and requests that
+    share a prompt prefix are routed by it (its own metrics say so); gRPC stays on <name>-servers."""
+    isvc = inference_service("routed", real_images["server"])
+    isvc["spec"]["router"] = {"enabled": True, "replicas": 1}
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(isvc))
+    got = ready_service(cluster, namespace, "routed", operator)
+    assert got["status"]["grpcAddress"].startswith(f"routed-servers.{namespace}.svc")
+    context = describe(cluster, namespace, operator)
+
+    def router_ready() -> bool:
+        pods = get(cluster, namespace, "pods", "-l", "app.kubernetes.io/name=pagoda-router")["items"]
+        return any(
+            all(c["ready"] for c in p["status"].get("containerStatuses") or [{"ready": False}]) for p in pods
+        )
+
+    wait_for("the router pod Ready", router_ready, 180, lambda: context("routed"))
+    url = service_url(cluster, namespace, "routed")
+    prompt = "You are a geography tutor. " * 20 + "The capital of France is"
+
+    def answered() -> str | None:
+        try:
+            return ask(url)
+        except OSError:
+            return None  # the router waits for its first healthy server
+
+    assert "Paris" in wait_for("an answer through the router", answered, 120, lambda: context("routed"))
+    body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    for _ in range(3):
+        req = urllib.request.Request(
+            f"{url}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert r.status == 200
+    [router_pod] = get(cluster, namespace, "pods", "-l", "app.kubernetes.io/name=pagoda-router")["items"]
+    with urllib.request.urlopen(f"http://{router_pod['status']['podIP']}:29000/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    processed = re.findall(r'^vllm_router_processed_requests_total\{worker="([^"]+)"\} (\d+)', metrics, re.M)
+    [server_pod] = server_pods(cluster, namespace, "routed")
+    assert [w for w, n in processed if int(n) >= 4] == [f"http://{server_pod['status']['podIP']}:8000"], (
+        metrics
+    )
+    assert re.search(r'prefix_routing_decisions_total\{[^}]*outcome="prefix_hit"\} [1-9]', metrics), metrics
+
+
 def ready_service(cluster, namespace: str, name: str, operator: Any, timeout: float = 300) -> dict:
     context = describe(cluster, namespace, operator)
     return wait_for(
