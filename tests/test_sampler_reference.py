@@ -130,7 +130,7 @@ def test_greedy_rows_logit_bias_and_min_tokens_in_one_batch(device: str) -> None
     reqs = [
         _request(SamplingParams(temperature=0.0, max_tokens=8), 0),  # greedy: EOS
         _request(SamplingParams(temperature=0.0, max_tokens=8, logit_bias={EOS: -100}), 1),  # banned
-        _request(SamplingParams(temperature=0.0, max_tokens=8, min_tokens=20), 2),  # too early for EOS
+        _request(SamplingParams(temperature=0.0, max_tokens=32, min_tokens=20), 2),  # too early for EOS
         _request(SamplingParams(temperature=0.0, max_tokens=8, logit_bias={33: 100}), 3),
     ]
     got = [r.token_id for r in Sampler(VOCAB, {EOS})(logits, reqs).results()]
