@@ -315,6 +315,8 @@ def _apply(
     """
     replaces: dict[str, dict[str, Any]] = {}  # key -> PUT body: drift that wedges apply itself
     for obj in desired:
+        if _binds_a_role_to_come(obj, desired, owned, service_name):
+            continue  # its Role is applied just before it; checked then
         try:
             kube.apply(obj, dry_run=True)
         except KubeError as err:
@@ -351,6 +353,20 @@ def _apply(
         if before is None:
             events.append(Event("Normal", "Created", f"created {kind} {name}"))
     return applied, None, events
+
+
+def _binds_a_role_to_come(
+    obj: Mapping[str, Any], desired: list[dict[str, Any]], owned: Mapping[str, Any], service_name: str
+) -> bool:
+    """A RoleBinding to a Role of `desired` that does not exist yet: the API server's dry run of it looks
+    the Role up (RBAC's escalation check) and refuses it as not found, so it can only be checked once the
+    Role is applied."""
+    if obj["kind"] != "RoleBinding" or obj["roleRef"]["kind"] != "Role":
+        return False
+    role = next(
+        (o for o in desired if o["kind"] == "Role" and o["metadata"]["name"] == obj["roleRef"]["name"]), None
+    )
+    return role is not None and child_key(role, service_name) not in owned
 
 
 def _template_changed(before: Mapping[str, Any], after: Mapping[str, Any]) -> bool:

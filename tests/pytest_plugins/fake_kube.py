@@ -73,6 +73,7 @@ class FakeKube:
         self._call("apply")
         if (error := self.refuse.get((obj["kind"], dry_run))) is not None:
             raise error
+        self._check_role_binding(obj)
         if dry_run:
             return copy.deepcopy(obj)
         key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
@@ -87,6 +88,15 @@ class FakeKube:
             stored["status"] = before["status"]
         self.objects[key] = stored
         return copy.deepcopy(stored)
+
+    def _check_role_binding(self, obj: dict) -> None:
+        """RBAC's escalation check, as the API server makes it for a caller that may not bind any role:
+        a RoleBinding's Role must exist (its rules are compared with the caller's), dry run or not."""
+        if obj["kind"] != "RoleBinding" or obj["roleRef"]["kind"] != "Role":
+            return
+        namespace, role = obj["metadata"]["namespace"], obj["roleRef"]["name"]
+        if ("Role", namespace, role) not in self.objects:
+            raise KubeError(404, "PATCH", "/rolebindings", {"message": f'roles "{role}" not found'})
 
     def replace(self, obj: dict, dry_run: bool = False) -> dict:
         """A PUT: the object as given replaces the stored one (no managedFields kept)."""
