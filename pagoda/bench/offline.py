@@ -105,6 +105,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pagoda.bench import grammar as bench_grammar
 
     bench_grammar.add_arguments(grammar)
+    routing = sub.add_parser(
+        "routing",
+        help="simulate routing policies and HPA settings over 16 to 1,024 replicas (docs/routing.md)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    from pagoda.bench import routing_sim
+
+    routing_sim.add_arguments(routing)
     kernels = sub.add_parser("kernels", help="Triton kernels vs references and SDPA (needs a CUDA GPU)")
     kernels.add_argument("args", nargs=argparse.REMAINDER, help="passed to pagoda.bench.kernels")
 
@@ -476,6 +484,10 @@ def run(args: argparse.Namespace) -> int:
         from pagoda.bench import grammar as bench_grammar
 
         return bench_grammar.run(args)
+    if args.bench == "routing":
+        from pagoda.bench import routing_sim
+
+        return routing_sim.run(args)
     if args.bench == "kernels":
         from pagoda.bench.kernels import main as kernels_main
 
