@@ -15,7 +15,7 @@ from typing import Any, Literal, cast
 
 import kopf
 
-from pagoda.operator import cache, drift, manifests, placement
+from pagoda.operator import cache, drift, manifests, placement, router
 from pagoda.operator import status as status_mod
 from pagoda.operator.kube import FIELD_MANAGER, Kube, KubeError
 from pagoda.operator.pods import PodIssue, diagnose
@@ -253,6 +253,7 @@ def reconcile(body: Mapping[str, Any], kube: Kube, config: OperatorConfig, now: 
         failure=(failure.reason, failure.message) if failure else None,
         issue=issue,
         cache=cached.to_dict() if cached else None,
+        router=status_mod.router_status(owned.get("Deployment" + router.SUFFIX), spec.router.policy),
     )
     if is_kept:  # what runs is still the old profile: show it, with why it could not be chosen now
         old_profile = old_status.get("profile") or {}

@@ -181,6 +181,15 @@ def profile_status(decision: Decision) -> dict[str, Any]:
     return out | decision.to_dict()
 
 
+def router_status(deployment: Mapping[str, Any] | None, policy: str) -> dict[str, Any] | None:
+    """status.router: the router Deployment in front of the servers (spec.router), None without one."""
+    state = rollout(deployment)
+    if deployment is None or state is None:
+        return None
+    name = deployment["metadata"]["name"]
+    return {"name": name, "policy": policy, "replicas": state.replicas, "readyReplicas": state.ready}
+
+
 def status(
     *,
     old: Mapping[str, Any],
@@ -195,6 +204,7 @@ def status(
     failure: tuple[str, str] | None = None,
     issue: PodIssue | None = None,
     cache: Mapping[str, Any] | None = None,
+    router: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     conds = conditions(decision, state, conflicts, is_kept, failure, issue)
     return {
@@ -205,5 +215,6 @@ def status(
         "readyReplicas": state.ready if state else 0,
         "selector": selector,
         "cache": cache,  # None removes it (merge patch)
+        "router": router,
         **urls,
     }

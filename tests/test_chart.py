@@ -4,6 +4,7 @@ binaries, PAGODA_K8S_BIN, or PATH); the e2e suite installs the chart into a real
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -224,7 +225,12 @@ def test_monitors_render_when_the_crds_exist_or_when_asked() -> None:
     names = {
         f"{d['kind']}/{d['metadata']['name']}" for d in defaults if d["apiVersion"].startswith("monitoring")
     }
-    assert names == {"PodMonitor/pagoda-servers", "PodMonitor/pagoda-operator", "PrometheusRule/pagoda-dcgm"}
+    assert names == {
+        "PodMonitor/pagoda-servers",
+        "PodMonitor/pagoda-routers",
+        "PodMonitor/pagoda-operator",
+        "PrometheusRule/pagoda-dcgm",
+    }
     got = monitoring_objects(True, "--set", "operator.watchNamespaces={a,b}")
     pod_monitor, service_monitor = got["PodMonitor/pagoda-servers"], got["ServiceMonitor/pagoda-servers"]
     from pagoda.operator import manifests
@@ -237,6 +243,26 @@ def test_monitors_render_when_the_crds_exist_or_when_asked() -> None:
     assert service_monitor["spec"]["endpoints"][0]["port"] == "metrics"
     service_ports = {p["name"] for p in manifests.service(_spec())["spec"]["ports"]}
     assert "metrics" in service_ports
+    # The routers' PodMonitor selects the router pods the operator renders, on their metrics port; the
+    # ServiceMonitor reaches them through the Service's router-metrics port.
+    from pagoda.operator import router
+
+    routed = dataclasses.replace(_spec(), router=dataclasses.replace(_spec().router, enabled=True))
+    (router_deployment,) = [
+        c for c in router.children("x", "ns", **_router_kwargs()) if c["kind"] == "Deployment"
+    ]
+    router_pod = router_deployment["spec"]["template"]
+    router_monitor = got["PodMonitor/pagoda-routers"]
+    assert router_monitor["spec"]["namespaceSelector"] == {"matchNames": ["a", "b"]}
+    assert (
+        router_monitor["spec"]["selector"]["matchLabels"].items() <= router_pod["metadata"]["labels"].items()
+    )
+    assert not router_monitor["spec"]["selector"]["matchLabels"].items() <= server_labels.items()
+    router_ports = {p["name"] for p in router_pod["spec"]["containers"][0]["ports"]}
+    assert router_monitor["spec"]["podMetricsEndpoints"][0]["port"] in router_ports
+    routed_ports = {p["name"] for p in manifests.service(routed)["spec"]["ports"]}
+    assert [e["port"] for e in service_monitor["spec"]["endpoints"]] == ["metrics", "router-metrics"]
+    assert "router-metrics" in routed_ports and "metrics" not in routed_ports  # servers: <name>-servers
     # The operator's own PodMonitor: its pod's selector labels, its `metrics` port; none without the port.
     operator_monitor = got["PodMonitor/pagoda-operator"]
     (deployment,) = [d for d in render() if d["kind"] == "Deployment"]
@@ -256,6 +282,21 @@ def test_dcgm_recording_rule_maps_the_exported_labels() -> None:
     flag = ("--set", "monitoring.prometheusRule.dcgmExportedLabels=false")
     (rule,) = monitoring_objects(True, *flag)["PrometheusRule/pagoda-dcgm"]["spec"]["groups"][0]["rules"]
     assert "exported" not in rule["expr"]
+
+
+def _router_kwargs() -> dict[str, Any]:
+    return {
+        "image": "pagoda-server:dev",
+        "image_pull_policy": None,
+        "server_selector": {"app.kubernetes.io/name": "pagoda-server"},
+        "server_port": 8000,
+        "policy": "cache_aware",
+        "replicas": 2,
+        "api_key_env": [],
+        "pod_security": {},
+        "container_security": {},
+        "placement": {},
+    }
 
 
 def _spec() -> Any:

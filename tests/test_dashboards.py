@@ -31,7 +31,11 @@ def documented() -> dict[str, str]:
 def queried(dashboard: dict) -> set[str]:
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     exprs += [v["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
-    return {m for e in exprs for m in re.findall(r"\b(?:pagoda_[a-z0-9_]+|vllm:[a-z0-9_]+)", e)}
+    return {
+        m
+        for e in exprs
+        for m in re.findall(r"\b(?:pagoda_[a-z0-9_]+|vllm:[a-z0-9_]+|vllm_router_[a-z0-9_]+)", e)
+    }
 
 
 def test_every_queried_series_is_exported() -> None:
@@ -83,6 +87,31 @@ def test_the_operator_row_shows_reconciles_errors_latency_and_profiles() -> None
     assert any("by (gpu_product" in e for e in exprs)
     assert [p["id"] for p in panels] == sorted({p["id"] for p in panels})  # unique ids, in order
     assert all(p["gridPos"]["y"] > panels[row]["gridPos"]["y"] for p in below)
+
+
+def test_the_router_row_shows_decisions_spread_load_and_errors_per_namespace() -> None:
+    """Between the servers' panels and the operator's: vllm-router's series, picked by $namespace (the
+    router pods are in the service's namespace; $pod names server pods, so it is not used)."""
+    (dashboard,) = [json.loads(p.read_text()) for p in DASHBOARDS if p.name == "pagoda-serving.json"]
+    panels = dashboard["panels"]
+    rows = [i for i, p in enumerate(panels) if p["type"] == "row"]
+    (router,) = [i for i in rows if panels[i]["title"] == "Router"]
+    below = panels[router + 1 : min(i for i in rows if i > router)]
+    exprs = [t["expr"] for p in below for t in p["targets"]]
+    assert queried({"panels": below, "templating": {"list": []}}) == {
+        "vllm_router_prefix_routing_decisions_total",
+        "vllm_router_processed_requests_total",
+        "vllm_router_worker_load",
+        "vllm_router_running_requests",
+        "vllm_router_request_errors_total",
+        "vllm_router_retries_total",
+        "vllm_router_active_workers",
+    }
+    assert all('namespace=~"$namespace"' in e and "$pod" not in e for e in exprs)
+    assert any("by (outcome)" in e for e in exprs) and any("by (worker)" in e for e in exprs)
+    layout = [(p["gridPos"]["x"], p["gridPos"]["y"], p["gridPos"]["w"], p["gridPos"]["h"]) for p in panels]
+    cells = {(x + dx, y + dy) for x, y, w, h in layout for dx in range(w) for dy in range(h)}
+    assert len(cells) == sum(w * h for _, _, w, h in layout)  # no two panels overlap
 
 
 def _helm() -> str:

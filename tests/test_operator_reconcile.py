@@ -575,6 +575,16 @@ def test_a_router_comes_and_goes_with_the_spec_and_the_service_follows_it() -> N
     assert "app.kubernetes.io/name=pagoda-server" in args and "app.kubernetes.io/instance=llm" in args
     assert router["metadata"]["ownerReferences"][0]["name"] == "llm"  # owned: deleted with the service
     assert result.status["grpcAddress"].startswith("llm-servers.ns.svc")  # the router carries HTTP only
+    assert result.status["router"] == {
+        "name": "llm-router",
+        "policy": "power_of_two",
+        "replicas": 0,
+        "readyReplicas": 0,
+    }
+    kube.objects[("Deployment", "ns", "llm-router")]["status"] = {"replicas": 2, "readyReplicas": 2}
+    result = run(kube, inference_service(router={"enabled": True, "policy": "power_of_two"}))
+    assert (result.status["router"]["replicas"], result.status["router"]["readyReplicas"]) == (2, 2)
+    assert result.status["readyReplicas"] == 0  # the servers' own count, not the router's
     # The model's Deployment is the same one, not a second.
     assert kube.objects[("Deployment", "ns", "llm")]["spec"]["selector"]["matchLabels"][
         "app.kubernetes.io/name"
@@ -582,6 +592,7 @@ def test_a_router_comes_and_goes_with_the_spec_and_the_service_follows_it() -> N
 
     result = run(kube, inference_service())  # router off: its objects go, the Service selects the servers
     assert not ROUTER_CHILDREN & set(kube.objects)
+    assert result.status["router"] is None  # a merge patch removes it
     assert (
         kube.objects[("Service", "ns", "llm")]["spec"]["selector"]["app.kubernetes.io/name"]
         == "pagoda-server"
