@@ -176,3 +176,19 @@ def test_a_full_kv_cache_evicts_cached_prefixes_for_the_requests_it_runs() -> No
 
     assert second_turn_cached(10_000) == 610
     assert second_turn_cached(1_000) == 0  # session 2's 610 tokens in flight left room for 390
+
+
+def test_pagoda_bench_routing_writes_a_row_per_run(tmp_path) -> None:
+    from pagoda.bench.offline import main
+
+    out = tmp_path / "BENCHMARKS.md"
+    argv = ["routing", "--max-replicas", "2", "--day-seconds", "20", "--policies", "round_robin", "cache_aware"]
+    assert main([*argv, "--seeds", "0", "1", "--target-queue-depth", "4", "--output", str(out)]) == 0
+    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| 2 |")]
+    assert [(r[1], r[2], r[3]) for r in rows] == [
+        ("4", "round_robin", "0"),
+        ("4", "round_robin", "1"),
+        ("4", "cache_aware", "0"),
+        ("4", "cache_aware", "1"),
+    ]
+    assert rows[0][4:] != rows[1][4:]  # another seed, another day

@@ -485,7 +485,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the peak's new sessions per second for each replica the HPA may add",
     )
     parser.add_argument("--day-seconds", type=float, default=1800.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="one run per seed; a row per run (the spread is large)",
+    )
     parser.add_argument("--output", default=None, help="append the Markdown result to this file")
 
 
@@ -494,19 +500,19 @@ def run(args: argparse.Namespace, progress: Callable[[str], None] = print) -> in
         f"### routing simulation: a {args.day_seconds:.0f} s day, {args.sessions_per_replica} sessions/s "
         "per replica at the peak",
         "",
-        "| max replicas | HPA target queue depth | policy | requests | prefix hit | TTFT p50 s | TTFT p99 s "
-        "| GPU-hours | peak replicas |",
-        "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| max replicas | HPA target queue depth | policy | seed | requests | prefix hit | TTFT p50 s "
+        "| TTFT p99 s | GPU-hours | peak replicas |",
+        "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for max_replicas in args.max_replicas:
         workload = Workload(args.sessions_per_replica * max_replicas, day_s=args.day_seconds)
         for target in args.target_queue_depth:
             autoscaler = Autoscaler(max(1, max_replicas // 8), max_replicas, target_queue_depth=target)
-            for policy in args.policies:
-                o = simulate(policy, workload, autoscaler, seed=args.seed)
+            for policy, seed in itertools.product(args.policies, args.seeds):
+                o = simulate(policy, workload, autoscaler, seed=seed)
                 lines.append(
-                    f"| {max_replicas} | {target:g} | {policy} | {o.requests:,} | {o.hit_rate:.1%} "
-                    f"| {o.ttft_p50_s:.3f} | {o.ttft_p99_s:.3f} | {o.gpu_hours:.1f} | {o.peak_replicas} |"
+                    f"| {max_replicas} | {target:g} | {policy} | {seed} | {o.requests:,} | {o.hit_rate:.1%} "
+                    f"| {o.ttft_p50_s:.3f} | {o.ttft_p99_s:.3f} | {o.gpu_hours:.2f} | {o.peak_replicas} |"
                 )
                 progress(lines[-1])
     text = "\n".join(lines) + "\n"
