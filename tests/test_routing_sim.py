@@ -182,7 +182,8 @@ def test_pagoda_bench_routing_writes_a_row_per_run(tmp_path) -> None:
     from pagoda.bench.offline import main
 
     out = tmp_path / "BENCHMARKS.md"
-    argv = ["routing", "--max-replicas", "2", "--day-seconds", "20", "--policies", "round_robin", "cache_aware"]
+    argv = ["routing", "--max-replicas", "2", "--day-seconds", "20"]
+    argv += ["--policies", "round_robin", "cache_aware"]
     assert main([*argv, "--seeds", "0", "1", "--target-queue-depth", "4", "--output", str(out)]) == 0
     rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| 2 |")]
     assert [(r[1], r[2], r[3]) for r in rows] == [
