@@ -593,6 +593,80 @@ def test_an_ingress_comes_and_goes_with_the_spec(cluster, namespace, operator) -
     cluster.kubectl("delete", "pis", "exposed", "-n", namespace, "--wait=true", "--timeout=60s")
 
 
+GATEWAY_API_VERSION = "v1.6.3"  # its CRDs come from the Go module proxy, as the control plane's sources
+
+
+def gateway_api_crd(kind_plural: str) -> Path:
+    """The Gateway API's standard CRD of `kind_plural` from its Go module (Go's module cache holds it)."""
+    out = subprocess.run(
+        ["go", "mod", "download", "-json", f"sigs.k8s.io/gateway-api@{GATEWAY_API_VERSION}"],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "GOFLAGS": "-mod=mod", "GOTOOLCHAIN": "local"},
+        timeout=300,
+    ).stdout
+    return (
+        Path(json.loads(out)["Dir"]) / "config/crd/standard" / f"gateway.networking.k8s.io_{kind_plural}.yaml"
+    )
+
+
+def test_an_http_route_waits_for_the_gateway_api_then_comes_converges_and_goes(
+    cluster, namespace, operator
+) -> None:
+    """spec.httpRoute in a cluster without the Gateway API: Ready=False, InvalidSpec, naming what to
+    install, and nothing half-applied. Once the HTTPRoute CRD is installed the operator (kopf starts
+    watching the new resource) creates the route; a hand edit of it converges back; removing the field
+    deletes it."""
+    crd = gateway_api_crd("httproutes")
+    route = {"parentRefs": [{"name": "public", "namespace": "gateways"}], "hostnames": ["llm.example.com"]}
+    apply(cluster, namespace, small_service("gw", httpRoute=route))
+
+    def refused() -> str | None:
+        isvc = get(cluster, namespace, "inferenceservice", "gw") or {}
+        conds = {c["type"]: c for c in (isvc.get("status") or {}).get("conditions") or ()}
+        ready = conds.get("Ready", {})
+        return ready.get("message") if ready.get("reason") == "InvalidSpec" else None
+
+    message = wait_for("InvalidSpec naming the Gateway API", refused, context=operator.tail)
+    assert "install the Gateway API CRDs" in message, message
+    assert get(cluster, namespace, "deployment", "gw") is None  # nothing half-made
+    cluster.kubectl("apply", "--server-side", "-f", str(crd))
+    try:
+        got = wait_for(
+            "the HTTPRoute",
+            lambda: get(cluster, namespace, "httproute", "gw"),
+            timeout=120,
+            context=operator.tail,
+        )
+        assert got["spec"]["parentRefs"][0]["name"] == "public" and got["spec"]["hostnames"] == [
+            "llm.example.com"
+        ]
+        assert got["spec"]["rules"][0]["backendRefs"][0]["name"] == "gw"
+        assert got["metadata"]["ownerReferences"][0]["name"] == "gw"
+        ready_service(cluster, namespace, "gw", operator)
+        edit = '[{"op":"replace","path":"/spec/rules/0/backendRefs/0/port","value":9999}]'
+        cluster.kubectl("patch", "httproute", "gw", "-n", namespace, "--type=json", "-p", edit)
+        wait_for(
+            "the route's backend port back at 8000",
+            lambda: (
+                get(cluster, namespace, "httproute", "gw")["spec"]["rules"][0]["backendRefs"][0]["port"]
+                == 8000
+            ),
+            context=operator.tail,
+        )
+        remove = '[{"op":"remove","path":"/spec/httpRoute"}]'
+        cluster.kubectl("patch", "pis", "gw", "-n", namespace, "--type=json", "-p", remove)
+        wait_for(
+            "the HTTPRoute removed with the field",
+            lambda: get(cluster, namespace, "httproute", "gw") is None,
+            context=operator.tail,
+        )
+        cluster.kubectl("delete", "pis", "gw", "-n", namespace, "--wait=true", "--timeout=60s")
+    finally:
+        cluster.kubectl("delete", "-f", str(crd), "--wait=true", check=False)
+
+
 def test_objects_not_ours_are_left_alone(cluster, namespace, operator) -> None:
     cluster.kubectl("create", "service", "clusterip", "taken", "--tcp=80:80", "-n", namespace)
     apply(cluster, namespace, small_service("taken"))

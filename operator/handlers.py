@@ -37,6 +37,9 @@ CHILD_RESOURCES = (
     ("autoscaling", "v2", "horizontalpodautoscalers"),
     ("policy", "v1", "poddisruptionbudgets"),
     ("networking.k8s.io", "v1", "ingresses"),
+    # Where the Gateway API's CRDs are not installed, kopf logs once that it cannot watch these, and
+    # starts when they appear.
+    ("gateway.networking.k8s.io", "v1", "httproutes"),
     ("batch", "v1", "jobs"),  # the model cache's download Job: Cached reaches the status at once
 )
 

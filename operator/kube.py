@@ -28,6 +28,7 @@ PLURALS = {
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("networking.k8s.io/v1", "Ingress"): "ingresses",
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproutes",
     ("v1", "ServiceAccount"): "serviceaccounts",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",

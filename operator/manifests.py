@@ -452,9 +452,32 @@ def ingress(spec: ServiceSpec) -> dict[str, Any] | None:
     return body
 
 
+def http_route(spec: ServiceSpec) -> dict[str, Any] | None:
+    """spec.httpRoute: the Service's http port behind the cluster's Gateway (Gateway API), as the
+    Ingress is behind an ingress controller; the route's backend is the Service, so a router in front
+    of the servers stays in the path."""
+    if spec.http_route is None:
+        return None
+    route = spec.http_route
+    rule = {
+        "matches": [{"path": {"type": "PathPrefix", "value": route.path}}],
+        "backendRefs": [{"name": spec.name, "port": HTTP_PORT}],
+    }
+    body: dict[str, Any] = {
+        "apiVersion": "gateway.networking.k8s.io/v1",
+        "kind": "HTTPRoute",
+        "metadata": _meta(spec) | ({"annotations": dict(route.annotations)} if route.annotations else {}),
+        "spec": {"parentRefs": [dict(r) for r in route.parent_refs], "rules": [rule]},
+    }
+    if route.hostnames:
+        body["spec"]["hostnames"] = list(route.hostnames)
+    return body
+
+
 def children(spec: ServiceSpec, decision: Decision, config: OperatorConfig) -> list[dict[str, Any]]:
     """Every object this InferenceService should own, in apply order."""
     objects = [service(spec), pdb(spec), deployment(spec, decision, config), hpa(spec), ingress(spec)]
+    objects += [http_route(spec)]
     if spec.router.enabled:
         placement = {
             "nodeSelector": dict(spec.node_selector) or None,

@@ -30,6 +30,7 @@ CHILD_SLOTS = (
     ("apps/v1", "Deployment", ""),
     ("autoscaling/v2", "HorizontalPodAutoscaler", ""),
     ("networking.k8s.io/v1", "Ingress", ""),
+    ("gateway.networking.k8s.io/v1", "HTTPRoute", ""),
     ("v1", "Service", "-servers"),
     ("v1", "ServiceAccount", "-router"),
     ("rbac.authorization.k8s.io/v1", "Role", "-router"),
@@ -39,7 +40,7 @@ CHILD_SLOTS = (
 )
 WORKLOAD_KINDS = {"Deployment", "HorizontalPodAutoscaler"}  # the model's: keys, not the router's
 # Removed as soon as the spec stops asking for them (the rest only with the workload or the profile).
-OPTIONAL_KINDS = {"Ingress"} | {kind + suffix for _, kind, suffix in CHILD_SLOTS if suffix}
+OPTIONAL_KINDS = {"Ingress", "HTTPRoute"} | {kind + suffix for _, kind, suffix in CHILD_SLOTS if suffix}
 
 
 def child_key(obj: Mapping[str, Any], service_name: str) -> str:
@@ -81,7 +82,15 @@ def _failure(obj: Mapping[str, Any], err: KubeError, is_dry_run: bool) -> ApplyF
         "InvalidSpec" if err.status in (400, 422) else "ApplyFailed"
     )
     stage = "refused by the API server" if is_dry_run else "failed to apply"
-    return ApplyFailure(reason, f"{obj['kind']} {obj['metadata']['name']} {stage}: {err.message}")
+    message = f"{obj['kind']} {obj['metadata']['name']} {stage}: {err.message}"
+    if err.status == 404 and obj["apiVersion"].startswith("gateway.networking.k8s.io/"):
+        # No such API: the Gateway API's CRDs are not installed; nothing else in the spec can fix it.
+        reason = "InvalidSpec"
+        message = (
+            f"spec.httpRoute: this cluster does not serve {obj['apiVersion']} {obj['kind']} (install the "
+            "Gateway API CRDs and a Gateway controller, or remove spec.httpRoute)"
+        )
+    return ApplyFailure(reason, message)
 
 
 def _warn_once(

@@ -99,6 +99,17 @@ class Router:
 
 
 @dataclasses.dataclass(frozen=True)
+class HttpRoute:
+    """spec.httpRoute: a Gateway API HTTPRoute (gateway.networking.k8s.io/v1) from the cluster's
+    Gateway(s) to the Service's http port; the cluster's Gateway controller serves it."""
+
+    parent_refs: tuple[Mapping[str, Any], ...]
+    hostnames: tuple[str, ...] = ()
+    path: str = "/"
+    annotations: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
 class Ingress:
     """spec.ingress: a networking.k8s.io/v1 Ingress to the Service's http port (an ingress controller
     of the cluster serves it)."""
@@ -164,6 +175,7 @@ class ServiceSpec:
     volumes: tuple[Mapping[str, Any], ...] = ()  # core/v1 Volume, added to the pod
     volume_mounts: tuple[Mapping[str, Any], ...] = ()  # core/v1 VolumeMount, added to the server container
     ingress: Ingress | None = None
+    http_route: HttpRoute | None = None
     router: Router = Router()
 
     def profile_request(self) -> ProfileRequest:
@@ -340,6 +352,20 @@ def _router(raw: Mapping[str, Any] | None) -> Router:
     return router
 
 
+def _http_route(raw: Mapping[str, Any] | None) -> HttpRoute | None:
+    if raw is None:
+        return None
+    refs = raw.get("parentRefs") or ()
+    if not refs or not all(isinstance(r, Mapping) and r.get("name") for r in refs):
+        raise ValueError("httpRoute.parentRefs: at least one Gateway, each with a name")
+    return HttpRoute(
+        parent_refs=tuple(dict(r) for r in refs),
+        hostnames=tuple(raw.get("hostnames") or ()),
+        path=raw.get("path", "/"),
+        annotations=_string_map(raw.get("annotations"), "httpRoute.annotations", ()),
+    )
+
+
 def _ingress(raw: Mapping[str, Any] | None) -> Ingress | None:
     if raw is None:
         return None
@@ -420,6 +446,7 @@ def parse_spec(body: Mapping[str, Any]) -> ServiceSpec:
         volumes=volumes,
         volume_mounts=volume_mounts,
         ingress=_ingress(spec.get("ingress")),
+        http_route=_http_route(spec.get("httpRoute")),
         router=_router(spec.get("router")),
     )
 

@@ -430,6 +430,38 @@ def test_extra_volumes_and_mounts_from_the_spec() -> None:
     assert ok.volume_mounts[0]["mountPath"] == "/models2"  # a neighbour of /models, not inside it
 
 
+def test_an_http_route_when_the_spec_asks_for_one() -> None:
+    assert manifests.http_route(parse_spec(body())) is None
+    gateway = {"name": "public", "namespace": "gateways", "sectionName": "https"}
+    spec = parse_spec(
+        body(httpRoute={"parentRefs": [gateway], "hostnames": ["llm.example.com"], "annotations": {"a": "b"}})
+    )
+    route = manifests.http_route(spec)
+    assert route is not None
+    assert (route["apiVersion"], route["kind"]) == ("gateway.networking.k8s.io/v1", "HTTPRoute")
+    assert route["metadata"]["name"] == "llm" and route["metadata"]["annotations"] == {"a": "b"}
+    assert route["metadata"]["labels"] == manifests.labels(spec)
+    assert route["spec"] == {
+        "parentRefs": [gateway],
+        "hostnames": ["llm.example.com"],
+        "rules": [
+            {
+                "matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
+                "backendRefs": [{"name": "llm", "port": 8000}],  # the Service: the router, where one is
+            }
+        ],
+    }
+    bare = manifests.http_route(parse_spec(body(httpRoute={"parentRefs": [{"name": "g"}], "path": "/llm"})))
+    assert bare is not None and "hostnames" not in bare["spec"] and "annotations" not in bare["metadata"]
+    assert bare["spec"]["rules"][0]["matches"][0]["path"]["value"] == "/llm"
+    assert manifests.children(spec, decision(), CONFIG)[-1]["kind"] == "HTTPRoute"
+    for refs in ([], [{"namespace": "x"}], None):
+        with pytest.raises(
+            ValueError, match=r"httpRoute\.parentRefs: at least one Gateway, each with a name"
+        ):
+            parse_spec(body(httpRoute={"parentRefs": refs}))
+
+
 def test_an_ingress_when_the_spec_asks_for_one() -> None:
     assert manifests.ingress(parse_spec(body())) is None
     assert [o["kind"] for o in manifests.children(parse_spec(body()), decision(), CONFIG)] == [

@@ -529,6 +529,31 @@ def test_an_ingress_comes_and_goes_with_the_spec() -> None:
     assert ("Service", "ns", "llm") in kube.objects  # the rest stays
 
 
+def test_an_http_route_comes_and_goes_and_a_cluster_without_the_gateway_api_is_named() -> None:
+    kube = FakeKube([H100])
+    route = {"parentRefs": [{"name": "public"}]}
+    run(kube, inference_service(httpRoute=route))
+    assert kube.objects[("HTTPRoute", "ns", "llm")]["spec"]["rules"][0]["backendRefs"][0]["name"] == "llm"
+    run(kube, inference_service())
+    assert ("HTTPRoute", "ns", "llm") not in kube.objects and "delete HTTPRoute" in kube.writes
+    # No Gateway API in the cluster: its dry run finds no such resource. Nothing is applied, and the
+    # condition says what to install, not the API server's "could not find the requested resource".
+    kube = FakeKube([H100])
+    not_found = {"message": "the server could not find the requested resource"}
+    missing = KubeError(404, "PATCH", "/apis/gateway.networking.k8s.io/v1/...", not_found)
+    kube.refuse[("HTTPRoute", True)] = missing
+    result = run(kube, inference_service(httpRoute=route))
+    status, reason = conditions(result)[status_mod.READY]
+    message = next(c["message"] for c in result.status["conditions"] if c["type"] == status_mod.READY)
+    assert (status, reason) == ("False", "InvalidSpec")
+    assert "install the Gateway API CRDs" in message and "spec.httpRoute" in message
+    assert not kube.objects  # nothing half-applied
+    # Any other 404 stays a failure that may pass on a retry.
+    del kube.refuse[("HTTPRoute", True)]
+    kube.refuse[("Service", True)] = KubeError(404, "PATCH", "/api/v1/...", {"message": "namespace gone"})
+    assert conditions(run(kube, inference_service()))[status_mod.READY][1] == "ApplyFailed"
+
+
 def test_drift_apply_cannot_undo_is_replaced_even_when_it_wedges_the_dry_run() -> None:
     kube = FakeKube([H100])
     run(kube, inference_service())
