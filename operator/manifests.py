@@ -335,10 +335,12 @@ def deployment(spec: ServiceSpec, decision: Decision, config: OperatorConfig) ->
     return body
 
 
-def service(spec: ServiceSpec) -> dict[str, Any]:
-    """The InferenceService's Service: the router's pods when there is one, else the servers'."""
+def service(spec: ServiceSpec, router_ready: bool = True) -> dict[str, Any]:
+    """The InferenceService's Service: the router's pods when there is one and one of them is Ready,
+    else the servers'. A router being added (or with no Ready pod) leaves the clients on the servers
+    rather than on a selector with no endpoints."""
     meta = _meta(spec) | ({"annotations": dict(spec.service_annotations)} if spec.service_annotations else {})
-    if spec.router.enabled:
+    if spec.router.enabled and router_ready:
         return {
             "apiVersion": "v1",
             "kind": "Service",
@@ -474,9 +476,18 @@ def http_route(spec: ServiceSpec) -> dict[str, Any] | None:
     return body
 
 
-def children(spec: ServiceSpec, decision: Decision, config: OperatorConfig) -> list[dict[str, Any]]:
-    """Every object this InferenceService should own, in apply order."""
-    objects = [service(spec), pdb(spec), deployment(spec, decision, config), hpa(spec), ingress(spec)]
+def children(
+    spec: ServiceSpec, decision: Decision, config: OperatorConfig, router_ready: bool = True
+) -> list[dict[str, Any]]:
+    """Every object this InferenceService should own, in apply order. `router_ready`: whether the
+    router Deployment has a Ready pod (the Service moves to it only then)."""
+    objects = [
+        service(spec, router_ready),
+        pdb(spec),
+        deployment(spec, decision, config),
+        hpa(spec),
+        ingress(spec),
+    ]
     objects += [http_route(spec)]
     if spec.router.enabled:
         placement = {

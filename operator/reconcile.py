@@ -199,7 +199,9 @@ def reconcile(body: Mapping[str, Any], kube: Kube, config: OperatorConfig, now: 
     if theirs:
         events += [Event("Warning", "Conflict", f"refusing to overwrite: {msg}") for msg in theirs]
     elif not is_kept:
-        desired = manifests.children(spec, decision, config) if decision.is_selected else []
+        router_state = status_mod.rollout(owned.get("Deployment" + router.SUFFIX))
+        router_ready = router_state is not None and router_state.ready > 0
+        desired = manifests.children(spec, decision, config, router_ready) if decision.is_selected else []
         if spec.cache is not None and decision.is_selected:
             cached, failure, cache_events = _ensure_cache(kube, spec, config, body, old_status)
             events += cache_events

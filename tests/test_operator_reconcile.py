@@ -589,6 +589,11 @@ def test_a_router_comes_and_goes_with_the_spec_and_the_service_follows_it() -> N
     kube = FakeKube([H100])
     result = run(kube, inference_service(router={"enabled": True, "policy": "power_of_two"}))
     assert set(kube.objects) >= ROUTER_CHILDREN
+    # No router pod is Ready yet: the clients stay on the servers, not on a selector with no endpoints.
+    service = kube.objects[("Service", "ns", "llm")]
+    assert service["spec"]["selector"]["app.kubernetes.io/name"] == "pagoda-server"
+    kube.objects[("Deployment", "ns", "llm-router")]["status"] = {"replicas": 2, "readyReplicas": 1}
+    run(kube, inference_service(router={"enabled": True, "policy": "power_of_two"}))
     service = kube.objects[("Service", "ns", "llm")]
     assert service["spec"]["selector"]["app.kubernetes.io/name"] == "pagoda-router"
     servers = kube.objects[("Service", "ns", "llm-servers")]
@@ -610,6 +615,12 @@ def test_a_router_comes_and_goes_with_the_spec_and_the_service_follows_it() -> N
     result = run(kube, inference_service(router={"enabled": True, "policy": "power_of_two"}))
     assert (result.status["router"]["replicas"], result.status["router"]["readyReplicas"]) == (2, 2)
     assert result.status["readyReplicas"] == 0  # the servers' own count, not the router's
+    kube.objects[("Deployment", "ns", "llm-router")]["status"] = {"replicas": 2, "readyReplicas": 0}
+    run(kube, inference_service(router={"enabled": True, "policy": "power_of_two"}))  # no router pod Ready:
+    selector = kube.objects[("Service", "ns", "llm")]["spec"]["selector"]  # the servers answer directly
+    assert selector["app.kubernetes.io/name"] == "pagoda-server"
+    kube.objects[("Deployment", "ns", "llm-router")]["status"] = {"replicas": 2, "readyReplicas": 2}
+    run(kube, inference_service(router={"enabled": True, "policy": "power_of_two"}))
     # The model's Deployment is the same one, not a second.
     assert kube.objects[("Deployment", "ns", "llm")]["spec"]["selector"]["matchLabels"][
         "app.kubernetes.io/name"
