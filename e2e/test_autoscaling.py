@@ -5,7 +5,7 @@ the real HPA controller of kube-controller-manager (5 s sync) scaling the operat
 dcgm-exporter is a test double (harness/dcgm_double.py); the chart's recording rule maps its labels.
 
 One InferenceService (the embedded SmolLM2 on the CPU, one running sequence per pod, so a few concurrent
-requests wait) serves the module; the node's two GPUs bound it to two replicas.
+requests wait) serves the module; maxReplicas bounds it to two replicas.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import re
 import socket
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -183,8 +184,12 @@ def service(cluster, real_node, real_images, metrics_pipeline, operator) -> Iter
             "targetQueueDepth": TARGET_QUEUE_DEPTH,
             "behavior": {"scaleDown": {"stabilizationWindowSeconds": 15}},  # the default is 300 s
         }
+        isvc["spec"]["router"] = {"enabled": True, "replicas": 1}  # the dashboard's Router row
         cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(isvc))
         base.ready_service(cluster, namespace, NAME, operator)
+        base.wait_for(
+            "the Service on the router", lambda: base.service_on_router(cluster, namespace, NAME), 180
+        )
         url = base.service_url(cluster, namespace, NAME)
         yield ScalingService(cluster, namespace, url, Timeline(cluster, namespace), metrics_pipeline, double)
     finally:
@@ -262,6 +267,12 @@ def test_every_dashboard_and_adapter_query_returns_data(service: ScalingService)
     s = service
     for _ in range(4):  # data of its own, whatever ran before
         base.ask(s.url, timeout=120)
+    try:  # and one error, so that the router's error series exists (a counter appears with its first)
+        base.ask(s.url, timeout=120, model="no-such-model")
+    except urllib.error.HTTPError as e:
+        assert e.code == 404, e  # the server's answer, passed on by the router
+    else:
+        raise AssertionError("a request for a model the service does not serve was answered")
     s.hold_gpus(IDLE_ACTIVITY)
     time.sleep(8)  # two scrapes and a rule evaluation
     queries = {**_dashboard_queries(s.namespace), **_adapter_queries(s.namespace, s.pipeline)}

@@ -101,11 +101,10 @@ def test_the_router_row_shows_decisions_spread_load_and_errors_per_namespace() -
     assert queried({"panels": below, "templating": {"list": []}}) == {
         "vllm_router_prefix_routing_decisions_total",
         "vllm_router_processed_requests_total",
-        "vllm_router_worker_load",
         "vllm_router_running_requests",
+        "vllm_router_worker_health",
+        "vllm_router_generate_duration_seconds_bucket",
         "vllm_router_request_errors_total",
-        "vllm_router_retries_total",
-        "vllm_router_active_workers",
     }
     assert all('namespace=~"$namespace"' in e and "$pod" not in e for e in exprs)
     assert any("by (outcome)" in e for e in exprs) and any("by (worker)" in e for e in exprs)

@@ -50,11 +50,12 @@ def ensure_binaries() -> Path:
 @dataclass(frozen=True)
 class ChartMonitoring:
     """What the chart gives a Prometheus stack: adapter rules (the adapter's config file, as text), the
-    PrometheusRule's rule groups, the servers' PodMonitor and the operator's."""
+    PrometheusRule's rule groups, the servers' PodMonitor, the routers' and the operator's."""
 
     adapter_rules: str
     rule_groups: list[dict[str, Any]]
     pod_monitor: dict[str, Any]
+    router_pod_monitor: dict[str, Any]
     operator_pod_monitor: dict[str, Any]
 
 
@@ -82,6 +83,7 @@ def render_chart(
         one("ConfigMap", "-adapter-rules")["data"]["config.yaml"],
         one("PrometheusRule", "-dcgm")["spec"]["groups"],
         one("PodMonitor", "-servers"),
+        one("PodMonitor", "-routers"),
         one("PodMonitor", "-operator"),
     )
 
@@ -232,6 +234,7 @@ def _prometheus_config(workdir: Path, chart: ChartMonitoring, kubeconfig: Path) 
         "rule_files": [str(workdir / "rules.yaml")],
         "scrape_configs": [
             *pod_monitor_scrape_config(chart.pod_monitor, kubeconfig),
+            *pod_monitor_scrape_config(chart.router_pod_monitor, kubeconfig),
             {
                 "job_name": "static",  # each target's file names its own job
                 "file_sd_configs": [
