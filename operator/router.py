@@ -82,10 +82,13 @@ def children(
             {"name": "http", "containerPort": PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
         ],
-        # /health answers once it listens; it serves whatever servers are Ready then (none: 503s).
-        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5},
+        # vllm-router 0.1.17: /readiness is 200 while at least one server is healthy (so the Service
+        # moves to a router only once it can route, and leaves one that cannot); /liveness is 200
+        # while it answers. Not /health: that is 503 while any one server is unhealthy (one draining
+        # or loading), which would take the routers out with it.
+        "readinessProbe": {"httpGet": {"path": "/readiness", "port": "http"}, "periodSeconds": 5},
         "livenessProbe": {
-            "httpGet": {"path": "/health", "port": "http"},
+            "httpGet": {"path": "/liveness", "port": "http"},
             "periodSeconds": 10,
             "failureThreshold": 6,
         },

@@ -601,6 +601,10 @@ def test_a_router_comes_and_goes_with_the_spec_and_the_service_follows_it() -> N
     router = kube.objects[("Deployment", "ns", "llm-router")]
     args = router["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--policy") + 1] == "power_of_two"
+    # Ready while it can route (one healthy server), not /health: 503 while any one server is unhealthy.
+    container = router["spec"]["template"]["spec"]["containers"][0]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readiness"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/liveness"
     assert args[args.index("--service-discovery-namespace") + 1] == "ns"
     assert "app.kubernetes.io/name=pagoda-server" in args and "app.kubernetes.io/instance=llm" in args
     assert router["metadata"]["ownerReferences"][0]["name"] == "llm"  # owned: deleted with the service
