@@ -139,7 +139,8 @@ def ready_service(cluster, namespace: str, name: str, op: Operator, timeout: flo
 
 
 def running_pods(cluster, namespace: str, name: str) -> list[dict]:
-    selector = f"app.kubernetes.io/instance={name}"
+    """The service's running server pods (not its router's: a service of several replicas has one)."""
+    selector = f"app.kubernetes.io/name=pagoda-server,app.kubernetes.io/instance={name}"
     pods = get(cluster, namespace, "pods", "-l", selector) or {"items": []}
     return [
         p

@@ -91,7 +91,8 @@ ROUTER_POLICIES = ("cache_aware", "power_of_two", "round_robin", "consistent_has
 
 @dataclasses.dataclass(frozen=True)
 class Router:
-    """spec.router: vllm-router in front of the server pods (docs/routing.md); off unless enabled."""
+    """spec.router: vllm-router in front of the server pods (docs/routing.md). Without `enabled` in the
+    spec it is on exactly when the service may run more than one replica (docs/routing.md says why)."""
 
     enabled: bool = False
     policy: str = "cache_aware"
@@ -340,10 +341,21 @@ def _volumes(raw: Mapping[str, Any]) -> tuple[tuple[Mapping[str, Any], ...], tup
     return volumes, mounts
 
 
-def _router(raw: Mapping[str, Any] | None) -> Router:
+def _several_replicas(spec: Mapping[str, Any]) -> bool:
+    autoscaling = spec.get("autoscaling")
+    if autoscaling is not None:
+        return int(autoscaling.get("maxReplicas", 1)) > 1
+    return int(spec.get("replicas", 1)) > 1
+
+
+def _router(raw: Mapping[str, Any] | None, several_replicas: bool) -> Router:
+    """`several_replicas`: the spec allows more than one server replica (replicas, or the HPA's max)."""
     raw = raw or {}
+    enabled = raw.get("enabled")
     router = Router(
-        bool(raw.get("enabled", False)), str(raw.get("policy", "cache_aware")), int(raw.get("replicas", 2))
+        several_replicas if enabled is None else bool(enabled),
+        str(raw.get("policy", "cache_aware")),
+        int(raw.get("replicas", 2)),
     )
     if router.policy not in ROUTER_POLICIES:  # the CRD's enum, for objects that never met the API server
         raise ValueError(f"router.policy {router.policy!r}: one of {', '.join(ROUTER_POLICIES)}")
@@ -447,7 +459,7 @@ def parse_spec(body: Mapping[str, Any]) -> ServiceSpec:
         volume_mounts=volume_mounts,
         ingress=_ingress(spec.get("ingress")),
         http_route=_http_route(spec.get("httpRoute")),
-        router=_router(spec.get("router")),
+        router=_router(spec.get("router"), _several_replicas(spec)),
     )
 
 

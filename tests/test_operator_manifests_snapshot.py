@@ -66,6 +66,7 @@ CASES: dict[str, tuple[dict[str, Any], int, str, GpuGroup, OperatorConfig]] = {
             "model": {"name": "qwen2.5-7b", "source": {"hostPath": "/mnt/models/qwen"}},
             "precision": "fp16",
             "engine": {"apiServerCount": 3},
+            "httpRoute": {"parentRefs": [{"name": "public", "namespace": "gateways"}]},
         },
         1, "fp16", L4, OperatorConfig(),
     ),
@@ -110,7 +111,10 @@ def test_every_case_renders_every_kind_it_should() -> None:
     ]
     assert kinds["a whole node, bf16, a PVC, autoscaled, three API servers"] == [
         "Service", "PodDisruptionBudget", "Deployment", "HorizontalPodAutoscaler",
+        # up to four replicas: a router in front (spec.router unset), its Service for the servers
+        "Service", "ServiceAccount", "Role", "RoleBinding", "PodDisruptionBudget", "Deployment",
     ]  # fmt: skip
+    assert kinds["a host path on a one-GPU node, fp16, three API servers"][-1] == "HTTPRoute"
 
 
 def test_the_pods_run_as_the_images_user() -> None:
