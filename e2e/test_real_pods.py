@@ -1,7 +1,7 @@
 """InferenceServices on the real node: the operator's pods from the real server image, run by a real
 kubelet (containerd, runc) on the CPU; real probes, a real Service through kube-proxy.
 
-The node claims two GPUs (GFD labels of realnode.GPU, nvidia.com/gpu from the fake device plugin), so
+The node claims four GPUs (GFD labels of realnode.GPU, nvidia.com/gpu from the fake device plugin), so
 the operator's profile picks it and its GPU request is allocated; the server finds no GPU and uses the
 CPU. The operator runs as a host process with the chart's ServiceAccount (as in test_operator.py), and
 in the last test as the chart deploys it: a pod of the operator image.
@@ -280,6 +280,7 @@ def test_a_router_in_front_of_the_servers_routes_by_prefix(
         )
 
     wait_for("the router pod Ready", router_ready, 180, lambda: context("routed"))
+    wait_for("the Service on the router", lambda: service_on_router(cluster, namespace, "routed"), 60)
     url = service_url(cluster, namespace, "routed")
     prompt = "You are a geography tutor. " * 20 + "The capital of France is"
 
@@ -310,6 +311,188 @@ def test_a_router_in_front_of_the_servers_routes_by_prefix(
     assert re.search(r'prefix_routing_decisions_total\{[^}]*outcome="prefix_hit"\} [1-9]', metrics), metrics
 
 
+FLEET = 3  # server replicas behind the router (the real node claims four GPUs: three and a surge)
+SESSIONS, TURNS = 8, 6  # distinct long system prompts, short user turns each
+
+
+def system_prompt(phase: str, session: int) -> str:
+    """A long system prompt (about 200 tokens) unique to its phase and session, so one phase's cached
+    prefixes cannot serve the other's."""
+    rules = " ".join(
+        f"Rule {i}: answer {phase} question {session}.{i} briefly and politely." for i in range(16)
+    )
+    return f"You are assistant {phase}-{session} of a travel agency. {rules}\n"
+
+
+def streamed_ttft(url: str, prompt: str) -> float:
+    """Seconds to the first streamed token of a completion; raises on any failure."""
+    import httpx
+
+    body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": 3, "temperature": 0, "stream": True}
+    start = time.monotonic()
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                first = time.monotonic() - start
+                for _ in response.iter_lines():  # read the stream out: a cut stream is a failure too
+                    pass
+                return first
+    raise AssertionError(f"no token streamed from {url}")
+
+
+def drive(url: str, phase: str) -> tuple[list[float], list[str]]:
+    """SESSIONS concurrent sessions of TURNS turns each (a turn waits for the one before it): the
+    TTFTs of the answered requests, and what failed."""
+    ttfts: list[float] = []
+    failed: list[str] = []
+
+    def session(number: int) -> None:
+        for turn in range(TURNS):
+            try:
+                ttfts.append(streamed_ttft(url, system_prompt(phase, number) + f"User: question {turn}?\nA:"))
+            except Exception as e:  # every failure is counted and reported
+                failed.append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=session, args=(n,)) for n in range(SESSIONS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    return ttfts, failed
+
+
+def prefix_cache_tokens(cluster, namespace: str, name: str) -> tuple[float, float]:
+    """(prompt tokens served from the prefix cache, prompt tokens looked up) summed over the servers."""
+    hits = queries = 0.0
+    for pod in server_pods(cluster, namespace, name):
+        with urllib.request.urlopen(f"http://{pod['status']['podIP']}:8000/metrics", timeout=10) as r:
+            text = r.read().decode()
+        hits += float(re.search(r"^pagoda_prefix_cache_hits_total (\S+)", text, re.M).group(1))
+        queries += float(re.search(r"^pagoda_prefix_cache_queries_total (\S+)", text, re.M).group(1))
+    return hits, queries
+
+
+def ready_pods(cluster, namespace: str, name: str) -> list[dict]:
+    return [
+        p
+        for p in server_pods(cluster, namespace, name)
+        if all(c.get("ready") for c in p["status"].get("containerStatuses") or [{}])
+    ]
+
+
+def test_the_router_against_a_plain_service_and_under_scaling_and_a_rolling_update(
+    cluster, real_node, real_images, operator, namespace, tmp_path
+) -> None:
+    """Issue 33's comparison on the real node: 3 CPU replicas of the embedded model, 8 sessions with
+    long distinct system prompts and short turns, sent first through the plain Service of the server
+    pods (<name>-servers, kube-proxy's spread) and then, with other prompts, through the router
+    (cache_aware). The prefix-cache hit rate (the servers' own counters), TTFT p50/p99 and failures are
+    printed and written to the report. Then, under that load through the router, a scale 3 -> 1 -> 3 and
+    a rolling update fail no request."""
+    isvc = inference_service("fleet", real_images["server"])
+    isvc["spec"]["replicas"] = FLEET
+    isvc["spec"]["router"] = {"enabled": True, "replicas": 1}
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(isvc))
+    context = describe(cluster, namespace, operator)
+    ready_service(cluster, namespace, "fleet", operator)
+    wait_for(
+        "3 Ready servers",
+        lambda: len(ready_pods(cluster, namespace, "fleet")) == FLEET,
+        300,
+        lambda: context("fleet"),
+    )
+    wait_for(
+        "the router Ready",
+        lambda: (
+            get(cluster, namespace, "inferenceservice", "fleet")["status"]
+            .get("router", {})
+            .get("readyReplicas")
+        ),
+        180,
+        lambda: context("fleet"),
+    )
+    wait_for("the Service on the router", lambda: service_on_router(cluster, namespace, "fleet"), 60)
+    routed, plain = service_url(cluster, namespace, "fleet"), service_url(cluster, namespace, "fleet-servers")
+
+    def served(url: str) -> bool:
+        try:
+            return bool(ask(url))
+        except OSError:
+            return False  # the router waits for its first health checks
+
+    wait_for("an answer through the router", lambda: served(routed), 120, lambda: context("fleet"))
+    rows = []
+    for label, url in (("plain Service (kube-proxy)", plain), ("vllm-router cache_aware", routed)):
+        hits0, queries0 = prefix_cache_tokens(cluster, namespace, "fleet")
+        ttfts, failed = drive(url, label.split()[0])
+        hits1, queries1 = prefix_cache_tokens(cluster, namespace, "fleet")
+        ttfts.sort()
+        hit_rate = (hits1 - hits0) / max(1.0, queries1 - queries0)
+        p50, p99 = ttfts[len(ttfts) // 2], ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]
+        rows.append((label, hit_rate, p50, p99, len(ttfts), failed))
+    table = [
+        f"{FLEET} CPU replicas of SmolLM2-135M on the real node; {SESSIONS} sessions x {TURNS} turns, each "
+        "prompt a ~200-token system prompt of its session plus a short turn, streamed, 3 tokens out",
+        "",
+        "| route | prefix-cache hit (tokens) | TTFT p50 ms | TTFT p99 ms | answered | failed |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ] + [
+        f"| {r[0]} | {r[1]:.1%} | {r[2] * 1e3:.0f} | {r[3] * 1e3:.0f} | {r[4]} | {len(r[5])} |" for r in rows
+    ]
+    print("\n".join(table))
+    (tmp_path / "routing.md").write_text("\n".join(table) + "\n")
+    (_, plain_hit, *_, plain_failed), (_, router_hit, *_, router_failed) = rows
+    assert not plain_failed and not router_failed, (plain_failed + router_failed)[:5]
+    # Each system prompt is computed once per replica it lands on: on all three behind kube-proxy, on
+    # one behind the router. Six turns of eight sessions: the router's rate is the higher by a margin.
+    assert router_hit > plain_hit + 0.1, table
+
+    # Under change: the same sessions, round after round, through the router.
+    stop = threading.Event()
+    results: list[str] = []
+
+    def load() -> None:
+        while not stop.is_set():
+            ttfts, failed = drive(routed, "change")
+            results.extend(["ok"] * len(ttfts) + failed)
+
+    worker = threading.Thread(target=load)
+    worker.start()
+    try:
+        for replicas in (1, FLEET):
+            patch = json.dumps({"spec": {"replicas": replicas}})
+            cluster.kubectl(
+                "patch", "inferenceservice", "fleet", "-n", namespace, "--type=merge", "-p", patch
+            )
+            wait_for(
+                f"{replicas} Ready servers and no other",
+                lambda r=replicas: (
+                    len(ready_pods(cluster, namespace, "fleet"))
+                    == len(server_pods(cluster, namespace, "fleet"))
+                    == r
+                ),
+                300,
+                lambda: context("fleet"),
+            )
+        before = {p["metadata"]["name"] for p in server_pods(cluster, namespace, "fleet")}
+        isvc["spec"]["env"] = [{"name": "PAGODA_E2E_ROLL", "value": "2"}]
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(isvc))
+
+        def rolled() -> bool:
+            pods = server_pods(cluster, namespace, "fleet")
+            names = {p["metadata"]["name"] for p in pods}
+            return not names & before and len(ready_pods(cluster, namespace, "fleet")) == len(pods) == FLEET
+
+        wait_for("every server replaced by a Ready new one", rolled, 420, lambda: context("fleet"))
+        time.sleep(3)
+    finally:
+        stop.set()
+        worker.join(timeout=600)
+    failed = [r for r in results if r != "ok"]
+    assert len(results) >= 50 and not failed, f"{len(failed)} of {len(results)} requests failed: {failed[:5]}"
+
+
 def ready_service(cluster, namespace: str, name: str, operator: Any, timeout: float = 300) -> dict:
     context = describe(cluster, namespace, operator)
     return wait_for(
@@ -324,13 +507,21 @@ def ready_service(cluster, namespace: str, name: str, operator: Any, timeout: fl
     )
 
 
+def service_on_router(cluster, namespace: str, name: str) -> bool:
+    """The operator moves the Service to the router once a router pod is Ready (not before)."""
+    selector = get(cluster, namespace, "service", name)["spec"]["selector"]
+    return selector.get("app.kubernetes.io/name") == "pagoda-router"
+
+
 def server_pods(cluster, namespace: str, name: str) -> list[dict]:
-    pods = get(cluster, namespace, "pods", "-l", f"app.kubernetes.io/instance={name}")["items"]
+    """The service's server pods, not its router's (both carry its instance label)."""
+    selector = f"app.kubernetes.io/name=pagoda-server,app.kubernetes.io/instance={name}"
+    pods = get(cluster, namespace, "pods", "-l", selector)["items"]
     return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
 
 
-def ask(url: str, timeout: float = 60) -> str:
-    body = {"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+def ask(url: str, timeout: float = 60, model: str = "smollm2-135m") -> str:
+    body = {"model": model, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
     req = urllib.request.Request(
         f"{url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )

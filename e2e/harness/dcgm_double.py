@@ -1,5 +1,5 @@
 """A test double of NVIDIA's dcgm-exporter: serves dcgm-exporter's /metrics output for the real node's
-two (fake) GPUs, each labelled with the pod that holds it, as dcgm-exporter's Kubernetes mapping labels
+four (fake) GPUs, each labelled with the pod that holds it, as dcgm-exporter's Kubernetes mapping labels
 it (`namespace`, `pod`, `container` of the GPU's pod). Prometheus scrapes it as kube-prometheus-stack
 scrapes the real exporter, with the exporter pod's own `namespace`/`pod` as target labels, so the GPU's
 labels arrive renamed `exported_namespace`/`exported_pod`: what the chart's recording rule maps back.
@@ -19,21 +19,27 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 ENGINE_ACTIVE = "DCGM_FI_PROF_GR_ENGINE_ACTIVE"
-# dcgm-exporter 3.3's output for two A10 GPUs of one host, default counters (a subset), before the
+# dcgm-exporter 3.3's output for four A10 GPUs of one host, default counters (a subset), before the
 # Kubernetes mapping adds the pod labels.
 SAMPLE = """\
 # HELP DCGM_FI_DEV_GPU_UTIL GPU utilization (in %).
 # TYPE DCGM_FI_DEV_GPU_UTIL gauge
 DCGM_FI_DEV_GPU_UTIL{gpu="0",UUID="GPU-5a3b7c1e-90d2-4f1a-8e6b-2c4d6f8a0b1c",pci_bus_id="00000000:00:1E.0",device="nvidia0",modelName="NVIDIA A10",Hostname="pagoda-real-0",DCGM_FI_DRIVER_VERSION="535.183.01"} 0
 DCGM_FI_DEV_GPU_UTIL{gpu="1",UUID="GPU-7e1f2a3b-4c5d-46e7-98f9-0a1b2c3d4e5f",pci_bus_id="00000000:00:1F.0",device="nvidia1",modelName="NVIDIA A10",Hostname="pagoda-real-0",DCGM_FI_DRIVER_VERSION="535.183.01"} 0
+DCGM_FI_DEV_GPU_UTIL{gpu="2",UUID="GPU-1c2d3e4f-5a6b-47c8-89d0-e1f2a3b4c5d6",pci_bus_id="00000000:00:20.0",device="nvidia2",modelName="NVIDIA A10",Hostname="pagoda-real-0",DCGM_FI_DRIVER_VERSION="535.183.01"} 0
+DCGM_FI_DEV_GPU_UTIL{gpu="3",UUID="GPU-9a8b7c6d-5e4f-4a3b-8c2d-1e0f9a8b7c6d",pci_bus_id="00000000:00:21.0",device="nvidia3",modelName="NVIDIA A10",Hostname="pagoda-real-0",DCGM_FI_DRIVER_VERSION="535.183.01"} 0
 # HELP DCGM_FI_DEV_FB_USED Framebuffer memory used (in MiB).
 # TYPE DCGM_FI_DEV_FB_USED gauge
 DCGM_FI_DEV_FB_USED{gpu="0",UUID="GPU-5a3b7c1e-90d2-4f1a-8e6b-2c4d6f8a0b1c",pci_bus_id="00000000:00:1E.0",device="nvidia0",modelName="NVIDIA A10",Hostname="pagoda-real-0",DCGM_FI_DRIVER_VERSION="535.183.01"} 20571
 DCGM_FI_DEV_FB_USED{gpu="1",UUID="GPU-7e1f2a3b-4c5d-46e7-98f9-0a1b2c3d4e5f",pci_bus_id="00000000:00:1F.0",device="nvidia1",modelName="NVIDIA A10",Hostname="pagoda-real-0",DCGM_FI_DRIVER_VERSION="535.183.01"} 0
+DCGM_FI_DEV_FB_USED{gpu="2",UUID="GPU-1c2d3e4f-5a6b-47c8-89d0-e1f2a3b4c5d6",pci_bus_id="00000000:00:20.0",device="nvidia2",modelName="NVIDIA A10",Hostname="pagoda-real-0",DCGM_FI_DRIVER_VERSION="535.183.01"} 0
+DCGM_FI_DEV_FB_USED{gpu="3",UUID="GPU-9a8b7c6d-5e4f-4a3b-8c2d-1e0f9a8b7c6d",pci_bus_id="00000000:00:21.0",device="nvidia3",modelName="NVIDIA A10",Hostname="pagoda-real-0",DCGM_FI_DRIVER_VERSION="535.183.01"} 0
 # HELP DCGM_FI_PROF_GR_ENGINE_ACTIVE Ratio of time the graphics engine is active.
 # TYPE DCGM_FI_PROF_GR_ENGINE_ACTIVE gauge
 DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="0",UUID="GPU-5a3b7c1e-90d2-4f1a-8e6b-2c4d6f8a0b1c",pci_bus_id="00000000:00:1E.0",device="nvidia0",modelName="NVIDIA A10",Hostname="pagoda-real-0",DCGM_FI_DRIVER_VERSION="535.183.01"} 0.000000
 DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="1",UUID="GPU-7e1f2a3b-4c5d-46e7-98f9-0a1b2c3d4e5f",pci_bus_id="00000000:00:1F.0",device="nvidia1",modelName="NVIDIA A10",Hostname="pagoda-real-0",DCGM_FI_DRIVER_VERSION="535.183.01"} 0.000000
+DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="2",UUID="GPU-1c2d3e4f-5a6b-47c8-89d0-e1f2a3b4c5d6",pci_bus_id="00000000:00:20.0",device="nvidia2",modelName="NVIDIA A10",Hostname="pagoda-real-0",DCGM_FI_DRIVER_VERSION="535.183.01"} 0.000000
+DCGM_FI_PROF_GR_ENGINE_ACTIVE{gpu="3",UUID="GPU-9a8b7c6d-5e4f-4a3b-8c2d-1e0f9a8b7c6d",pci_bus_id="00000000:00:21.0",device="nvidia3",modelName="NVIDIA A10",Hostname="pagoda-real-0",DCGM_FI_DRIVER_VERSION="535.183.01"} 0.000000
 """  # noqa: E501 - the exporter writes each series on one line
 
 

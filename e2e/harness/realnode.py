@@ -45,7 +45,7 @@ DEVICE_PLUGINS = Path("/var/lib/kubelet/device-plugins")
 # Ampere part that no simulated node has, so the operator's profile (bf16, TP 1) can pick only this node
 # for it; the server in the pod finds no GPU and runs on the CPU.
 GPU = {"product": "NVIDIA-A10", "family": "ampere", "compute": "8.6", "memory": "23028"}
-NUM_GPUS = 2  # two: a rolling update of a one-GPU replica can surge
+NUM_GPUS = 4  # a rolling update of a one-GPU replica can surge; three replicas and a surge (routing)
 # The real node only runs pods that ask for it: the kwok tests' pods (any image name) stay off it.
 TAINT = {"key": "pagoda.dev/real-node", "value": "true", "effect": "NoSchedule"}
 TOLERATION = {"key": TAINT["key"], "operator": "Exists", "effect": "NoSchedule"}
