@@ -45,6 +45,15 @@ class KubeError(Exception):
         self.reason = body.get("reason", "") if isinstance(body, dict) else ""
 
 
+def _error_body(data: bytes) -> Any:
+    """An error's body: a Status object, or plain text (an API group the server does not serve answers
+    404 with "404 page not found", not JSON)."""
+    try:
+        return json.loads(data) if data else None
+    except ValueError:
+        return data.decode(errors="replace").strip()
+
+
 def object_path(api_version: str, kind: str, namespace: str | None, name: str | None = None) -> str:
     prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
     path = prefix + (f"/namespaces/{namespace}" if namespace else "") + f"/{PLURALS[(api_version, kind)]}"
@@ -88,10 +97,9 @@ class Kube:
         )
         response = self._api.call_api(*prepared)
         data = response.read()
-        parsed = json.loads(data) if data else None
         if not 200 <= response.status <= 299:
-            raise KubeError(response.status, method, path, parsed)
-        return parsed
+            raise KubeError(response.status, method, path, _error_body(data))
+        return json.loads(data) if data else None
 
     def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
         try:
