@@ -37,8 +37,8 @@ CHILD_RESOURCES = (
     ("autoscaling", "v2", "horizontalpodautoscalers"),
     ("policy", "v1", "poddisruptionbudgets"),
     ("networking.k8s.io", "v1", "ingresses"),
-    # Where the Gateway API's CRDs are not installed, kopf logs once that it cannot watch these, and
-    # starts when they appear.
+    # Where the Gateway API's CRDs are not installed at start, kopf logs that it cannot watch these
+    # (scanning is off: resources are resolved once); the resync still converges the routes.
     ("gateway.networking.k8s.io", "v1", "httproutes"),
     ("batch", "v1", "jobs"),  # the model cache's download Job: Cached reaches the status at once
 )
@@ -123,6 +123,14 @@ class Reconciler:
             for body in self.kube.list_inference_services(namespace):
                 if not body["metadata"].get("deletionTimestamp"):
                     self._run(body)
+
+    def run_for_claim(self, namespace: str, claim: str) -> None:
+        """For PVC events: reconcile the InferenceServices of `namespace` whose model.source is that
+        claim (so "PersistentVolumeClaimNotFound" comes and goes with it, not at the next resync)."""
+        for body in self.kube.list_inference_services(namespace):
+            pvc = ((body.get("spec") or {}).get("model") or {}).get("source", {}).get("pvc") or {}
+            if pvc.get("claimName") == claim and not body["metadata"].get("deletionTimestamp"):
+                self._run(body)
 
     def forget(self, uid: str) -> None:
         with self._guard:
@@ -221,6 +229,13 @@ def register(
         seen[name] = fingerprint
         if (before is not None or type == "ADDED") and before != fingerprint:
             reconciler.run_all(namespaces)
+
+    # A model's PVC (model.source.pvc) created or deleted after its InferenceService: the status names
+    # it or stops naming it in seconds. kopf's first listing (type None) changes nothing.
+    @kopf.on.event("", "v1", "persistentvolumeclaims", registry=registry, id="claims")
+    def on_claim(body: kopf.Body, type: str | None, **_: Any) -> None:
+        if type in ("ADDED", "DELETED"):
+            reconciler.run_for_claim(str(body.metadata.namespace), str(body.metadata.name))
 
     # A pod's scheduling or container state changes nothing in its Deployment's status: watch the pods
     # (labelled by manifests.labels) so that "why not ready" reaches the status in seconds.

@@ -24,7 +24,7 @@ def test_handlers_are_registered() -> None:
     assert {"start_resync", "stop_resync"} <= activities
     watching = {h.id for h in registry._watching.get_all_handlers()}
     assert {f"child-{p}" for p in ("services", "deployments", "horizontalpodautoscalers")} <= watching
-    assert {"server-pods", "nodes"} <= watching
+    assert {"server-pods", "nodes", "claims", "child-httproutes"} <= watching
 
 
 def test_settings() -> None:
@@ -96,3 +96,30 @@ def test_an_object_being_deleted_is_not_reconciled() -> None:
         "metadata": {"name": "x", "namespace": "ns", "uid": "u", "deletionTimestamp": "2026-12-01T00:00:00Z"}
     }
     assert reconciler.run(body) is None
+
+
+def test_a_claim_event_reconciles_the_services_that_mount_it_and_no_other(monkeypatch) -> None:
+    from fake_kube import FakeKube
+
+    posted: list[str] = []  # kopf.event posts through the running operator's queue; none runs here
+    monkeypatch.setattr(kopf, "event", lambda body, **kw: posted.append(body["metadata"]["name"]))
+
+    def service(name: str, source: dict) -> dict:
+        meta = {"name": name, "namespace": "ns", "uid": f"u-{name}", "generation": 1}
+        return {"metadata": meta, "spec": {"model": {"name": "llama-3.1-8b", "source": source}}}
+
+    class Listing(FakeKube):
+        def list_inference_services(self, namespace: str | None = None) -> list[dict]:
+            return [copy.deepcopy(b) for b in bodies if namespace in (None, b["metadata"]["namespace"])]
+
+    bodies = [
+        service("on-weights", {"pvc": {"claimName": "weights"}}),
+        service("on-other", {"pvc": {"claimName": "other"}}),
+        service("in-image", {"imagePath": "/models/llama"}),
+    ]
+    kube = Listing([])
+    reconciler = Reconciler(kube=kube, config=OperatorConfig())  # type: ignore[arg-type]
+    reconciler.run_for_claim("ns", "weights")
+    assert set(kube.statuses) == {"on-weights"} and set(posted) == {"on-weights"}
+    reconciler.run_for_claim("elsewhere", "weights")
+    assert set(kube.statuses) == {"on-weights"}
