@@ -97,3 +97,77 @@ class DcgmExporterDouble:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Standalone (`make demo-cluster`): the double as a process of its own that maps the GPUs itself.
+
+DEMO_ACTIVITY = 0.3  # what the double says a server pod's GPU is doing: a fixed value, nothing measured
+
+
+def _gpu_of(kubectl: list[str], namespace: str, pod: str) -> str | None:
+    """The fake GPU the device plugin gave the pod (its Allocate sets PAGODA_FAKE_GPU_IDS)."""
+    import re
+    import subprocess
+
+    env = subprocess.run(
+        [*kubectl, "exec", "-n", namespace, pod, "--", "env"], capture_output=True, text=True
+    )
+    found = re.search(r"^PAGODA_FAKE_GPU_IDS=fake-gpu-(\d+)$", env.stdout, re.MULTILINE)
+    return found.group(1) if found else None
+
+
+def follow_pods(double: DcgmExporterDouble, kubectl: list[str], every: float = 5.0) -> None:
+    """Forever: every running server pod holds its GPU at DEMO_ACTIVITY; a pod gone frees it."""
+    import json
+    import subprocess
+    import time
+
+    held: dict[tuple[str, str], str] = {}  # (namespace, pod) -> gpu
+    while True:
+        out = subprocess.run(
+            [
+                *kubectl,
+                "get",
+                "pods",
+                "-A",
+                "-l",
+                "app.kubernetes.io/component=inference-server",
+                "-o",
+                "json",
+            ],
+            capture_output=True,
+            text=True,
+        )
+        pods = json.loads(out.stdout)["items"] if out.returncode == 0 else []
+        running = {
+            (p["metadata"]["namespace"], p["metadata"]["name"])
+            for p in pods
+            if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")
+        }
+        for key in running - held.keys():
+            if (gpu := _gpu_of(kubectl, *key)) is not None:
+                held[key] = gpu
+                double.hold(gpu, GpuHolder(key[0], key[1], "server", DEMO_ACTIVITY))
+        for key in held.keys() - running:
+            double.hold(held.pop(key), None)
+        time.sleep(every)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(description="the DCGM exporter double, following the cluster's server pods")
+    ap.add_argument("--kubectl", required=True, help="the kubectl binary")
+    ap.add_argument("--kubeconfig", required=True)
+    ap.add_argument("--address-file", type=Path, required=True, help="where to write host:port once serving")
+    args = ap.parse_args(argv)
+    double = DcgmExporterDouble()
+    args.address_file.write_text(double.address)
+    follow_pods(double, [args.kubectl, "--kubeconfig", args.kubeconfig])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,7 +1,8 @@
 """`make demo-cluster`: the whole flow on a machine without a GPU, left running to look at.
 
-1. the local control plane (cluster.py) with this machine joined as a real node that claims two
-   (fake) GPUs, and the metrics pipeline (Prometheus, prometheus-adapter; metrics.py);
+1. the local control plane (cluster.py) with this machine joined as a real node that claims four
+   (fake) GPUs, and the metrics pipeline (Prometheus, prometheus-adapter; metrics.py), scraping the
+   operator pod and the DCGM exporter double (dcgm_double.py: each server pod's GPU reported 30% busy);
 2. the real server and operator images, built from docker/ and imported into the node;
 3. the chart installed, the operator running as its pod;
 4. one InferenceService (the embedded SmolLM2-135M on the CPU, autoscaling 1..2 on queue depth)
@@ -102,6 +103,19 @@ def _inference_service(node: Any) -> dict[str, Any]:
     }
 
 
+def _start_dcgm_double(harness: ModuleType, cluster: Any, pipeline: Any) -> None:
+    """harness/dcgm_double.py as a process of its own (it outlives this script, stopped with the cluster):
+    each server pod's fake GPU reported busy, scraped as kube-prometheus-stack scrapes dcgm-exporter."""
+    address_file = cluster.workdir / "dcgm-double.address"
+    address_file.unlink(missing_ok=True)
+    cmd = [sys.executable, str(HERE / "dcgm_double.py"), "--kubectl", str(cluster.bin_dir / "kubectl"),
+           "--kubeconfig", str(cluster.kubeconfig), "--address-file", str(address_file)]  # fmt: skip
+    harness._spawn(cluster.workdir, "dcgm-double", cmd, attached=False)
+    address = _wait("the DCGM double", lambda: address_file.exists() and address_file.read_text(), 30, 0.5)
+    exporter = {"namespace": "gpu-operator", "pod": "nvidia-dcgm-exporter-demo", "container": "dcgm-exporter"}
+    pipeline.add_target("dcgm-exporter", address, exporter | {"service": "dcgm-exporter"})
+
+
 def _hpa_line(cluster: Any, t0: float) -> tuple[str, dict[str, Any]]:
     hpa = _get(cluster, "hpa", NAME).get("status", {})
     deployment = _get(cluster, "deployment", NAME)
@@ -155,6 +169,7 @@ def main() -> int:
     print(f"3/5 the chart and the operator pod after {time.monotonic() - t0:.0f}s")
     _install(cluster, node, images)
     pipeline.scrape_operator_of(RELEASE, "pagoda-system")  # the dashboard's Operator row
+    _start_dcgm_double(harness, cluster, pipeline)  # the dashboard's DCGM panels
     print(f"4/5 InferenceService {NAMESPACE}/{NAME} after {time.monotonic() - t0:.0f}s")
     cluster.kubectl("create", "namespace", NAMESPACE)
     cluster.kubectl("apply", "-f", "-", input=json.dumps(_inference_service(node)))
