@@ -329,16 +329,17 @@ def streamed_ttft(url: str, prompt: str) -> float:
     import httpx
 
     body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": 3, "temperature": 0, "stream": True}
-    start = time.monotonic()
+    start, first, done = time.monotonic(), None, False
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
         response.raise_for_status()
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
+        for line in response.iter_lines():  # read to the end: a cut stream is a failure too
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: ") and first is None:
                 first = time.monotonic() - start
-                for _ in response.iter_lines():  # read the stream out: a cut stream is a failure too
-                    pass
-                return first
-    raise AssertionError(f"no token streamed from {url}")
+    if first is None or not done:
+        raise AssertionError(f"from {url}: first token {first}, [DONE] {done}")
+    return first
 
 
 def drive(url: str, phase: str) -> tuple[list[float], list[str]]:
@@ -427,6 +428,7 @@ def test_the_router_against_a_plain_service_and_under_scaling_and_a_rolling_upda
         hits0, queries0 = prefix_cache_tokens(cluster, namespace, "fleet")
         ttfts, failed = drive(url, label.split()[0])
         hits1, queries1 = prefix_cache_tokens(cluster, namespace, "fleet")
+        assert ttfts, f"{label}: every request failed: {failed[:3]}"
         ttfts.sort()
         hit_rate = (hits1 - hits0) / max(1.0, queries1 - queries0)
         p50, p99 = ttfts[len(ttfts) // 2], ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))]
