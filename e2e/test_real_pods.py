@@ -312,7 +312,8 @@ def test_a_router_in_front_of_the_servers_routes_by_prefix(
 
 
 FLEET = 3  # server replicas behind the router (the real node claims four GPUs: three and a surge)
-SESSIONS, TURNS = 8, 6  # distinct long system prompts, short user turns each
+SESSIONS, TURNS = 8, 4  # distinct long system prompts, short user turns each
+CHANGE_SESSIONS = 2  # under scaling and a rolling update: enough to see a failure, room for pods to start
 
 
 def system_prompt(phase: str, session: int) -> str:
@@ -342,8 +343,8 @@ def streamed_ttft(url: str, prompt: str) -> float:
     return first
 
 
-def drive(url: str, phase: str) -> tuple[list[float], list[str]]:
-    """SESSIONS concurrent sessions of TURNS turns each (a turn waits for the one before it): the
+def drive(url: str, phase: str, sessions: int = SESSIONS) -> tuple[list[float], list[str]]:
+    """`sessions` concurrent sessions of TURNS turns each (a turn waits for the one before it): the
     TTFTs of the answered requests, and what failed."""
     ttfts: list[float] = []
     failed: list[str] = []
@@ -355,7 +356,7 @@ def drive(url: str, phase: str) -> tuple[list[float], list[str]]:
             except Exception as e:  # every failure is counted and reported
                 failed.append(f"{type(e).__name__}: {e}")
 
-    threads = [threading.Thread(target=session, args=(n,)) for n in range(SESSIONS)]
+    threads = [threading.Thread(target=session, args=(n,)) for n in range(sessions)]
     for t in threads:
         t.start()
     for t in threads:
@@ -435,7 +436,7 @@ def test_the_router_against_a_plain_service_and_under_scaling_and_a_rolling_upda
         rows.append((label, hit_rate, p50, p99, len(ttfts), failed))
     table = [
         f"{FLEET} CPU replicas of SmolLM2-135M on the real node; {SESSIONS} sessions x {TURNS} turns, each "
-        "prompt a ~200-token system prompt of its session plus a short turn, streamed, 3 tokens out",
+        "prompt a ~150-token system prompt of its session plus a short turn, streamed, 3 tokens out",
         "",
         "| route | prefix-cache hit (tokens) | TTFT p50 ms | TTFT p99 ms | answered | failed |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
@@ -447,7 +448,7 @@ def test_the_router_against_a_plain_service_and_under_scaling_and_a_rolling_upda
     (_, plain_hit, *_, plain_failed), (_, router_hit, *_, router_failed) = rows
     assert not plain_failed and not router_failed, (plain_failed + router_failed)[:5]
     # Each system prompt is computed once per replica it lands on: on all three behind kube-proxy, on
-    # one behind the router. Six turns of eight sessions: the router's rate is the higher by a margin.
+    # one behind the router. Four turns of eight sessions: the router's rate is the higher by a margin.
     assert router_hit > plain_hit + 0.1, table
 
     # Under change: the same sessions, round after round, through the router.
@@ -456,7 +457,7 @@ def test_the_router_against_a_plain_service_and_under_scaling_and_a_rolling_upda
 
     def load() -> None:
         while not stop.is_set():
-            ttfts, failed = drive(routed, "change")
+            ttfts, failed = drive(routed, "change", CHANGE_SESSIONS)
             results.extend(["ok"] * len(ttfts) + failed)
 
     worker = threading.Thread(target=load)
@@ -492,7 +493,7 @@ def test_the_router_against_a_plain_service_and_under_scaling_and_a_rolling_upda
         stop.set()
         worker.join(timeout=600)
     failed = [r for r in results if r != "ok"]
-    assert len(results) >= 50 and not failed, f"{len(failed)} of {len(results)} requests failed: {failed[:5]}"
+    assert len(results) >= 20 and not failed, f"{len(failed)} of {len(results)} requests failed: {failed[:5]}"
 
 
 def ready_service(cluster, namespace: str, name: str, operator: Any, timeout: float = 300) -> dict:
