@@ -52,7 +52,11 @@ def test_a_missing_pvc_is_named_then_the_scheduler_is_quoted(cluster, namespace,
     assert conds["Degraded"]["status"] == "True" and conds["Ready"]["status"] == "False"
     message = f'PersistentVolumeClaim "models" (model.source.pvc) not found in namespace {namespace}'
     assert message in conds["Ready"]["message"]
-    assert warnings(cluster, namespace, "PersistentVolumeClaimNotFound") == [message]
+    base.wait_for(  # kopf posts events from its own queue, after the status patch
+        "the PersistentVolumeClaimNotFound Warning",
+        lambda: warnings(cluster, namespace, "PersistentVolumeClaimNotFound") == [message],
+        context=operator.tail,
+    )
     # The claim exists but is never bound: the scheduler's own words reach the status.
     base.apply(cluster, namespace, {
         "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models"},
@@ -99,7 +103,12 @@ def test_image_pull_errors_and_recovery_reach_the_status(cluster, namespace, ope
     conds = wait_reason(cluster, namespace, "pull", "Ready", "ImagePullFailed", operator)
     assert conds["Ready"]["status"] == "False" and conds["Degraded"]["reason"] == "ImagePullFailed"
     assert 'ImagePullBackOff: Back-off pulling image "example.invalid/pagoda:0"' in conds["Ready"]["message"]
-    assert any(name in m for m in warnings(cluster, namespace, "ImagePullFailed"))
+    # kopf posts events from a queue of its own, after the status patch: wait for it rather than race it.
+    base.wait_for(
+        "the ImagePullFailed Warning naming the pod",
+        lambda: any(name in m for m in warnings(cluster, namespace, "ImagePullFailed")),
+        context=operator.tail,
+    )
     cluster.kubectl("delete", "pod", name, "-n", namespace, "--wait=false")  # the new pod pulls fine
     base.ready_service(cluster, namespace, "pull", operator)
     conds = conditions_of(cluster, namespace, "pull")
