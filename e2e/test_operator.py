@@ -713,10 +713,16 @@ def test_a_new_gpu_node_is_used_and_a_cordon_moves_nothing(
         isvc = ready_service(cluster, namespace, "waiting", operator)
         profile = isvc["status"]["profile"]
         assert (profile["gpu"]["product"], profile["precision"]) == ("NVIDIA-B200", "fp8")
-        events = cluster.kubectl(
-            "get", "events", "-n", namespace, "--field-selector", "reason=ProfileSelected"
+        wait_for(  # kopf posts events from its own queue, after the status patch: wait, not race
+            "a ProfileSelected event naming the B200",
+            lambda: (
+                "NVIDIA-B200"
+                in cluster.kubectl(
+                    "get", "events", "-n", namespace, "--field-selector", "reason=ProfileSelected"
+                ).stdout
+            ),
+            context=operator.tail,
         )
-        assert "NVIDIA-B200" in events.stdout
 
         # Cordon the L40S node: the running pod stays where it is (each move reloads the weights).
         cluster.kubectl("cordon", "gpu-l40s-0")

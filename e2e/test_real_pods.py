@@ -292,15 +292,15 @@ def test_a_router_in_front_of_the_servers_routes_by_prefix(
 
     assert "Paris" in wait_for("an answer through the router", answered, 120, lambda: context("routed"))
     body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": 2, "temperature": 0}
-    for _ in range(3):
+    [router_pod] = get(cluster, namespace, "pods", "-l", "app.kubernetes.io/name=pagoda-router")["items"]
+    for _ in range(4):  # to the router pod itself: what it counts is exactly these
         req = urllib.request.Request(
-            f"{url}/v1/completions",
+            f"http://{router_pod['status']['podIP']}:8000/v1/completions",
             data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json"},
         )
         with urllib.request.urlopen(req, timeout=60) as r:
             assert r.status == 200
-    [router_pod] = get(cluster, namespace, "pods", "-l", "app.kubernetes.io/name=pagoda-router")["items"]
     with urllib.request.urlopen(f"http://{router_pod['status']['podIP']}:29000/metrics", timeout=10) as r:
         metrics = r.read().decode()
     processed = re.findall(r'^vllm_router_processed_requests_total\{worker="([^"]+)"\} (\d+)', metrics, re.M)
@@ -511,9 +511,22 @@ def ready_service(cluster, namespace: str, name: str, operator: Any, timeout: fl
 
 
 def service_on_router(cluster, namespace: str, name: str) -> bool:
-    """The operator moves the Service to the router once a router pod is Ready (not before)."""
+    """The operator moves the Service to the router once a router pod is Ready (not before), and the
+    Service's endpoints are the router pods' alone (kube-proxy follows the EndpointSlices)."""
     selector = get(cluster, namespace, "service", name)["spec"]["selector"]
-    return selector.get("app.kubernetes.io/name") == "pagoda-router"
+    if selector.get("app.kubernetes.io/name") != "pagoda-router":
+        return False
+    routers = get(
+        cluster,
+        namespace,
+        "pods",
+        "-l",
+        f"app.kubernetes.io/name=pagoda-router,app.kubernetes.io/instance={name}",
+    )
+    router_ips = {p["status"].get("podIP") for p in routers["items"]}
+    slices = get(cluster, namespace, "endpointslices", "-l", f"kubernetes.io/service-name={name}")["items"]
+    ips = {a for s in slices for e in s.get("endpoints") or () for a in e.get("addresses") or ()}
+    return bool(ips) and ips <= router_ips
 
 
 def server_pods(cluster, namespace: str, name: str) -> list[dict]:
