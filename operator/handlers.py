@@ -14,6 +14,7 @@ is a loop of the operator's own rather than a kopf timer per object.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import datetime
 import logging
 import threading
@@ -64,6 +65,9 @@ class Reconciler:
         self._locks: dict[str, threading.Lock] = {}
         self._written: dict[str, dict[str, Any]] = {}
         self._guard = threading.Lock()
+        # kopf posts events through context variables it sets only inside its own handlers; the resync
+        # loop runs outside them, so it reconciles in a copy of the context a handler ran in.
+        self._kopf_context: contextvars.Context | None = None
 
     def _lock(self, uid: str) -> threading.Lock:
         with self._guard:
@@ -76,6 +80,7 @@ class Reconciler:
         re-applying them failed (ApplyFailed, a 30 s retry)."""
         if body["metadata"].get("deletionTimestamp"):
             return None
+        self._kopf_context = self._kopf_context or contextvars.copy_context()
         result = self._run(body)
         if result.retry_seconds is not None:
             ready = next(c for c in result.status["conditions"] if c["type"] == "Ready")
@@ -99,22 +104,35 @@ class Reconciler:
                 return result
             self._written[uid] = result.status
             for event in result.events:
-                kopf.event(
-                    kopf.Body(cast(kopf.RawBody, dict(body))),
-                    type=event.type,
-                    reason=event.reason,
-                    message=event.message,
-                )
+                try:
+                    kopf.event(
+                        kopf.Body(cast(kopf.RawBody, dict(body))),
+                        type=event.type,
+                        reason=event.reason,
+                        message=event.message,
+                    )
+                except LookupError:  # no kopf context yet (a resync before any handler ran): the status
+                    logging.getLogger(__name__).warning(
+                        "event not posted: %s %s", event.reason, event.message
+                    )
         return result
 
     def run_by_name(self, namespace: str, name: str, uid: str | None = None) -> None:
         """For child and pod events: read the owner fresh and reconcile it (uid: only if still that one)."""
+        self._kopf_context = self._kopf_context or contextvars.copy_context()
         owner = self.kube.get_inference_service(namespace, name)
         if owner is None or owner["metadata"].get("deletionTimestamp"):
             return
         if uid is not None and owner["metadata"]["uid"] != uid:
             return
         self._run(owner)  # an event handler has no retry; the owner's own handlers and the resync do
+
+    def run_all_as_kopf(self, namespaces: tuple[str, ...] = ()) -> None:
+        """run_all in a copy of a kopf handler's context, so that its events are posted (the resync)."""
+        if self._kopf_context is None:
+            self.run_all(namespaces)
+        else:
+            self._kopf_context.copy().run(self.run_all, namespaces)
 
     def run_all(self, namespaces: tuple[str, ...] = ()) -> None:
         """For node changes and the resync: reconcile every InferenceService served (all namespaces when
@@ -144,7 +162,7 @@ async def resync(reconciler: Reconciler, namespaces: tuple[str, ...], interval: 
     while True:
         await asyncio.sleep(interval)
         try:
-            await asyncio.to_thread(reconciler.run_all, namespaces)
+            await asyncio.to_thread(reconciler.run_all_as_kopf, namespaces)
         except Exception:  # the next pass tries again; the handlers retry their own
             logging.getLogger(__name__).exception("resync pass failed")
 

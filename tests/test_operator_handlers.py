@@ -43,7 +43,7 @@ def test_the_resync_passes_over_every_object_and_outlives_a_failed_pass() -> Non
         def __init__(self) -> None:
             self.calls: list[tuple[str, ...]] = []
 
-        def run_all(self, namespaces: tuple[str, ...]) -> None:
+        def run_all_as_kopf(self, namespaces: tuple[str, ...]) -> None:
             self.calls.append(namespaces)
             if len(self.calls) == 1:
                 raise RuntimeError("the API server is away")
@@ -123,3 +123,38 @@ def test_a_claim_event_reconciles_the_services_that_mount_it_and_no_other(monkey
     assert set(kube.statuses) == {"on-weights"} and set(posted) == {"on-weights"}
     reconciler.run_for_claim("elsewhere", "weights")
     assert set(kube.statuses) == {"on-weights"}
+
+
+def test_the_resync_posts_events_in_the_context_a_kopf_handler_ran_in(monkeypatch) -> None:
+    """kopf.event reads context variables kopf sets only inside its handlers; the resync runs outside
+    them (it failed whole on the first event before), so it runs in a copy of a handler's context."""
+    import contextvars
+
+    from fake_kube import FakeKube
+
+    handler_only: contextvars.ContextVar[str] = contextvars.ContextVar("handler_only")
+    posted: list[str] = []
+    monkeypatch.setattr(kopf, "event", lambda body, **kw: posted.append(handler_only.get()))
+
+    class Listing(FakeKube):
+        def list_inference_services(self, namespace: str | None = None) -> list[dict]:
+            meta = {"name": "llm", "namespace": "ns", "uid": "u-1", "generation": 1}
+            return [
+                {"metadata": meta, "spec": {"model": {"name": "llama-3.1-8b", "source": {"imagePath": "/m"}}}}
+            ]
+
+        def get_inference_service(self, namespace: str, name: str) -> dict | None:
+            return None
+
+    reconciler = Reconciler(kube=Listing([]), config=OperatorConfig())  # type: ignore[arg-type]
+    reconciler.run_all_as_kopf()  # no handler has run: the events are dropped, the pass completes
+    assert posted == [] and reconciler.kube.statuses  # type: ignore[attr-defined]
+
+    def in_a_handler() -> None:
+        handler_only.set("kopf's queue")
+        reconciler.run_by_name("ns", "missing")  # a handler call captures its context
+
+    contextvars.copy_context().run(in_a_handler)
+    reconciler.forget("u-1")  # its last status forgotten: the same Warning is due again
+    reconciler.run_all_as_kopf()
+    assert posted and set(posted) == {"kopf's queue"}
