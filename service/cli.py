@@ -165,6 +165,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         None,
         kv_events_config,
     )
+
+    def speculative_config(value: str) -> Any:
+        from pagoda.service.engine.config import SpeculativeConfig  # standard library only
+
+        if not value:
+            return None
+        try:
+            return SpeculativeConfig.from_json(value)
+        except (ValueError, TypeError) as exc:  # argparse turns this into a usage error naming the flag
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    flag(
+        "--speculative-config",
+        'vLLM\'s speculative decoding as JSON: prompt lookup, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; Pagoda\'s '
+        '"max_batch_tokens" (default 128) caps the rows a step drafts, so big batches do not draft.',
+        None,
+        speculative_config,
+    )
     boolean(
         "--async-scheduling",
         "Queue each step on the GPU before reading the last one's tokens (one GPU rank; off: in turn).",
@@ -317,6 +336,7 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         async_scheduling=None if args.async_scheduling else False,
         executor_class=args.executor_class,
         kv_events=args.kv_events_config,
+        speculative=args.speculative_config,
     )
     return server, engine
 

@@ -3,18 +3,29 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
-from pagoda.service.engine.config import EngineConfig
+from pagoda.service.engine.config import EngineConfig, SpeculativeConfig
 from pagoda.service.engine.llm_engine import LLMEngine
 from pagoda.service.outputs import RequestOutput
 from pagoda.service.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        """`model`: a checkpoint folder or .gguf file (None: the embedded SmolLM2). `engine_args`: the
-        fields of `EngineConfig`."""
+    def __init__(
+        self,
+        model: str | None = None,
+        speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
+        **engine_args: Any,
+    ) -> None:
+        """`model`: a checkpoint folder or .gguf file (None: the embedded SmolLM2). `speculative_config`:
+        vLLM's, as a dict (the fields of `SpeculativeConfig`). `engine_args`: the fields of
+        `EngineConfig`."""
+        if isinstance(speculative_config, dict):
+            speculative_config = SpeculativeConfig.from_json(json.dumps(speculative_config))
+        if speculative_config is not None:
+            engine_args["speculative"] = speculative_config
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(engine_args) - fields)
         if unknown:

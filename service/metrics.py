@@ -132,11 +132,33 @@ class _EngineCollector:
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([model], value)
             yield family
+        if stats.spec_num_drafts_total is not None:
+            yield from _spec_decode_metrics(stats, model)
         yield InfoMetricFamily(
             "vllm:cache_config",
             "KV cache configuration (vLLM name).",
             value={"block_size": str(stats.block_size), "num_gpu_blocks": str(stats.num_kv_blocks)},
         )
+
+
+def _spec_decode_metrics(stats: Any, model: str) -> Iterator[Metric]:
+    """vLLM's speculative-decoding counters, only when `--speculative-config` is set."""
+    for name, doc, value in [
+        ("vllm:spec_decode_num_drafts", "Sequences that drafted, per step.", stats.spec_num_drafts_total),
+        ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", stats.spec_num_draft_tokens_total),
+        ("vllm:spec_decode_num_accepted_tokens", "Draft tokens kept.", stats.spec_num_accepted_tokens_total),
+    ]:
+        family = CounterMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric([model], value)
+        yield family
+    per_position = CounterMetricFamily(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by their position in the draft (0: the first).",
+        labels=["model_name", "position"],
+    )
+    for position, value in enumerate(stats.spec_accepted_per_position_total):
+        per_position.add_metric([model, str(position)], value)
+    yield per_position
 
 
 class _GpuCollector:

@@ -51,6 +51,56 @@ class KVEventsConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `--speculative-config` for prompt lookup (`{"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_max": n, "prompt_lookup_min": m}`), plus Pagoda's load rule: a step drafts at most
+    `max_batch_tokens` rows in all, so each of B running sequences drafts `min(k, max_batch_tokens // B
+    - 1)` tokens, none once B passes `max_batch_tokens // 2` (core/speculation.py says why)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    max_batch_tokens: int = 128
+    model: str | None = None  # a draft model: not served yet, refused with its reason
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """Parse the flag's JSON; a ValueError names an unknown field or a bad value."""
+        raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError("--speculative-config takes a JSON object")
+        known = {f.name for f in fields(cls)}
+        if unknown := sorted(set(raw) - known):
+            raise ValueError(f"--speculative-config: unknown field(s) {unknown}; known: {sorted(known)}")
+        if raw.get("model") is not None and "method" not in raw:
+            raw["method"] = "draft_model"
+        return cls(**raw)
+
+    def __post_init__(self) -> None:
+        if self.method == "draft_model" or self.model is not None:
+            raise ValueError(
+                "--speculative-config: a draft model is not supported yet; use "
+                '{"method": "ngram", "num_speculative_tokens": k} (prompt lookup)'
+            )
+        if self.method != "ngram":
+            raise ValueError(f"--speculative-config: method must be ngram, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "max_batch_tokens"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"--speculative-config: {name} must be a positive integer, got {value!r}")
+        if self.num_speculative_tokens > 16:
+            raise ValueError(f"--speculative-config: num_speculative_tokens is at most 16, got "
+                             f"{self.num_speculative_tokens}")  # fmt: skip
+        lookup_max = self.prompt_lookup_max
+        if type(lookup_max) is not int or lookup_max < self.prompt_lookup_min:
+            raise ValueError(
+                f"--speculative-config: prompt_lookup_max must be an integer >= prompt_lookup_min "
+                f"({self.prompt_lookup_min}), got {lookup_max!r}"
+            )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # checkpoint folder or .gguf file; None: the embedded SmolLM2-135M-Instruct
     served_model_name: str | None = None
@@ -85,6 +135,7 @@ class EngineConfig:
     # `pagoda.service.engine.runner.null_executor:NullExecutor`: no model (`pagoda bench serve`'s ceiling).
     executor_class: str | None = None
     kv_events: KVEventsConfig | None = None  # vLLM's --kv-events-config (core/kv_events.py)
+    speculative: SpeculativeConfig | None = None  # vLLM's --speculative-config (core/speculation.py)
 
     @property
     def model_path(self) -> str:

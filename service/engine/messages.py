@@ -45,6 +45,12 @@ class EngineStats:
     step_seconds_sum: dict[str, float] = field(default_factory=dict)
     gc_pause_seconds_total: float = 0.0  # the core process's garbage-collector pauses (gc_pauses.py)
     gc_collections_total: int = 0
+    # Speculative decoding (vLLM's spec_decode counters): sequences that drafted in a step, their draft
+    # tokens, the accepted ones, and accepted ones by draft position (0 first). None: speculation off.
+    spec_num_drafts_total: int | None = None
+    spec_num_draft_tokens_total: int = 0
+    spec_num_accepted_tokens_total: int = 0
+    spec_accepted_per_position_total: list[int] = field(default_factory=list)
 
 
 # Upper bounds, in seconds, of the step duration histogram (`pagoda_engine_step_duration_seconds`).

@@ -35,6 +35,7 @@ from pagoda.service.engine.core.block_manager import BlockManager
 from pagoda.service.engine.core.kv_events import build_publisher
 from pagoda.service.engine.core.request import PLACEHOLDER, Request, RequestStatus
 from pagoda.service.engine.core.scheduler import GrammarBitmask, Scheduler, SchedulerOutput
+from pagoda.service.engine.core.speculation import Speculator
 from pagoda.service.engine.core.structured_output import StructuredOutputManager
 from pagoda.service.engine.messages import (
     STEP_SECONDS_BUCKETS,
@@ -60,6 +61,7 @@ class KVLayout(Protocol):
 
 class StepResult(Protocol):
     sampled: dict[str, SampleResult]  # sequence id -> its next token
+    accepted: dict[str, int]  # sequence id -> how many of its drafts stay (those that drafted)
     prompt_logprobs: dict[str, tuple[int, list[SampleResult]]]  # sequence id -> (first position, scores)
 
 
@@ -100,6 +102,7 @@ class ModelExecutor(Protocol):
 class _IsolatedResult:
     sampled: dict[str, SampleResult]
     prompt_logprobs: dict[str, tuple[int, list[SampleResult]]]
+    accepted: dict[str, int]
 
     def result(self) -> StepResult:
         return self
@@ -193,6 +196,8 @@ class EngineCore:
         self.is_async = executor.can_overlap if is_async is None else is_async
         self._in_flight: _InFlight | None = None
         self._taking_turns: set[str] = set()  # requests that make steps run in turn (`_needs_turns`)
+        spec = config.speculative
+        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
 
     @property
     def has_unfinished(self) -> bool:
@@ -248,12 +253,21 @@ class EngineCore:
         outputs = StepOutputs([], [], [])
         if self.structured_output.is_active:
             outputs.failures.extend(self._admit_compiled())
-        overlap = self.is_async and not self._taking_turns
+        speculates = self.speculator is not None and self.speculator.wants_to_draft(self.scheduler.running)
+        overlap = self.is_async and not self._taking_turns and not speculates
         before, self._in_flight = self._in_flight, None
         if before is not None and not overlap:
-            self._complete(before, outputs)  # this step's sampling needs its tokens on the host
+            self._complete(before, outputs)  # this step's sampling (or drafts) needs its tokens on the host
             before = None
+        if speculates:
+            assert self.speculator is not None
+            self.speculator.draft(self.scheduler.running)
         out = self.scheduler.schedule()
+        if speculates:  # drafts of sequences the step has no room for are dropped, not computed later
+            scheduled = {id(r) for r in out.requests}
+            for req in self.scheduler.running:
+                if req.num_drafts and id(req) not in scheduled:
+                    req.drop_drafts()
         if out.is_empty:
             if before is not None:
                 self._complete(before, outputs)
@@ -317,23 +331,43 @@ class EngineCore:
             if seq.status is RequestStatus.FINISHED:
                 continue  # stopped or aborted since: its token is dropped
             sample = result.sampled[seq.request_id]
-            assert seq.token_ids[-1] == PLACEHOLDER
-            seq.token_ids[-1] = sample.token_id
-            self.generation_tokens_total += 1
+            if seq.num_drafts:
+                samples = self._keep_accepted(seq, result.accepted[seq.request_id], sample)
+            else:
+                assert seq.token_ids[-1] == PLACEHOLDER
+                seq.token_ids.pop()
+                samples = [sample]
             client_id = seq.request_id.rpartition("#")[0]
-            output = TokenOutput(client_id, seq.index, sample)
-            if seq.num_output_tokens == 1:
-                output.num_cached_tokens = seq.num_cached_tokens
-                output.scheduled_time = self._scheduled_time.pop(seq.request_id, None)
-            self._check_stop(seq, output)
-            if output.finish_reason is None and self.structured_output.accept(seq):
-                output.finish_reason = "stop"  # past its grammar's end, or off it
-            if output.finish_reason is not None:
-                self._finish(seq)
-                done.add(client_id)
-            outputs.tokens.append(output)
+            for sample in samples:  # one token, or the accepted drafts and the verifier's token
+                seq.token_ids.append(sample.token_id)
+                self.generation_tokens_total += 1
+                output = TokenOutput(client_id, seq.index, sample)
+                if seq.num_output_tokens == 1:
+                    output.num_cached_tokens = seq.num_cached_tokens
+                    output.scheduled_time = self._scheduled_time.pop(seq.request_id, None)
+                self._check_stop(seq, output)
+                if output.finish_reason is None and self.structured_output.accept(seq):
+                    output.finish_reason = "stop"  # past its grammar's end, or off it
+                outputs.tokens.append(output)
+                if output.finish_reason is not None:
+                    self._finish(seq)
+                    done.add(client_id)
+                    break
+            if len(samples) > 1 and seq.status is not RequestStatus.FINISHED:
+                seq.num_computed_tokens = seq.num_tokens - 1  # the accepted drafts' KV is the real one
+                self.block_manager.cache_computed_blocks(seq)
         for client_id in done:
             self._forget_if_done(client_id)
+
+    def _keep_accepted(self, seq: Request, accepted: int, sample: SampleResult) -> list[SampleResult]:
+        """A sequence that drafted: its drafts leave `token_ids` (so each kept token is appended and
+        checked for a stop in turn, as if decoded one at a time); returns the accepted drafts and the
+        verifier's token, in order. The KV written for rejected drafts is overwritten by later steps."""
+        assert self.speculator is not None
+        drafts = seq.draft_token_ids
+        self.speculator.stats.count(len(drafts), accepted)
+        seq.drop_drafts()
+        return [*(SampleResult(t) for t in drafts[:accepted]), sample]
 
     def _execute_isolated(
         self, out: SchedulerOutput, error: Exception
@@ -349,6 +383,7 @@ class EngineCore:
         )
         sampled: dict[str, SampleResult] = {}
         prompt_logprobs: dict[str, tuple[int, list[SampleResult]]] = {}
+        accepted: dict[str, int] = {}
         failed: dict[str, str] = {}  # client request id -> why
         for seq, num_tokens in zip(out.requests, out.num_scheduled_tokens, strict=True):
             client_id = seq.request_id.rpartition("#")[0]
@@ -365,6 +400,7 @@ class EngineCore:
                 continue
             sampled.update(alone.sampled)
             prompt_logprobs.update(alone.prompt_logprobs)
+            accepted.update(alone.accepted)
         if len(failed) == len({s.request_id.rpartition("#")[0] for s in out.requests}):
             self._failed_steps_in_a_row += 1
             if self._failed_steps_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
@@ -377,7 +413,7 @@ class EngineCore:
             self._forget_if_done(client_id)
         self.failed_requests_total += len(failed)
         failures = [RequestFailure(client_id, message) for client_id, message in failed.items()]
-        return _IsolatedResult(sampled, prompt_logprobs), failures
+        return _IsolatedResult(sampled, prompt_logprobs, accepted), failures
 
     def _check_stop(self, seq: Request, output: TokenOutput) -> None:
         params, token = seq.params, seq.token_ids[-1]
@@ -434,4 +470,16 @@ class EngineCore:
             step_seconds_sum=dict(self._step_seconds_sum),
             gc_pause_seconds_total=self.gc_pauses.seconds_total if self.gc_pauses else 0.0,
             gc_collections_total=self.gc_pauses.collections_total if self.gc_pauses else 0,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, Any]:
+        if self.speculator is None:
+            return {}
+        spec = self.speculator.stats
+        return {
+            "spec_num_drafts_total": spec.num_drafts,
+            "spec_num_draft_tokens_total": spec.num_draft_tokens,
+            "spec_num_accepted_tokens_total": spec.num_accepted_tokens,
+            "spec_accepted_per_position_total": list(spec.accepted_per_position),
+        }

@@ -46,6 +46,9 @@ class Request:
         self.num_preemptions = 0
         # Siblings (n > 1) wait for this leader to compute the shared prompt, then fork from it.
         self.pending_forks: list[Request] = []
+        # Speculative decoding: the last `num_drafts` of `token_ids` are drafts (core/speculation.py),
+        # computed with the real last token in one step and kept only as far as the verifier accepts.
+        self.num_drafts = 0
 
     @property
     def num_tokens(self) -> int:
@@ -58,6 +61,22 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_drafts :]
+
+    def add_drafts(self, tokens: list[int]) -> None:
+        self.token_ids += tokens
+        self.num_drafts += len(tokens)
+
+    def drop_drafts(self, keep: int = 0) -> None:
+        """Keep the first `keep` drafts as real tokens (accepted), drop the rest; computed counts that
+        covered the dropped ones fall back to the kept tokens."""
+        end = len(self.token_ids) - self.num_drafts + keep
+        del self.token_ids[end:]
+        self.num_computed_tokens = min(self.num_computed_tokens, end)
+        self.num_drafts = 0
 
     @property
     def fork_point(self) -> int:

@@ -89,6 +89,7 @@ class Scheduler:
         leader.pending_forks = []
 
     def _preempt(self, req: Request) -> None:
+        req.drop_drafts()
         self.block_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -111,13 +112,20 @@ class Scheduler:
             if req.pending_forks and req.num_computed_tokens == req.fork_point:
                 self._fork(req, i)
             num_new = self._budget_for(req, budget)
-            if num_new > 1:  # a prompt chunk (or a recompute), not a decode
+            if req.num_drafts and num_new < 1 + req.num_drafts:  # no room for its drafts: decode alone
+                req.drop_drafts()
+                num_new = 1
+            if num_new > 1 and not req.num_drafts:  # a prompt chunk (or a recompute), not a decode
                 num_new = min(num_new, prefill_budget)
                 if num_new == 0:
                     i += 1
                     continue
                 prefill_budget -= num_new
             while not bm.can_allocate(req, num_new):
+                if req.num_drafts:  # drafts give way before any sequence is preempted
+                    req.drop_drafts()
+                    num_new = 1
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -158,7 +166,8 @@ class Scheduler:
 
     def advance(self, out: SchedulerOutput) -> list[Request]:
         """Advance the computed counts once the runner has `out` (queued, or done); each request that
-        samples gets a `PLACEHOLDER` token, which its owner replaces with the sampled one.
+        samples gets a `PLACEHOLDER` token, which its owner replaces with the sampled one (one that
+        drafted gets none: its owner keeps the accepted drafts and appends the sampled token).
 
         The next step can be scheduled before that: its input for the placeholder comes from the device.
         Returns the requests that sample, in batch order (those finished meanwhile are skipped)."""
@@ -168,6 +177,9 @@ class Scheduler:
                 continue  # finished (aborted, stopped) since it was scheduled
             samples = out.needs_sample(i)
             req.num_computed_tokens += num_new
+            if req.num_drafts:  # its blocks are cached once the verifier has said which drafts stay
+                grew.append(req)
+                continue
             self.block_manager.cache_computed_blocks(req)
             if samples:
                 req.token_ids.append(PLACEHOLDER)

@@ -101,8 +101,14 @@ class StepGraphs:
     def max_batch_size(self) -> int:
         return self.sizes[-1]
 
-    def fits_mixed(self, num_tokens: int, num_seqs: int) -> bool:
-        return bool(self.mixed_sizes) and num_tokens <= self.mixed_sizes[-1] and num_seqs <= self.max_seqs
+    def fits_mixed(self, num_tokens: int, num_seqs: int, num_logit_rows: int = 0) -> bool:
+        """Whether a mixed graph holds the step (`num_logit_rows`: rows whose logits it computes)."""
+        return (
+            bool(self.mixed_sizes)
+            and num_tokens <= self.mixed_sizes[-1]
+            and num_seqs <= self.max_seqs
+            and num_logit_rows <= len(self.logits_rows)
+        )
 
     def _decode_forward(self, bs: int) -> torch.Tensor:
         meta = AttentionMetadata(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ from pagoda.service.engine.core.scheduler import GrammarBitmask, SchedulerOutput
 from pagoda.service.engine.runner.block_tables import BlockTables
 from pagoda.service.engine.runner.cuda_graphs import StepGraphs
 from pagoda.service.engine.runner.sampler import SampledBatch, Sampler, SampleResult, to_device
+from pagoda.service.engine.runner.spec_verify import verify_drafts
 from pagoda.service.model.attention import AttentionMetadata
 from pagoda.service.model.fp8 import quantize_model_fp8, run_cublaslt_without_workspace, supports_fp8_matmul
 from pagoda.service.model.loader import load_model
@@ -79,6 +80,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class StepResult:
     sampled: dict[str, SampleResult]  # request id -> its next token
     prompt_logprobs: dict[str, tuple[int, list[SampleResult]]]  # request id -> (first position, scores)
+    accepted: dict[str, int] = field(default_factory=dict)  # request id -> drafts kept (those that drafted)
 
 
 @dataclass
@@ -88,6 +90,9 @@ class StepInput:
     batch: dict[str, np.ndarray]  # the flattened batch, see `ModelRunner.prepare`
     copy_ops: list[tuple[int, int]]  # (src, dst) KV blocks to copy first
     sample_rows: list[int]  # requests whose last row's logits are sampled, in batch order
+    # The flattened rows whose logits are computed: each sampled request's last 1 + drafts rows.
+    logit_rows: np.ndarray
+    num_drafts: list[int]  # per sampled request: its drafts (speculative decoding), verified in `finish`
     prompt_chunks: list[tuple[int, int, int]]  # (request, first row, num rows) scored for prompt logprobs
     # (flattened row, row in the previous step's sampled tokens) of inputs the host does not know yet,
     # and how many tokens that step sampled (under TP, rank 0 broadcasts them to the other ranks).
@@ -103,12 +108,15 @@ class PendingStep:
     sampled: SampledBatch | None
     rows: dict[str, int]  # request id -> its row in `sampled.tokens`
     prompt_logprobs: dict[str, tuple[int, list[SampleResult]]]
+    verified: dict[str, tuple[SampleResult, int]] = field(default_factory=dict)  # drafted: (token, kept)
 
     def result(self) -> StepResult:
-        if self.sampled is None:
-            return StepResult({}, self.prompt_logprobs)
-        results = self.sampled.results()
-        return StepResult({rid: results[row] for rid, row in self.rows.items()}, self.prompt_logprobs)
+        sampled = {rid: token for rid, (token, _) in self.verified.items()}
+        accepted = {rid: kept for rid, (_, kept) in self.verified.items()}
+        if self.sampled is not None:
+            results = self.sampled.results()
+            sampled.update((rid, results[row]) for rid, row in self.rows.items())
+        return StepResult(sampled, self.prompt_logprobs, accepted)
 
 
 @dataclass
@@ -292,6 +300,11 @@ class ModelRunner:
                 if start < end:
                     prompt_chunks.append((i, int(query_start_loc[i]), end - start))
         rows = [i for i in range(len(reqs)) if out.needs_sample(i)]
+        num_drafts = [reqs[i].num_drafts for i in rows]
+        ends = query_start_loc[1:][rows]
+        logit_rows = np.concatenate(
+            [np.arange(end - 1 - k, end) for end, k in zip(ends, num_drafts, strict=True)]
+        ) if any(num_drafts) else ends - 1  # fmt: skip
         placeholders = np.flatnonzero(input_ids == PLACEHOLDER)
         if len(placeholders) and (after is None or after.sampled is None):
             raise RuntimeError("a step has placeholder inputs but no step queued before it")
@@ -300,6 +313,8 @@ class ModelRunner:
             batch,
             list(out.copy_ops),
             rows,
+            logit_rows.astype(np.int64),
+            num_drafts,
             prompt_chunks,
             [(int(r), prev_rows[reqs[row[r]].request_id]) for r in placeholders],
             len(prev_rows),
@@ -402,18 +417,20 @@ class ModelRunner:
                 fill_inputs,
             )
             return StepLogits(logits, [])
-        mixed_fits = self.graphs is not None and self.graphs.fits_mixed(len(batch["input_ids"]), num_reqs)
+        mixed_fits = self.graphs is not None and self.graphs.fits_mixed(
+            len(batch["input_ids"]), num_reqs, len(step.logit_rows)
+        )
         if self.graphs is not None and mixed_fits and not step.prompt_chunks:
             if not step.sample_rows:
                 self.graphs.run_mixed(batch, np.zeros(0, dtype=np.int64), fill_inputs)
                 return StepLogits(None, [])
-            rows = batch["query_start_loc"][1:][step.sample_rows] - 1
-            return StepLogits(self.graphs.run_mixed(batch, rows, fill_inputs), [])
+            return StepLogits(self.graphs.run_mixed(batch, step.logit_rows, fill_inputs), [])
         hidden = self._forward_eager(batch, fill_inputs)
         prompt = [self.model.compute_logits(hidden[row : row + n]) for _, row, n in step.prompt_chunks]
         if not step.sample_rows:  # only prompt chunks this step: the KV cache is filled, nothing to sample
             return StepLogits(None, prompt)
-        return StepLogits(self.model.compute_logits(hidden[self._last_rows(batch, step.sample_rows)]), prompt)
+        rows = to_device(step.logit_rows, torch.int64, self.device)
+        return StepLogits(self.model.compute_logits(hidden[rows]), prompt)
 
     def _placeholder_fill(self, step: StepInput, prev_tokens: torch.Tensor | None) -> InputFill | None:
         """What writes the previous step's sampled tokens into this step's input ids, on the device.
@@ -446,6 +463,8 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(out, step, logits)
         if logits.sample is None:
             return PendingStep(None, {}, prompt_logprobs)
+        if any(step.num_drafts):
+            return self._verify(out, step, logits.sample, grammar, prompt_logprobs)
         sample_reqs = [out.requests[i] for i in step.sample_rows]
         if grammar is not None:  # batch rows -> rows of the sampled logits
             position = {batch_row: k for k, batch_row in enumerate(step.sample_rows)}
@@ -453,6 +472,38 @@ class ModelRunner:
         sampled = self.sampler(logits.sample, sample_reqs, grammar)
         rows = {r.request_id: row for row, r in enumerate(sample_reqs)}
         return PendingStep(sampled, rows, prompt_logprobs)
+
+    def _verify(
+        self,
+        out: SchedulerOutput,
+        step: StepInput,
+        logits: torch.Tensor,
+        grammar: GrammarBitmask | None,
+        prompt_logprobs: dict[str, tuple[int, list[SampleResult]]],
+    ) -> PendingStep:
+        """A step in which some requests drafted: those without drafts sample as in any step (their
+        last logits row), those with drafts go through the verifier (all 1 + k rows). Waits for the
+        device: a drafting step runs in turn."""
+        first = np.cumsum([0, *(k + 1 for k in step.num_drafts)])
+        plain = [j for j, k in enumerate(step.num_drafts) if k == 0]
+        drafting = [j for j, k in enumerate(step.num_drafts) if k > 0]
+        pending = PendingStep(None, {}, prompt_logprobs)
+        if plain:
+            plain_reqs = [out.requests[step.sample_rows[j]] for j in plain]
+            if grammar is not None:  # batch rows -> rows of the plain requests' logits
+                position = {step.sample_rows[j]: k for k, j in enumerate(plain)}
+                grammar = GrammarBitmask([position[row] for row in grammar.rows], grammar.bitmask)
+            rows = to_device(first[plain], torch.int64, logits.device)
+            pending.sampled = self.sampler(logits.index_select(0, rows), plain_reqs, grammar)
+            pending.rows = {r.request_id: row for row, r in enumerate(plain_reqs)}
+        drafted_reqs = [out.requests[step.sample_rows[j]] for j in drafting]
+        rows = to_device(
+            np.concatenate([np.arange(first[j], first[j + 1]) for j in drafting]), torch.int64, logits.device
+        )
+        verdicts = verify_drafts(self.sampler, logits.index_select(0, rows), drafted_reqs)
+        for req, (token, kept) in zip(drafted_reqs, verdicts, strict=True):
+            pending.verified[req.request_id] = (SampleResult(token), kept)
+        return pending
 
     def launch_forward(self, out: SchedulerOutput, after: PendingStep | None = None) -> ForwardedStep:
         """Queue one step's forward pass on this rank alone; `sample` queues its sampling."""

@@ -1,0 +1,126 @@
+"""Speculative decoding by prompt lookup (n-gram), on the core's side: which sequences draft, how many
+tokens, and what the drafts are. No torch: the drafts ride in a sequence's `token_ids` through one
+forward pass of k + 1 rows, and the runner's verifier (runner/spec_verify.py) says how many to keep.
+
+Prompt lookup (Saxena, 2023; vLLM's `ngram` method): the last n tokens of a sequence (n from
+`prompt_lookup_max` down to `prompt_lookup_min`) are looked up in its earlier tokens, and the tokens
+that followed the most recent match are the draft. It costs no model and pays where output copies
+input: code edits, RAG answers, summaries, structured data.
+
+The load rule. A decode step is bound by reading the weights while the batch is small, so k more rows
+per sequence cost little there, and by compute once it is large, where every rejected draft is paid
+in full. A step therefore drafts at most `max_batch_tokens` rows in all: with B sequences decoding each
+drafts `min(k, max_batch_tokens // B - 1)` tokens, and from B > max_batch_tokens / 2 on nobody drafts
+and the step is an ordinary decode step (async scheduling included). A step that drafts runs in turn:
+the drafts are read from the tokens the step before sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pagoda.service.engine.config import SpeculativeConfig
+from pagoda.service.engine.core.request import Request
+
+
+def propose_ngram(token_ids: list[int], k: int, lookup_max: int, lookup_min: int) -> list[int]:
+    """Up to `k` tokens that followed an earlier occurrence of the sequence's last n tokens (the most
+    recent with k tokens after it), trying the longest n first; [] when no suffix of at least
+    `lookup_min` tokens recurs."""
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    length = len(tokens)
+    for n in range(min(lookup_max, length - 1), lookup_min - 1, -1):
+        suffix = tokens[length - n :]
+        # Windows that start at 0 .. length - n - 1: every occurrence before the suffix itself.
+        starts = np.flatnonzero(tokens[: length - n] == suffix[0])
+        for offset in range(1, n):
+            if not len(starts):
+                break
+            starts = starts[tokens[starts + offset] == suffix[offset]]
+        if len(starts):
+            # The most recent match with k tokens after it; else the earliest, which has the most (in a
+            # run of one token the most recent match overlaps the suffix and leaves one token to draft).
+            full = starts[starts + n + k <= length]
+            follow = int(full[-1] if len(full) else starts[0]) + n
+            return [int(t) for t in tokens[follow : follow + k]]
+    return []
+
+
+def drafts_per_sequence(config: SpeculativeConfig, num_decoding: int) -> int:
+    """The load rule: how many tokens each of `num_decoding` sequences may draft this step (0: none)."""
+    if num_decoding < 1:
+        return 0
+    return max(0, min(config.num_speculative_tokens, config.max_batch_tokens // num_decoding - 1))
+
+
+@dataclass
+class SpecStats:
+    """vLLM's spec-decode counters: drafts (sequences that drafted in a step), draft tokens, accepted
+    tokens, and accepted tokens by draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def count(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_drafted:
+            self.accepted_per_position += [0] * (num_drafted - len(self.accepted_per_position))
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+
+class Speculator:
+    """Drafts for the running sequences before a step, and their bookkeeping after it."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.stats = SpecStats()
+
+    def wants_to_draft(self, running: list[Request]) -> bool:
+        """Whether this step may draft at all (the load rule); cheap, no lookup."""
+        decoding = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
+        return drafts_per_sequence(self.config, decoding) > 0 and any(can_draft(r) for r in running)
+
+    def draft(self, running: list[Request]) -> int:
+        """Append drafts to the token ids of the running sequences that decode and can draft; returns
+        how many sequences drafted."""
+        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        k = drafts_per_sequence(self.config, len(decoding))
+        drafted = 0
+        for req in decoding:
+            if not can_draft(req):
+                continue
+            # Never past max_tokens nor the context: the last kept row samples one more token.
+            room = self.max_model_len - req.num_tokens - 1
+            if req.params.max_tokens is not None:
+                room = min(room, req.params.max_tokens - req.num_output_tokens - 1)
+            if min(k, room) < 1:
+                continue
+            cfg = self.config
+            tokens = propose_ngram(req.token_ids, min(k, room), cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+            if tokens:
+                req.add_drafts(tokens)
+                drafted += 1
+        return drafted
+
+
+def can_draft(req: Request) -> bool:
+    """Whether a sequence's sampling allows drafts: what reads the whole history per row (penalties),
+    a grammar (drafts would need its matcher's rollback), or log-probabilities (each kept row's would
+    be needed) decodes one token a step."""
+    p = req.params
+    return (
+        p.grammar is None
+        and p.logprobs is None
+        and p.prompt_logprobs is None
+        and p.presence_penalty == 0
+        and p.frequency_penalty == 0
+        and p.repetition_penalty == 1.0
+    )

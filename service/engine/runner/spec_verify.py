@@ -1,0 +1,109 @@
+"""Verifying drafts (speculative decoding) so that the output keeps the target model's distribution.
+
+A sequence that drafted d_1..d_k has k + 1 rows of logits: row j scores the token after d_j (row 0 the
+token after its last real one). Each row is processed as the sampler processes a decode row at that
+output position (logit_bias, min_tokens, temperature, top-k, top-p, min-p), giving p_j. Then, for
+j = 0, 1, ...:
+
+- greedy: d_{j+1} stays while it is p_j's argmax; the first that is not is replaced by the argmax, and
+  if all stay the last row's argmax follows. The output is token for token what decoding one token a
+  step gives.
+- sampled (Leviathan et al., 2023; Chen et al., 2023): d_{j+1} stays with probability
+  min(1, p_j(d) / q_j(d)). A prompt-lookup draft is certain (q_j is one-hot on d), so that is p_j(d);
+  the first rejected position samples from the residual max(p_j - q_j, 0), which is p_j without d,
+  renormalised; if all stay, row k samples from p_k. Each emitted token is then distributed as p_j.
+
+A seeded request draws a row's noise (one uniform, one exponential race over the vocabulary) from a
+generator keyed by (seed, completion index, output position), as the sampler does, so it samples
+the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.service.engine.core.request import Request
+from pagoda.service.engine.runner.sampler import Sampler, to_device
+from pagoda.service.sampling_params import SamplingParams
+
+
+@dataclass
+class _Row:
+    """A drafting sequence as the sampler sees it at row `j`: the drafts before the row count as its
+    tokens, as if they were accepted."""
+
+    req: Request
+    j: int
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.req.params
+
+    @property
+    def index(self) -> int:
+        return self.req.index
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.req.num_output_tokens - self.req.num_drafts + self.j
+
+    @property
+    def token_ids(self) -> list[int]:  # read only by penalties, which never draft: built on demand
+        return self.req.token_ids[: self.req.num_tokens - self.req.num_drafts + self.j]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.req.num_prompt_tokens :]
+
+
+def verify_drafts(sampler: Sampler, logits: torch.Tensor, reqs: list[Request]) -> list[tuple[int, int]]:
+    """`logits`: [sum(1 + k_i), vocab], each request's 1 + k_i rows in order (its drafts are the last
+    k_i of its token ids). Returns, per request, (the token after its kept drafts, how many drafts
+    it keeps). Waits for the device."""
+    rows: list[_Row] = []
+    drafts: list[int] = []  # per row: the draft it judges, or -1 on each request's last row
+    for req in reqs:
+        rows += [_Row(req, j) for j in range(req.num_drafts + 1)]
+        drafts += [*req.draft_token_ids, -1]
+    device = logits.device
+    adjusted = sampler.adjusted_logits(logits, rows)  # type: ignore[arg-type]  # rows quack as requests
+    tokens = adjusted.argmax(dim=1)
+    accept = tokens == to_device(drafts, torch.int64, device)
+    greedy = [r.params.is_greedy for r in rows]
+    if not all(greedy):
+        probs = sampler.filtered_probs(adjusted, rows)  # type: ignore[arg-type]
+        probs = probs / probs.sum(dim=1, keepdim=True)
+        uniform, noise = _noise(rows, probs.shape[1], device)
+        judged = to_device([max(d, 0) for d in drafts], torch.int64, device).view(-1, 1)
+        has_draft = to_device([d >= 0 for d in drafts], torch.bool, device)
+        p_draft = probs.gather(1, judged).view(-1)
+        residual = torch.where(has_draft.view(-1, 1), probs.scatter(1, judged, 0.0), probs)
+        sampled = (residual / noise).argmax(dim=1)  # the last row: p itself; other rows: p without d
+        is_greedy = to_device(greedy, torch.bool, device)
+        tokens = torch.where(is_greedy, tokens, sampled)
+        accept = torch.where(is_greedy, accept, (uniform < p_draft) & has_draft)
+    tokens_host, accept_host = tokens.tolist(), accept.tolist()
+    verdicts = []
+    start = 0
+    for req in reqs:
+        k = req.num_drafts
+        kept = next((j for j in range(k) if not accept_host[start + j]), k)
+        verdicts.append((tokens_host[start + kept], kept))
+        start += k + 1
+    return verdicts
+
+
+def _noise(rows: list[_Row], vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row one uniform (accept or not) and exponential noise over the vocabulary (the race that
+    samples); a seeded row's come from its own generator."""
+    uniform = torch.rand(len(rows), device=device)
+    noise = torch.empty(len(rows), vocab_size, device=device).exponential_()
+    for i, r in enumerate(rows):
+        if r.params.seed is not None:
+            seed = hash((r.params.seed, r.index, r.num_output_tokens))
+            generator = torch.Generator(device=device).manual_seed(seed)
+            noise[i] = torch.empty(vocab_size, device=device).exponential_(generator=generator)
+            uniform[i] = torch.rand(1, device=device, generator=generator)[0]
+    return uniform, noise

@@ -1,0 +1,328 @@
+"""Speculative decoding by prompt lookup: the drafts, the load rule, the verifier's distribution, and
+the engine's output against the same engine without speculation (greedy: token for token)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pagoda.service.engine.config import EngineConfig, SpeculativeConfig
+from pagoda.service.engine.core.block_manager import BlockManager
+from pagoda.service.engine.core.request import Request
+from pagoda.service.engine.core.scheduler import Scheduler
+from pagoda.service.engine.core.speculation import drafts_per_sequence, propose_ngram
+from pagoda.service.engine.runner.sampler import Sampler
+from pagoda.service.engine.runner.spec_verify import verify_drafts
+from pagoda.service.llm import LLM
+from pagoda.service.sampling_params import SamplingParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+# ---- the drafts ---------------------------------------------------------------------------------
+
+
+def test_prompt_lookup_follows_the_most_recent_longest_match() -> None:
+    tokens = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    # "2 3" recurs at 1 and 6; the most recent match (6) is followed by 7 8 5.
+    assert propose_ngram(tokens, 3, 4, 2) == [7, 8, 5]
+    assert propose_ngram(tokens, 2, 4, 2) == [7, 8]
+    # A longer suffix wins over a more recent shorter one: "1 2 3" at 0 and 5, then "2 3" alone at 11.
+    tokens = [1, 2, 3, 4, 6, 0, 2, 3, 5, 1, 2, 3]
+    assert propose_ngram(tokens, 2, 3, 2) == [4, 6]
+    assert propose_ngram(tokens, 2, 2, 2) == [5, 1]  # lookup_max 2: only "2 3", whose last match is at 6
+
+
+def test_prompt_lookup_without_a_match_or_near_the_end() -> None:
+    assert propose_ngram([1, 2, 3, 4, 5], 3, 4, 2) == []
+    assert propose_ngram([4, 5, 4], 3, 4, 2) == []  # "5 4" never occurred before; "4" alone is too short
+    assert propose_ngram([4, 5, 4], 3, 4, 1) == [5, 4]  # "4" at 0, followed by what is left
+    # A run of one token: the most recent match overlaps the suffix (one token after it); the earliest
+    # has the most after it.
+    assert propose_ngram([7, 7, 7, 7, 7], 3, 2, 2) == [7, 7, 7]
+    assert propose_ngram([7, 7, 7, 7], 3, 2, 2) == [7, 7]
+    assert propose_ngram([1, 2, 5, 1, 2, 6, 8, 1, 2], 2, 2, 2) == [6, 8]  # the most recent with two after
+    assert propose_ngram([3], 2, 4, 1) == []
+
+
+def test_the_load_rule_drafts_less_as_the_batch_grows_and_none_past_half_the_cap() -> None:
+    config = SpeculativeConfig(num_speculative_tokens=4, max_batch_tokens=64)
+    assert [drafts_per_sequence(config, b) for b in (0, 1, 12, 13, 16, 22, 32, 33, 200)] == [
+        0, 4, 4, 3, 3, 1, 1, 0, 0,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be a positive"),
+        ('{"method": "eagle"}', "method must be ngram"),
+        ('{"model": "/models/draft", "num_speculative_tokens": 4}', "a draft model is not supported yet"),
+        ('{"method": "ngram", "lookahead": 3}', "unknown field(s) ['lookahead']"),
+        ('{"prompt_lookup_max": 1, "prompt_lookup_min": 2}', "prompt_lookup_max must be an integer >="),
+        ('{"num_speculative_tokens": true}', "num_speculative_tokens must be a positive"),
+        ('{"num_speculative_tokens": 17}', "at most 16"),
+        ("[3]", "takes a JSON object"),
+    ],
+)
+def test_a_bad_speculative_config_is_refused_with_its_reason(text: str, says: str) -> None:
+    with pytest.raises(ValueError, match="--speculative-config") as refused:
+        SpeculativeConfig.from_json(text)
+    assert says in str(refused.value)
+
+
+def test_the_flag_parses_into_the_engine_config() -> None:
+    from pagoda.cli import build_parser
+    from pagoda.service import cli as serve_cli
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--speculative-config", json.dumps(NGRAM)])
+    _, config = serve_cli.build_configs(args)
+    assert config.speculative == SpeculativeConfig(**NGRAM)  # type: ignore[arg-type]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--speculative-config", '{"method": "medusa"}'])
+
+
+# ---- the verifier -------------------------------------------------------------------------------
+
+
+def _drafting(params: SamplingParams, drafts: list[int], index: int = 0) -> Request:
+    req = Request(f"r{index}", [1, 2, 3], params, 0.0, index=index)
+    req.add_drafts(drafts)
+    return req
+
+
+def test_greedy_verification_keeps_drafts_while_they_are_the_argmax() -> None:
+    sampler = Sampler(8, eos_token_ids=set())
+    logits = torch.full((4, 8), -5.0)
+    for row, top in enumerate([4, 6, 2, 7]):  # argmax of each row: 4, 6, 2, 7
+        logits[row, top] = 5.0
+    greedy = SamplingParams(temperature=0.0)
+    assert verify_drafts(sampler, logits, [_drafting(greedy, [4, 6, 2])]) == [(7, 3)]  # all kept: the bonus
+    assert verify_drafts(sampler, logits, [_drafting(greedy, [4, 5, 2])]) == [(6, 1)]  # the 2nd is wrong
+    assert verify_drafts(sampler, logits, [_drafting(greedy, [0, 6, 2])]) == [(4, 0)]
+    # Two requests' rows side by side: 2 + 2 rows.
+    both = verify_drafts(sampler, logits, [_drafting(greedy, [4], 0), _drafting(greedy, [1], 1)])
+    assert both == [(6, 1), (2, 0)]  # rows 2-3 (argmax 2, 7) judge the second: 1 is not 2
+
+
+def test_greedy_verification_sees_min_tokens_at_each_rows_position() -> None:
+    """Row j is the sampler's row at output position (before + j): min_tokens bans EOS (token 7) on
+    the rows still short of it, and not on the later ones."""
+    sampler = Sampler(8, eos_token_ids={7})
+    logits = torch.zeros(3, 8)
+    logits[:, 7] = 9.0  # EOS is every row's favourite
+    logits[:, 3] = 1.0
+    params = SamplingParams(temperature=0.0, min_tokens=2)
+    req = _drafting(params, [3, 3])  # no output before the drafts: rows at positions 0, 1, 2
+    assert verify_drafts(sampler, logits, [req]) == [(7, 2)]  # rows 0 and 1 may not end; row 2 may
+
+
+def _first_tokens(verdicts: list[tuple[int, int]], drafts: list[list[int]]) -> list[int]:
+    return [d[0] if kept else token for (token, kept), d in zip(verdicts, drafts, strict=True)]
+
+
+@pytest.mark.parametrize(
+    ("params", "draft"),
+    [
+        (SamplingParams(temperature=1.0), 1),  # a likely draft
+        (SamplingParams(temperature=1.0), 2),  # an unlikely one (p0 = 0.16)
+        (SamplingParams(temperature=0.7, top_k=3), 4),  # a draft top-k removes: never kept
+    ],
+    ids=["likely", "unlikely", "filtered"],
+)
+def test_sampled_verification_keeps_the_target_distribution(params: SamplingParams, draft: int) -> None:
+    """Leviathan et al.'s guarantee, counted: over 6,000 requests each drafting two tokens, the first
+    emitted token is distributed as p0, and the token after a kept first draft as p1."""
+    torch.manual_seed(11)
+    vocab, n = 6, 6000
+    sampler = Sampler(vocab, eos_token_ids=set())
+    p0_logits = torch.tensor([0.0, 1.5, 0.5, -1.0, 1.0, -2.0])
+    p1_logits = torch.tensor([1.0, -1.0, 0.0, 2.0, -0.5, 0.5])
+    logits = torch.stack([p0_logits, p1_logits, p1_logits] * n)  # 3 rows per request (2 drafts)
+    drafts = [[draft, 3] for _ in range(n)]
+    reqs = [_drafting(params, d, i) for i, d in enumerate(drafts)]
+    verdicts = verify_drafts(sampler, logits, reqs)
+
+    def target(row_logits: torch.Tensor) -> torch.Tensor:
+        probs = sampler.filtered_probs(row_logits.view(1, -1), reqs[:1])[0]
+        return probs / probs.sum()
+
+    first = torch.bincount(torch.tensor(_first_tokens(verdicts, drafts)), minlength=vocab) / n
+    assert torch.allclose(first, target(p0_logits), atol=0.02), (first, target(p0_logits))
+    # After a kept first draft, row 1 judges draft 3 and the emitted token follows p1.
+    pairs = zip(verdicts, drafts, strict=True)
+    after = [d[1] if kept == 2 else token for (token, kept), d in pairs if kept >= 1]
+    if target(p0_logits)[draft] > 0:
+        assert len(after) > 500
+        second = torch.bincount(torch.tensor(after), minlength=vocab) / len(after)
+        tolerance = 2 / len(after) ** 0.5  # four standard deviations of the widest binomial
+        assert torch.allclose(second, target(p1_logits), atol=tolerance), (second, target(p1_logits))
+    else:
+        assert not after  # a filtered draft is never kept
+
+
+def test_a_seeded_request_verifies_the_same_whatever_its_neighbours() -> None:
+    sampler = Sampler(6, eos_token_ids=set())
+    logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(5))
+    seeded = SamplingParams(temperature=1.0, seed=42)
+    alone = [verify_drafts(sampler, logits, [_drafting(seeded, [2, 4])])[0] for _ in range(20)]
+    other = torch.randn(2, 6)
+    neighbour = SamplingParams(temperature=1.0)
+    beside = [
+        verify_drafts(
+            sampler, torch.cat([other, logits]), [_drafting(neighbour, [1], 1), _drafting(seeded, [2, 4])]
+        )[1]
+        for _ in range(20)
+    ]
+    assert len(set(alone)) == 1 and set(beside) == set(alone)
+    unseeded = {verify_drafts(sampler, logits, [_drafting(SamplingParams(temperature=1.0), [2, 4])])[0]
+                for _ in range(40)}  # fmt: skip
+    assert len(unseeded) > 1  # the seed is what holds it still
+
+
+# ---- the scheduler ------------------------------------------------------------------------------
+
+
+def _running(scheduler: Scheduler, prompt: list[int]) -> Request:
+    req = Request(f"s{len(scheduler.running)}", prompt, SamplingParams(max_tokens=50), 0.0)
+    scheduler.add(req)
+    out = scheduler.schedule()
+    assert out.requests == [req]
+    scheduler.advance(out)
+    req.token_ids[-1] = 9  # the sampled token
+    return req
+
+
+def test_drafts_are_dropped_when_the_step_has_no_room_for_them() -> None:
+    scheduler = Scheduler(BlockManager(64, 4, True), max_num_seqs=8, max_num_batched_tokens=3)
+    req = _running(scheduler, [1, 2])
+    req.add_drafts([5, 6, 7])  # 1 + 3 rows, but the step takes 3 tokens
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == [1] and req.num_drafts == 0 and req.token_ids == [1, 2, 9]
+    scheduler.advance(out)
+    assert req.num_computed_tokens == 3
+
+
+def test_drafts_give_way_before_anyone_is_preempted() -> None:
+    scheduler = Scheduler(BlockManager(2, 4, False), max_num_seqs=8, max_num_batched_tokens=64)
+    first, second = (Request(f"s{i}", [1, 2, 3], SamplingParams(), 0.0) for i in range(2))
+    scheduler.add(first)
+    scheduler.add(second)
+    scheduler.advance(scheduler.schedule())  # a block each, both full with their sampled token
+    for req in (first, second):
+        req.token_ids[-1] = 9
+    second.add_drafts([7, 8])  # positions 4 and 5 would need a third block
+    out = scheduler.schedule()
+    assert scheduler.num_preemptions == 0 and out.num_scheduled_tokens == [1, 1]
+    assert second.num_drafts == 0 and second.token_ids == [1, 2, 3, 9]
+
+
+def test_blocks_are_hashed_only_over_tokens_the_verifier_kept() -> None:
+    """A drafting sequence's full blocks enter the prefix cache only once its drafts are judged."""
+    bm = BlockManager(64, 4, True)
+    scheduler = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    req = _running(scheduler, [1, 2, 3])  # tokens 1 2 3 9: one full block, computed 3
+    req.add_drafts([10, 11, 12, 13])
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == [5]
+    scheduler.advance(out)
+    assert len(bm._hash_to_block) == 0  # the computed drafts fill block 2 (9 10 11 12) but are not judged
+    req.drop_drafts(keep=1)  # 10 stays
+    assert req.token_ids == [1, 2, 3, 9, 10] and req.num_computed_tokens == 5
+
+
+# ---- the engine ---------------------------------------------------------------------------------
+
+
+def _repetitive_prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(n)] * 3 for n in (4, 7, 11)]
+
+
+def _spec_stats(llm: LLM) -> Any:
+    return llm.engine.core.stats()
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["in-turn", "async"])
+def test_greedy_output_is_token_for_token_the_same_with_drafts(llama_ckpt: Path, is_async: bool) -> None:
+    """The same prompts, greedy, with and without prompt lookup, in one batch that mixes drafting
+    requests with one that asks for log-probabilities (it never drafts), a small step budget (drafts
+    dropped, chunked prefill) and the prefix cache: then once more from prompts that extend the first
+    outputs, whose cached blocks must hold only kept tokens."""
+    common: dict[str, Any] = {
+        "dtype": "float32", "kv_cache_memory_bytes": 8 << 20, "max_num_batched_tokens": 24,
+        "async_scheduling": is_async,
+    }  # fmt: skip
+    plain = LLM(str(llama_ckpt), **common)
+    spec = LLM(str(llama_ckpt), speculative_config=NGRAM, **common)
+    prompts = [[5, 6, 7, 8] * 5, *_repetitive_prompts(1)]  # the first's output repeats one token at length
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)] * 3
+    params.append(SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2))
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    got = spec.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == expected
+    assert [len(o.outputs[0].logprobs or []) for o in got][-1] == 40
+    stats = _spec_stats(spec)
+    assert stats.spec_num_accepted_tokens_total > 10, stats  # the drafts did something
+    assert stats.spec_accepted_per_position_total[2] > 0  # whole drafts too
+    assert stats.spec_num_draft_tokens_total > stats.spec_num_accepted_tokens_total
+    assert sum(stats.spec_accepted_per_position_total) == stats.spec_num_accepted_tokens_total
+    assert stats.spec_accepted_per_position_total == sorted(
+        stats.spec_accepted_per_position_total, reverse=True
+    )
+
+    longer = [p + e[:30] for p, e in zip(prompts, expected, strict=True)]
+    short = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    again = [o.outputs[0].token_ids for o in spec.generate(longer, short)]
+    assert again == [o.outputs[0].token_ids for o in plain.generate(longer, short)]
+    bm = spec.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert bm.prefix_hits_tokens > 0  # the second round read blocks the first one cached
+
+
+def test_sampled_output_with_a_seed_is_reproducible_and_ends_at_max_tokens(llama_ckpt: Path) -> None:
+    spec = LLM(str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=8 << 20, speculative_config=NGRAM)
+    prompts = [*_repetitive_prompts(2)[:2], [5, 6, 7, 8] * 5]  # the last one's output loops, so it drafts
+    params = SamplingParams(temperature=0.5, top_k=3, seed=7, max_tokens=33, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
+    alone = spec.generate(prompts[2], params)[0].outputs[0].token_ids
+    assert first[2] == alone
+    assert [len(t) for t in first] == [33, 33, 33]  # drafts never run past max_tokens
+    stats = _spec_stats(spec)
+    assert stats.spec_num_accepted_tokens_total > 5, stats
+
+
+def test_spec_decode_metrics_under_vllms_names() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pagoda.service.engine.messages import EngineStats
+    from pagoda.service.metrics import _EngineCollector
+
+    stats = EngineStats(
+        spec_num_drafts_total=5, spec_num_draft_tokens_total=15, spec_num_accepted_tokens_total=7,
+        spec_accepted_per_position_total=[4, 2, 1],
+    )  # fmt: skip
+    registry = CollectorRegistry()
+    registry.register(_EngineCollector(lambda: stats, lambda: "m"))  # type: ignore[arg-type]
+    text = generate_latest(registry).decode()
+    for line in [
+        'vllm:spec_decode_num_drafts_total{model_name="m"} 5.0',
+        'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 15.0',
+        'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 7.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 2.0',
+    ]:
+        assert line in text, text
+    off = CollectorRegistry()
+    off.register(_EngineCollector(lambda: EngineStats(), lambda: "m"))  # type: ignore[arg-type]
+    assert "spec_decode" not in generate_latest(off).decode()
+
+
+def test_engine_config_takes_the_speculative_config() -> None:
+    config = EngineConfig(speculative=SpeculativeConfig.from_json(json.dumps(NGRAM)))
+    assert config.speculative is not None and config.speculative.num_speculative_tokens == 3
