@@ -326,3 +326,24 @@ def test_spec_decode_metrics_under_vllms_names() -> None:
 def test_engine_config_takes_the_speculative_config() -> None:
     config = EngineConfig(speculative=SpeculativeConfig.from_json(json.dumps(NGRAM)))
     assert config.speculative is not None and config.speculative.num_speculative_tokens == 3
+
+
+def test_a_sequence_whose_drafts_miss_pauses_longer_each_time() -> None:
+    from pagoda.service.engine.core.speculation import MAX_PAUSE, Speculator
+
+    speculator = Speculator(SpeculativeConfig(), max_model_len=1000)
+    req = Request("p", [1, 2, 1, 2, 1], SamplingParams(), 0.0)  # "1 2 1" ... drafts "2 1"
+    req.num_computed_tokens = 4  # decoding
+    pauses = []
+    for _ in range(7):
+        assert speculator.plan([req]) and speculator.draft([req]) == 1
+        speculator.judged(req, req.num_drafts, 0)
+        req.drop_drafts()
+        pauses.append(req.draft_pause)
+        for _ in range(req.draft_pause):  # the paused steps: no draft, and the pause runs out
+            assert not speculator.plan([req])
+    assert pauses == [2, 4, 8, 16, 32, 32, 32] and MAX_PAUSE == 32
+    assert speculator.plan([req]) and speculator.draft([req]) == 1
+    speculator.judged(req, req.num_drafts, 1)  # a kept token: no pause
+    assert (req.draft_pause, req.draft_misses) == (0, 0)
+    assert speculator.stats.num_drafts == 8 and speculator.stats.num_accepted_tokens == 1

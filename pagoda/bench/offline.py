@@ -113,6 +113,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pagoda.bench import routing_sim
 
     routing_sim.add_arguments(routing)
+    spec = sub.add_parser(
+        "spec",
+        help="speculative decoding (prompt lookup) against none on one engine: copy and random workloads",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    from pagoda.bench import spec as bench_spec
+
+    bench_spec.add_arguments(spec)
     kernels = sub.add_parser("kernels", help="Triton kernels vs references and SDPA (needs a CUDA GPU)")
     kernels.add_argument("args", nargs=argparse.REMAINDER, help="passed to pagoda.bench.kernels")
 
@@ -488,6 +496,10 @@ def run(args: argparse.Namespace) -> int:
         from pagoda.bench import routing_sim
 
         return routing_sim.run(args)
+    if args.bench == "spec":
+        from pagoda.bench import spec as bench_spec
+
+        return bench_spec.run(args)
     if args.bench == "kernels":
         from pagoda.bench.kernels import main as kernels_main
 

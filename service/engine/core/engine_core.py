@@ -253,7 +253,7 @@ class EngineCore:
         outputs = StepOutputs([], [], [])
         if self.structured_output.is_active:
             outputs.failures.extend(self._admit_compiled())
-        speculates = self.speculator is not None and self.speculator.wants_to_draft(self.scheduler.running)
+        speculates = self.speculator is not None and self.speculator.plan(self.scheduler.running)
         overlap = self.is_async and not self._taking_turns and not speculates
         before, self._in_flight = self._in_flight, None
         if before is not None and not overlap:
@@ -365,7 +365,7 @@ class EngineCore:
         verifier's token, in order. The KV written for rejected drafts is overwritten by later steps."""
         assert self.speculator is not None
         drafts = seq.draft_token_ids
-        self.speculator.stats.count(len(drafts), accepted)
+        self.speculator.judged(seq, len(drafts), accepted)
         seq.drop_drafts()
         return [*(SampleResult(t) for t in drafts[:accepted]), sample]
 

@@ -49,6 +49,8 @@ class Request:
         # Speculative decoding: the last `num_drafts` of `token_ids` are drafts (core/speculation.py),
         # computed with the real last token in one step and kept only as far as the verifier accepts.
         self.num_drafts = 0
+        self.draft_misses = 0  # drafts in a row of which the verifier kept nothing
+        self.draft_pause = 0  # steps to decode without drafting (after misses)
 
     @property
     def num_tokens(self) -> int:

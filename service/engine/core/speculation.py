@@ -4,8 +4,12 @@ forward pass of k + 1 rows, and the runner's verifier (runner/spec_verify.py) sa
 
 Prompt lookup (Saxena, 2023; vLLM's `ngram` method): the last n tokens of a sequence (n from
 `prompt_lookup_max` down to `prompt_lookup_min`) are looked up in its earlier tokens, and the tokens
-that followed the most recent match are the draft. It costs no model and pays where output copies
-input: code edits, RAG answers, summaries, structured data.
+that followed a match (the most recent with k tokens after it) are the draft. It costs no model and
+pays where output copies input: code edits, RAG answers, summaries, structured data.
+
+A sequence whose drafts miss pauses: after m drafts in a row of which nothing was kept it decodes
+2^m steps (at most `MAX_PAUSE`) without drafting, so output that never repeats costs a draft now and
+then, not every step.
 
 The load rule. A decode step is bound by reading the weights while the batch is small, so k more rows
 per sequence cost little there, and by compute once it is large, where every rejected draft is paid
@@ -23,6 +27,8 @@ import numpy as np
 
 from pagoda.service.engine.config import SpeculativeConfig
 from pagoda.service.engine.core.request import Request
+
+MAX_PAUSE = 32  # steps
 
 
 def propose_ngram(token_ids: list[int], k: int, lookup_max: int, lookup_min: int) -> list[int]:
@@ -83,10 +89,17 @@ class Speculator:
         self.max_model_len = max_model_len
         self.stats = SpecStats()
 
-    def wants_to_draft(self, running: list[Request]) -> bool:
-        """Whether this step may draft at all (the load rule); cheap, no lookup."""
-        decoding = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
-        return drafts_per_sequence(self.config, decoding) > 0 and any(can_draft(r) for r in running)
+    def plan(self, running: list[Request]) -> bool:
+        """Called once a step, before it is scheduled: a step of every paused sequence passes, and
+        whether this step drafts at all (the load rule, and someone who may; no lookup yet)."""
+        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        may = False
+        for req in decoding:
+            if req.draft_pause:
+                req.draft_pause -= 1
+            elif can_draft(req):
+                may = True
+        return may and drafts_per_sequence(self.config, len(decoding)) > 0
 
     def draft(self, running: list[Request]) -> int:
         """Append drafts to the token ids of the running sequences that decode and can draft; returns
@@ -95,7 +108,7 @@ class Speculator:
         k = drafts_per_sequence(self.config, len(decoding))
         drafted = 0
         for req in decoding:
-            if not can_draft(req):
+            if req.draft_pause or not can_draft(req):
                 continue
             # Never past max_tokens nor the context: the last kept row samples one more token.
             room = self.max_model_len - req.num_tokens - 1
@@ -109,6 +122,12 @@ class Speculator:
                 req.add_drafts(tokens)
                 drafted += 1
         return drafted
+
+    def judged(self, req: Request, num_drafted: int, num_accepted: int) -> None:
+        """Count a verified draft; a draft of which nothing was kept makes the sequence pause."""
+        self.stats.count(num_drafted, num_accepted)
+        req.draft_misses = 0 if num_accepted else req.draft_misses + 1
+        req.draft_pause = min(2**req.draft_misses, MAX_PAUSE) if req.draft_misses else 0
 
 
 def can_draft(req: Request) -> bool:
