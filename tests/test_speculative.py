@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -347,3 +348,87 @@ def test_a_sequence_whose_drafts_miss_pauses_longer_each_time() -> None:
     speculator.judged(req, req.num_drafts, 1)  # a kept token: no pause
     assert (req.draft_pause, req.draft_misses) == (0, 0)
     assert speculator.stats.num_drafts == 8 and speculator.stats.num_accepted_tokens == 1
+
+
+def test_tensor_parallel_drafts_give_the_single_rank_output(llama_ckpt: Path) -> None:
+    """Under TP 2 (gloo) every rank runs the drafting step's k + 1 rows per sequence; greedy output
+    (with an n = 2 request beside: its forks draft too) is rank-count and speculation invariant."""
+    prompts = [[5, 6, 7, 8] * 5, *_repetitive_prompts(3)[:2]]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, n=2),
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+    ]
+    common: dict[str, Any] = {"dtype": "float32", "kv_cache_memory_bytes": 8 << 20}
+    plain = [
+        [c.token_ids for c in o.outputs] for o in LLM(str(llama_ckpt), **common).generate(prompts, params)
+    ]
+    with LLM(str(llama_ckpt), speculative_config=NGRAM, tensor_parallel_size=2, **common) as tp2:
+        drafted = [[c.token_ids for c in o.outputs] for o in tp2.generate(prompts, params)]
+        assert _spec_stats(tp2).spec_num_accepted_tokens_total > 5
+    assert drafted == plain
+
+
+def test_a_grammar_request_beside_drafting_ones_keeps_its_grammar() -> None:
+    """Structured output never drafts; in a step where others do, its bitmask is applied to its own
+    row of the plain rows (the verifier takes the drafting ones)."""
+    from pagoda.service.grammar import Grammar
+
+    choice = Grammar.regex("(red|green|blue)( (red|green|blue)){5}", "guided_regex")
+    with LLM(max_model_len=256, kv_cache_memory_bytes=32 << 20, speculative_config=NGRAM) as llm:
+        copy = "one two three four one two three four one two three four one two three"
+        prompts = [copy, "Colours:", copy + " four"]
+        params = [
+            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=40, grammar=choice),
+            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        ]
+        outs = llm.generate(prompts, params)
+        assert _spec_stats(llm).spec_num_accepted_tokens_total > 5
+        llm.engine.core.speculator = None
+        alone = llm.generate(prompts, params)
+    text = outs[1].outputs[0].text
+    assert re.fullmatch(r"(red|green|blue)( (red|green|blue)){5}", text), text
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in alone]
+
+
+def test_pagoda_serve_drafts_through_the_openai_client(llama_ckpt: Path, tmp_path: Path) -> None:
+    """`pagoda serve --speculative-config`: streamed and whole completions are the offline engine's
+    text without drafts, and /metrics counts the kept drafts under vLLM's names."""
+    import httpx
+    import openai
+
+    from pagoda.service.serve_process import ServeProcess
+
+    prompt = [5, 6, 7, 8] * 5
+    extra = {"ignore_eos": True}
+    expected = (
+        LLM(str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=8 << 20)
+        .generate([prompt], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))[0]
+        .outputs[0]
+    )
+    args = [
+        "--model",
+        str(llama_ckpt),
+        "--served-model-name",
+        "tiny",
+        "--kv-cache-memory-bytes",
+        str(8 << 20),
+    ]
+    args += ["--speculative-config", json.dumps(NGRAM)]
+    with ServeProcess(args, log_path=tmp_path / "serve.log") as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+        whole = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=32, temperature=0, extra_body=extra
+        )
+        stream = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=32, temperature=0, extra_body=extra, stream=True
+        )
+        streamed = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        metrics = httpx.get(f"{server.base_url}/metrics").text
+    assert whole.choices[0].text == streamed == expected.text
+    assert whole.usage is not None and whole.usage.completion_tokens == 32
+    kept = re.search(
+        r'^vllm:spec_decode_num_accepted_tokens_total\{model_name="tiny"\} (\S+)$', metrics, re.M
+    )
+    assert kept is not None and float(kept.group(1)) > 10, metrics

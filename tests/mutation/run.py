@@ -65,6 +65,15 @@ TARGETS: dict[str, Target] = {
     "status": Target(
         "operator/status.py", ("tests/test_operator_status.py", "tests/test_operator_reconcile.py")
     ),
+    # Speculative decoding: the drafts and the load rule, and the verifier (unit tests; the engine's
+    # token-for-token tests take seconds each and catch little more).
+    "speculation": Target(
+        "service/engine/core/speculation.py",
+        ("tests/test_speculative.py", "-k", "lookup or load_rule or pauses or config or flag"),
+    ),
+    "spec_verify": Target(
+        "service/engine/runner/spec_verify.py", ("tests/test_speculative.py", "-k", "verif"), 120.0
+    ),
     # The snapshot first: it kills most mutants in a fraction of a second, before the slower file runs.
     "manifests": Target(
         "operator/manifests.py",
