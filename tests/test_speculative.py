@@ -290,7 +290,7 @@ def test_greedy_output_is_token_for_token_the_same_with_drafts(llama_ckpt: Path,
 def test_sampled_output_with_a_seed_is_reproducible_and_ends_at_max_tokens(llama_ckpt: Path) -> None:
     spec = LLM(str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=8 << 20, speculative_config=NGRAM)
     prompts = [*_repetitive_prompts(2)[:2], [5, 6, 7, 8] * 5]  # the last one's output loops, so it drafts
-    params = SamplingParams(temperature=0.5, top_k=3, seed=7, max_tokens=33, ignore_eos=True)
+    params = SamplingParams(temperature=0.1, top_k=3, seed=7, max_tokens=33, ignore_eos=True)
     first = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
     alone = spec.generate(prompts[2], params)[0].outputs[0].token_ids
     assert first[2] == alone
@@ -329,25 +329,50 @@ def test_engine_config_takes_the_speculative_config() -> None:
     assert config.speculative is not None and config.speculative.num_speculative_tokens == 3
 
 
-def test_a_sequence_whose_drafts_miss_pauses_longer_each_time() -> None:
+def test_lookups_that_miss_pause_longer_each_time_and_a_kept_draft_ends_the_pause() -> None:
     from pagoda.service.engine.core.speculation import MAX_PAUSE, Speculator
 
     speculator = Speculator(SpeculativeConfig(), max_model_len=1000)
-    req = Request("p", [1, 2, 1, 2, 1], SamplingParams(), 0.0)  # "1 2 1" ... drafts "2 1"
-    req.num_computed_tokens = 4  # decoding
+    req = Request("p", [1, 2, 3, 4, 5], SamplingParams(), 0.0)  # nothing recurs
     pauses = []
-    for _ in range(7):
-        assert speculator.plan([req]) and speculator.draft([req]) == 1
-        speculator.judged(req, req.num_drafts, 0)
-        req.drop_drafts()
+    for token in range(10, 16):
+        req.token_ids.append(token)
+        speculator.after_token(req, num_running=1)
+        req.num_computed_tokens = req.num_tokens - 1  # decoding
+        assert req.draft_proposal == [] and not speculator.plan([req])
         pauses.append(req.draft_pause)
-        for _ in range(req.draft_pause):  # the paused steps: no draft, and the pause runs out
-            assert not speculator.plan([req])
-    assert pauses == [2, 4, 8, 16, 32, 32, 32] and MAX_PAUSE == 32
-    assert speculator.plan([req]) and speculator.draft([req]) == 1
-    speculator.judged(req, req.num_drafts, 1)  # a kept token: no pause
-    assert (req.draft_pause, req.draft_misses) == (0, 0)
-    assert speculator.stats.num_drafts == 8 and speculator.stats.num_accepted_tokens == 1
+        for _ in range(req.draft_pause):  # the paused tokens: no lookup, and the pause runs out
+            speculator.after_token(req, num_running=1)
+    assert pauses == [2, 4, 8, 8, 8, 8] and MAX_PAUSE == 8
+    assert speculator.lookups == 6
+    req.token_ids += [10, 11]  # "10 11" recurs: a draft
+    speculator.after_token(req, num_running=1)
+    req.num_computed_tokens = req.num_tokens - 1  # decoding
+    assert req.draft_proposal == [12, 13, 14] and speculator.plan([req])
+    assert speculator.draft([req]) == 1 and req.draft_token_ids == [12, 13, 14]
+    speculator.judged(req, 3, 1)  # a kept token: the misses start again from 0
+    assert req.draft_misses == 0 and speculator.stats.num_accepted_tokens == 1
+    req.drop_drafts(keep=1)
+    speculator.judged(req, 3, 0)  # a draft rejected whole is a miss
+    assert (req.draft_misses, req.draft_pause) == (1, 2)
+
+
+def test_no_lookup_where_the_load_rule_forbids_drafts() -> None:
+    from pagoda.service.engine.core.speculation import Speculator
+
+    speculator = Speculator(SpeculativeConfig(max_batch_tokens=8), max_model_len=1000)
+    req = Request("p", [1, 2, 1, 2, 1], SamplingParams(), 0.0)
+    speculator.after_token(req, num_running=5)  # 8 // 5 - 1 = 0 drafts each
+    assert speculator.lookups == 0 and req.draft_proposal == []
+    three = [Request(f"p{i}", [1, 2, 1, 2, 1], SamplingParams(), 0.0) for i in range(3)]
+    for r in three:
+        r.num_computed_tokens = 4  # decoding
+        speculator.after_token(r, num_running=3)  # 8 // 3 - 1 = 1
+    assert speculator.lookups == 3 and three[0].draft_proposal == [2, 1]
+    assert speculator.draft(three) == 3 and [r.draft_token_ids for r in three] == [[2]] * 3  # cut to one
+    logprobs = Request("q", [1, 2, 1, 2, 1], SamplingParams(logprobs=1), 0.0)
+    speculator.after_token(logprobs, num_running=1)
+    assert logprobs.draft_proposal == [] and speculator.lookups == 3  # never drafts: never looked up
 
 
 def test_tensor_parallel_drafts_give_the_single_rank_output(llama_ckpt: Path) -> None:

@@ -356,6 +356,8 @@ class EngineCore:
             if len(samples) > 1 and seq.status is not RequestStatus.FINISHED:
                 seq.num_computed_tokens = seq.num_tokens - 1  # the accepted drafts' KV is the real one
                 self.block_manager.cache_computed_blocks(seq)
+            if self.speculator is not None and seq.status is not RequestStatus.FINISHED:
+                self.speculator.after_token(seq, len(self.scheduler.running))
         for client_id in done:
             self._forget_if_done(client_id)
 

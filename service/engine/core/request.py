@@ -49,8 +49,9 @@ class Request:
         # Speculative decoding: the last `num_drafts` of `token_ids` are drafts (core/speculation.py),
         # computed with the real last token in one step and kept only as far as the verifier accepts.
         self.num_drafts = 0
-        self.draft_misses = 0  # drafts in a row of which the verifier kept nothing
-        self.draft_pause = 0  # steps to decode without drafting (after misses)
+        self.draft_proposal: list[int] = []  # what the lookup at its last token found
+        self.draft_misses = 0  # misses in a row: lookups that found nothing, drafts rejected whole
+        self.draft_pause = 0  # lookups to skip (after misses)
 
     @property
     def num_tokens(self) -> int:

@@ -7,9 +7,11 @@ Prompt lookup (Saxena, 2023; vLLM's `ngram` method): the last n tokens of a sequ
 that followed a match (the most recent with k tokens after it) are the draft. It costs no model and
 pays where output copies input: code edits, RAG answers, summaries, structured data.
 
-A sequence whose drafts miss pauses: after m drafts in a row of which nothing was kept it decodes
-2^m steps (at most `MAX_PAUSE`) without drafting, so output that never repeats costs a draft now and
-then, not every step.
+When a lookup runs. Each sequence's suffix is looked up as its step's tokens arrive, and a step drafts
+(running in turn) only when some lookup found a draft, so async scheduling keeps its overlap while
+nothing repeats. A miss (a lookup that finds nothing, or a draft rejected whole) pauses the sequence's
+lookups: after m misses in a row it skips its next min(2^m, `MAX_PAUSE`) lookups, so output that never
+repeats costs a lookup now and then, not every token.
 
 The load rule. A decode step is bound by reading the weights while the batch is small, so k more rows
 per sequence cost little there, and by compute once it is large, where every rejected draft is paid
@@ -28,7 +30,7 @@ import numpy as np
 from pagoda.service.engine.config import SpeculativeConfig
 from pagoda.service.engine.core.request import Request
 
-MAX_PAUSE = 32  # steps
+MAX_PAUSE = 8  # lookups
 
 
 def propose_ngram(token_ids: list[int], k: int, lookup_max: int, lookup_min: int) -> list[int]:
@@ -82,52 +84,73 @@ class SpecStats:
 
 
 class Speculator:
-    """Drafts for the running sequences before a step, and their bookkeeping after it."""
+    """Looks a sequence's suffix up as each of its tokens arrives (`after_token`), drafts before a step
+    for the sequences whose lookup found something (`plan`, `draft`), and keeps the books after it."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.stats = SpecStats()
+        self.lookups = 0  # suffix lookups run (each costs a pass over the sequence's tokens)
+
+    def after_token(self, req: Request, num_running: int) -> None:
+        """A sequence got its tokens of a step (the last one real, not a placeholder): look its suffix
+        up, unless it pauses or the batch is too large to draft (the load rule); a lookup that finds
+        nothing counts as a miss."""
+        req.draft_proposal = []
+        if drafts_per_sequence(self.config, num_running) == 0 or not can_draft(req):
+            return
+        if req.draft_pause:
+            req.draft_pause -= 1
+            return
+        cfg = self.config
+        self.lookups += 1
+        req.draft_proposal = propose_ngram(
+            req.token_ids, cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min
+        )
+        if not req.draft_proposal:
+            self._missed(req)
 
     def plan(self, running: list[Request]) -> bool:
-        """Called once a step, before it is scheduled: a step of every paused sequence passes, and
-        whether this step drafts at all (the load rule, and someone who may; no lookup yet)."""
-        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
-        may = False
-        for req in decoding:
-            if req.draft_pause:
-                req.draft_pause -= 1
-            elif can_draft(req):
-                may = True
-        return may and drafts_per_sequence(self.config, len(decoding)) > 0
+        """Before a step is scheduled: whether it drafts (someone's last lookup found a draft, and the
+        load rule allows it). A step that drafts runs in turn, so this costs async scheduling's overlap
+        only when a draft is likely."""
+        decoding = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
+        return drafts_per_sequence(self.config, decoding) > 0 and any(r.draft_proposal for r in running)
 
     def draft(self, running: list[Request]) -> int:
-        """Append drafts to the token ids of the running sequences that decode and can draft; returns
-        how many sequences drafted."""
+        """Append to the token ids of the decoding sequences the drafts their last lookup found (the
+        step before has been completed: the lookups saw its tokens), cut to the load rule's length, to
+        max_tokens and to the context; returns how many sequences drafted."""
         decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
         k = drafts_per_sequence(self.config, len(decoding))
         drafted = 0
         for req in decoding:
-            if req.draft_pause or not can_draft(req):
-                continue
+            proposal, req.draft_proposal = req.draft_proposal, []
             # Never past max_tokens nor the context: the last kept row samples one more token.
             room = self.max_model_len - req.num_tokens - 1
             if req.params.max_tokens is not None:
                 room = min(room, req.params.max_tokens - req.num_output_tokens - 1)
-            if min(k, room) < 1:
-                continue
-            cfg = self.config
-            tokens = propose_ngram(req.token_ids, min(k, room), cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+            tokens = proposal[: max(min(k, room), 0)]
             if tokens:
                 req.add_drafts(tokens)
                 drafted += 1
         return drafted
 
     def judged(self, req: Request, num_drafted: int, num_accepted: int) -> None:
-        """Count a verified draft; a draft of which nothing was kept makes the sequence pause."""
+        """Count a verified draft; a draft of which nothing was kept is a miss."""
         self.stats.count(num_drafted, num_accepted)
-        req.draft_misses = 0 if num_accepted else req.draft_misses + 1
-        req.draft_pause = min(2**req.draft_misses, MAX_PAUSE) if req.draft_misses else 0
+        if num_accepted:
+            req.draft_misses = 0
+        else:
+            self._missed(req)
+
+    @staticmethod
+    def _missed(req: Request) -> None:
+        """After m misses in a row (lookups that found nothing, drafts rejected whole) a sequence
+        skips its next min(2^m, MAX_PAUSE) lookups."""
+        req.draft_misses += 1
+        req.draft_pause = min(2**req.draft_misses, MAX_PAUSE)
 
 
 def can_draft(req: Request) -> bool:
