@@ -107,6 +107,7 @@ def test_greedy_verification_keeps_drafts_while_they_are_the_argmax() -> None:
     assert verify_drafts(sampler, logits, [_drafting(greedy, [4, 6, 2])]) == [(7, 3)]  # all kept: the bonus
     assert verify_drafts(sampler, logits, [_drafting(greedy, [4, 5, 2])]) == [(6, 1)]  # the 2nd is wrong
     assert verify_drafts(sampler, logits, [_drafting(greedy, [0, 6, 2])]) == [(4, 0)]
+    assert verify_drafts(sampler, logits, [_drafting(greedy, [4, 7, 2])]) == [(6, 1)]  # above the argmax
     # Two requests' rows side by side: 2 + 2 rows.
     both = verify_drafts(sampler, logits, [_drafting(greedy, [4], 0), _drafting(greedy, [1], 1)])
     assert both == [(6, 1), (2, 0)]  # rows 2-3 (argmax 2, 7) judge the second: 1 is not 2
@@ -119,8 +120,10 @@ def test_greedy_verification_sees_min_tokens_at_each_rows_position() -> None:
     logits = torch.zeros(3, 8)
     logits[:, 7] = 9.0  # EOS is every row's favourite
     logits[:, 3] = 1.0
-    params = SamplingParams(temperature=0.0, min_tokens=2)
-    req = _drafting(params, [3, 3])  # no output before the drafts: rows at positions 0, 1, 2
+    params = SamplingParams(temperature=0.0, min_tokens=4)
+    req = Request("r", [1, 2, 3], params, 0.0)
+    req.token_ids += [3, 3]  # two output tokens before the drafts: rows at output positions 2, 3, 4
+    req.add_drafts([3, 3])
     assert verify_drafts(sampler, logits, [req]) == [(7, 2)]  # rows 0 and 1 may not end; row 2 may
 
 
@@ -133,13 +136,16 @@ def _first_tokens(verdicts: list[tuple[int, int]], drafts: list[list[int]]) -> l
     [
         (SamplingParams(temperature=1.0), 1),  # a likely draft
         (SamplingParams(temperature=1.0), 2),  # an unlikely one (p0 = 0.16)
-        (SamplingParams(temperature=0.7, top_k=3), 4),  # a draft top-k removes: never kept
+        (SamplingParams(temperature=1.0), 0),  # token 0 is a token
+        (SamplingParams(temperature=1.0, min_p=0.5), 4),  # min-p leaves p unnormalised: the verifier's job
+        (SamplingParams(temperature=0.7, top_k=3), 5),  # a draft top-k removes: never kept
     ],
-    ids=["likely", "unlikely", "filtered"],
+    ids=["likely", "unlikely", "token-0", "min-p", "filtered"],
 )
 def test_sampled_verification_keeps_the_target_distribution(params: SamplingParams, draft: int) -> None:
     """Leviathan et al.'s guarantee, counted: over 6,000 requests each drafting two tokens, the first
-    emitted token is distributed as p0, and the token after a kept first draft as p1."""
+    emitted token is distributed as p0, the token after a kept first draft as p1, and the bonus token
+    after both kept as p2 (= p1 here)."""
     torch.manual_seed(11)
     vocab, n = 6, 6000
     sampler = Sampler(vocab, eos_token_ids=set())
@@ -164,6 +170,11 @@ def test_sampled_verification_keeps_the_target_distribution(params: SamplingPara
         second = torch.bincount(torch.tensor(after), minlength=vocab) / len(after)
         tolerance = 2 / len(after) ** 0.5  # four standard deviations of the widest binomial
         assert torch.allclose(second, target(p1_logits), atol=tolerance), (second, target(p1_logits))
+        bonus = [token for token, kept in verdicts if kept == 2]
+        assert len(bonus) > 200
+        third = torch.bincount(torch.tensor(bonus), minlength=vocab) / len(bonus)
+        tolerance = 2 / len(bonus) ** 0.5
+        assert torch.allclose(third, target(p1_logits), atol=tolerance), (third, target(p1_logits))
     else:
         assert not after  # a filtered draft is never kept
 

@@ -32,7 +32,7 @@ from pagoda.service.sampling_params import SamplingParams
 @dataclass
 class _Row:
     """A drafting sequence as the sampler sees it at row `j`: the drafts before the row count as its
-    tokens, as if they were accepted."""
+    output, as if they were accepted. No token ids: only penalties read them, and those never draft."""
 
     req: Request
     j: int
@@ -48,14 +48,6 @@ class _Row:
     @property
     def num_output_tokens(self) -> int:
         return self.req.num_output_tokens - self.req.num_drafts + self.j
-
-    @property
-    def token_ids(self) -> list[int]:  # read only by penalties, which never draft: built on demand
-        return self.req.token_ids[: self.req.num_tokens - self.req.num_drafts + self.j]
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.req.num_prompt_tokens :]
 
 
 def verify_drafts(sampler: Sampler, logits: torch.Tensor, reqs: list[Request]) -> list[tuple[int, int]]:
