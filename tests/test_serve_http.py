@@ -472,3 +472,53 @@ def test_hostile_sampling_values_are_refused_or_harmless(server: ServeProcess, c
             client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, extra_body=extra)
         assert next(iter(extra.keys() - {"min_tokens"})) in str(error.value)
     assert server.ready_status() == 200
+
+
+def test_render_endpoints_give_the_token_ids_generation_runs_on(
+    server: ServeProcess, client: openai.OpenAI
+) -> None:
+    """vLLM's `/v1/completions/render` and `/v1/chat/completions/render` (what routers key prefix
+    affinity on): a string prompt as `/tokenize` encodes it, token ids as sent, one entry per prompt,
+    and a chat's ids exactly as many as the completion's prompt tokens."""
+    url = server.base_url
+    tokenized = httpx.post(f"{url}/tokenize", json={"model": MODEL, "prompt": "Once upon a time"}).json()
+    one = httpx.post(f"{url}/v1/completions/render", json={"model": MODEL, "prompt": "Once upon a time"})
+    assert one.status_code == 200 and one.json() == [{"token_ids": tokenized["tokens"]}]
+
+    def render(prompt: object) -> object:
+        return httpx.post(f"{url}/v1/completions/render", json={"model": MODEL, "prompt": prompt}).json()
+
+    assert render(["Once upon a time", "x"])[0] == {"token_ids": tokenized["tokens"]}  # type: ignore[index]
+    assert render([[7, 8, 9], [4]]) == [{"token_ids": [7, 8, 9]}, {"token_ids": [4]}]
+    assert render([7, 8, 9]) == [{"token_ids": [7, 8, 9]}]
+    chat = httpx.post(f"{url}/v1/chat/completions/render", json={"model": MODEL, "messages": MESSAGES})
+    assert chat.status_code == 200
+    answer = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)  # type: ignore[arg-type]
+    assert answer.usage is not None and len(chat.json()["token_ids"]) == answer.usage.prompt_tokens
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "says"),
+    [
+        ("/v1/completions/render", {"model": MODEL, "prompt": ""}, 400, "prompt must not be empty"),
+        ("/v1/completions/render", {"model": MODEL, "prompt": [[], [1]]}, 400, "prompt must not be empty"),
+        ("/v1/completions/render", {"model": "no-such-model", "prompt": "x"}, 404, "no-such-model"),
+        ("/v1/completions/render", {"model": MODEL, "prompt": [1, "x"]}, 400, "prompt"),
+        ("/v1/completions/render", {"model": MODEL, "prompt": {"a": 1}}, 400, "prompt"),
+        ("/v1/chat/completions/render", {"model": MODEL, "messages": "hi"}, 400, "messages"),
+        ("/v1/chat/completions/render", {"model": MODEL, "messages": [{"role": "wizard"}]}, 400, "role"),
+        (
+            "/v1/chat/completions/render",
+            {"model": "no-such-model", "messages": MESSAGES},
+            404,
+            "no-such-model",
+        ),
+    ],
+)
+def test_render_refuses_bad_input_with_its_reason(
+    server: ServeProcess, path: str, body: dict[str, object], status: int, says: str
+) -> None:
+    response = httpx.post(f"{server.base_url}{path}", json=body)
+    assert response.status_code == status, response.text
+    assert says in response.json()["error"]["message"], response.text
+    assert httpx.get(f"{server.base_url}/health").status_code == 200  # and the server is none the worse
