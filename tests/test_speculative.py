@@ -62,8 +62,9 @@ def test_the_load_rule_drafts_less_as_the_batch_grows_and_none_past_half_the_cap
     ("text", "says"),
     [
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be a positive"),
-        ('{"method": "eagle"}', "method must be ngram"),
-        ('{"model": "/models/draft", "num_speculative_tokens": 4}', "a draft model is not supported yet"),
+        ('{"method": "eagle"}', "method must be ngram or draft_model"),
+        ('{"method": "draft_model", "num_speculative_tokens": 4}', 'a draft model is {"model": PATH'),
+        ('{"method": "ngram", "model": "/models/draft"}', 'a draft model is {"model": PATH'),
         ('{"method": "ngram", "lookahead": 3}', "unknown field(s) ['lookahead']"),
         ('{"prompt_lookup_max": 1, "prompt_lookup_min": 2}', "prompt_lookup_max must be an integer >="),
         ('{"num_speculative_tokens": true}', "num_speculative_tokens must be a positive"),
@@ -338,6 +339,8 @@ def test_spec_decode_metrics_under_vllms_names() -> None:
 def test_engine_config_takes_the_speculative_config() -> None:
     config = EngineConfig(speculative=SpeculativeConfig.from_json(json.dumps(NGRAM)))
     assert config.speculative is not None and config.speculative.num_speculative_tokens == 3
+    draft = SpeculativeConfig.from_json('{"model": "/models/draft", "num_speculative_tokens": 4}')
+    assert (draft.method, draft.model, draft.num_speculative_tokens) == ("draft_model", "/models/draft", 4)
 
 
 def test_lookups_that_miss_pause_longer_each_time_and_a_kept_draft_ends_the_pause() -> None:
@@ -468,3 +471,58 @@ def test_pagoda_serve_drafts_through_the_openai_client(llama_ckpt: Path, tmp_pat
         r'^vllm:spec_decode_num_accepted_tokens_total\{model_name="tiny"\} (\S+)$', metrics, re.M
     )
     assert kept is not None and float(kept.group(1)) > 10, metrics
+
+
+@pytest.mark.parametrize(
+    ("draft_name", "async_scheduling", "tp"),
+    [("llama_ckpt", False, 1), ("qwen2_ckpt", True, 1), ("llama_ckpt", False, 2)],
+    ids=["the-target-itself", "another-model-async", "tp2"],
+)
+def test_a_draft_model_gives_the_target_output(
+    llama_ckpt: Path, draft_name: str, async_scheduling: bool, tp: int, request: pytest.FixtureRequest
+) -> None:
+    """`{"model": DRAFT}`: the target as its own draft keeps every draft (its KV cache, fed by the
+    shadow runs, is the target's); another model keeps few. Greedy output is the target's either way,
+    over chunked prefill, an n = 2 request (forks), a logprobs request that never drafts, and seeded
+    sampling that reproduces."""
+    draft: Path = request.getfixturevalue(draft_name)
+    config = {"model": str(draft), "num_speculative_tokens": 3}
+    common: dict[str, Any] = {
+        "dtype": "float32", "kv_cache_memory_bytes": 8 << 20, "max_num_batched_tokens": 32,
+        "async_scheduling": async_scheduling,
+    }  # fmt: skip
+    prompts = [[5, 6, 7, 8] * 5, *_repetitive_prompts(4)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, n=2),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=1),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+    ]
+    expected = [
+        [c.token_ids for c in o.outputs] for o in LLM(str(llama_ckpt), **common).generate(prompts, params)
+    ]
+    with LLM(str(llama_ckpt), speculative_config=config, tensor_parallel_size=tp, **common) as spec:
+        got = [[c.token_ids for c in o.outputs] for o in spec.generate(prompts, params)]
+        stats = _spec_stats(spec)
+        seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)
+        twice = [spec.generate(prompts[0], seeded)[0].outputs[0].token_ids for _ in range(2)]
+        bm = spec.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+    assert got == expected
+    assert twice[0] == twice[1] and len(twice[0]) == 20
+    if draft_name == "llama_ckpt":
+        assert stats.spec_num_accepted_tokens_total == stats.spec_num_draft_tokens_total > 30, stats
+    else:
+        assert stats.spec_num_draft_tokens_total > 0, stats
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(llama_ckpt: Path, tmp_path: Path) -> None:
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(llama_ckpt, other)
+    config = json.loads((other / "config.json").read_text())
+    config["vocab_size"] = 1000
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"vocabulary \(1000 tokens\) is not the target's \(49152\)"):
+        LLM(str(llama_ckpt), dtype="float32", speculative_config={"model": str(other)})

@@ -52,8 +52,9 @@ class KVEventsConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's `--speculative-config` for prompt lookup (`{"method": "ngram", "num_speculative_tokens": k,
-    "prompt_lookup_max": n, "prompt_lookup_min": m}`), plus Pagoda's load rule: a step drafts at most
+    """vLLM's `--speculative-config`: prompt lookup (`{"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_max": n, "prompt_lookup_min": m}`) or a draft model (`{"model": DRAFT,
+    "num_speculative_tokens": k}`, same tokenizer), plus Pagoda's load rule: a step drafts at most
     `max_batch_tokens` rows in all, so each of B running sequences drafts `min(k, max_batch_tokens // B
     - 1)` tokens, none once B passes `max_batch_tokens // 2` (core/speculation.py says why)."""
 
@@ -62,7 +63,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     max_batch_tokens: int = 128
-    model: str | None = None  # a draft model: not served yet, refused with its reason
+    model: str | None = None  # a draft model (same tokenizer): runner/draft_model.py
 
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
@@ -78,13 +79,14 @@ class SpeculativeConfig:
         return cls(**raw)
 
     def __post_init__(self) -> None:
-        if self.method == "draft_model" or self.model is not None:
+        if self.method not in ("ngram", "draft_model"):
             raise ValueError(
-                "--speculative-config: a draft model is not supported yet; use "
-                '{"method": "ngram", "num_speculative_tokens": k} (prompt lookup)'
+                f"--speculative-config: method must be ngram or draft_model, got {self.method!r}"
             )
-        if self.method != "ngram":
-            raise ValueError(f"--speculative-config: method must be ngram, got {self.method!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(
+                '--speculative-config: a draft model is {"model": PATH, "num_speculative_tokens": k}'
+            )
         for name in ("num_speculative_tokens", "prompt_lookup_min", "max_batch_tokens"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:

@@ -91,6 +91,10 @@ class ModelExecutor(Protocol):
     def can_overlap(self) -> bool:
         """Whether `forward` and `sample` return before the step has run (so async scheduling pays)."""
 
+    def propose_drafts(self, reqs: list[Request], k: list[int]) -> list[list[int]]:
+        """A draft model's `k[i]` greedy tokens after each request's last token (speculative decoding
+        with `{"model": ...}`); an executor without one raises."""
+
     def check_alive(self) -> None:
         """Raise when a rank has died (the core then fails rather than hang in a collective)."""
 
@@ -197,7 +201,13 @@ class EngineCore:
         self._in_flight: _InFlight | None = None
         self._taking_turns: set[str] = set()  # requests that make steps run in turn (`_needs_turns`)
         spec = config.speculative
-        self.speculator = Speculator(spec, self.max_model_len) if spec is not None else None
+        self.speculator = (
+            Speculator(
+                spec, self.max_model_len, executor.propose_drafts if spec.method == "draft_model" else None
+            )
+            if spec is not None
+            else None
+        )
 
     @property
     def has_unfinished(self) -> bool:
@@ -268,6 +278,8 @@ class EngineCore:
             for req in self.scheduler.running:
                 if req.num_drafts and id(req) not in scheduled:
                     req.drop_drafts()
+            assert self.speculator is not None
+            self.speculator.fill(out.requests)
         if out.is_empty:
             if before is not None:
                 self._complete(before, outputs)

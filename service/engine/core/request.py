@@ -49,7 +49,8 @@ class Request:
         # Speculative decoding: the last `num_drafts` of `token_ids` are drafts (core/speculation.py),
         # computed with the real last token in one step and kept only as far as the verifier accepts.
         self.num_drafts = 0
-        self.draft_proposal: list[int] = []  # what the lookup at its last token found
+        self.draft_proposal: list[int] = []  # what the lookup at its last token found (prompt lookup)
+        self.wants_draft = False  # whether it drafts at the next step (its lookup found one; a draft model)
         self.draft_misses = 0  # misses in a row: lookups that found nothing, drafts rejected whole
         self.draft_pause = 0  # lookups to skip (after misses)
 

@@ -23,6 +23,7 @@ the drafts are read from the tokens the step before sampled.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,6 +32,9 @@ from pagoda.service.engine.config import SpeculativeConfig
 from pagoda.service.engine.core.request import Request
 
 MAX_PAUSE = 8  # lookups
+
+# A draft model's proposer: `k[i]` greedy tokens after each sequence's last token.
+ProposeDrafts = Callable[[list[Request], list[int]], list[list[int]]]
 
 
 def propose_ngram(token_ids: list[int], k: int, lookup_max: int, lookup_min: int) -> list[int]:
@@ -87,9 +91,15 @@ class Speculator:
     """Looks a sequence's suffix up as each of its tokens arrives (`after_token`), drafts before a step
     for the sequences whose lookup found something (`plan`, `draft`), and keeps the books after it."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, max_model_len: int, propose: ProposeDrafts | None = None
+    ) -> None:
+        """`propose`: a draft model's drafts (the executor's), for `config.method == "draft_model"`."""
+        if (config.method == "draft_model") != (propose is not None):
+            raise ValueError("a draft model's speculator takes its proposer, and only it")
         self.config = config
         self.max_model_len = max_model_len
+        self.propose = propose
         self.stats = SpecStats()
         self.lookups = 0  # suffix lookups run (each costs a pass over the sequence's tokens)
 
@@ -97,17 +107,21 @@ class Speculator:
         """A sequence got its tokens of a step (the last one real, not a placeholder): look its suffix
         up, unless it pauses or the batch is too large to draft (the load rule); a lookup that finds
         nothing counts as a miss."""
-        req.draft_proposal = []
+        req.draft_proposal, req.wants_draft = [], False
         if drafts_per_sequence(self.config, num_running) == 0 or not can_draft(req):
             return
         if req.draft_pause:
             req.draft_pause -= 1
+            return
+        if self.propose is not None:  # the draft model drafts after scheduling
+            req.wants_draft = True
             return
         cfg = self.config
         self.lookups += 1
         req.draft_proposal = propose_ngram(
             req.token_ids, cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min
         )
+        req.wants_draft = bool(req.draft_proposal)
         if not req.draft_proposal:
             self._missed(req)
 
@@ -116,7 +130,7 @@ class Speculator:
         load rule allows it). A step that drafts runs in turn, so this costs async scheduling's overlap
         only when a draft is likely."""
         decoding = sum(1 for r in running if r.num_tokens - r.num_computed_tokens == 1)
-        return drafts_per_sequence(self.config, decoding) > 0 and any(r.draft_proposal for r in running)
+        return drafts_per_sequence(self.config, decoding) > 0 and any(r.wants_draft for r in running)
 
     def draft(self, running: list[Request]) -> int:
         """Append to the token ids of the decoding sequences the drafts their last lookup found (the
@@ -127,15 +141,29 @@ class Speculator:
         drafted = 0
         for req in decoding:
             proposal, req.draft_proposal = req.draft_proposal, []
+            wants, req.wants_draft = req.wants_draft, False
             # Never past max_tokens nor the context: the last kept row samples one more token.
             room = self.max_model_len - req.num_tokens - 1
             if req.params.max_tokens is not None:
                 room = min(room, req.params.max_tokens - req.num_output_tokens - 1)
-            tokens = proposal[: max(min(k, room), 0)]
+            length = max(min(k, room), 0)
+            # A draft model's tokens come after scheduling (`fill`): until then its slots hold zeros.
+            tokens = [0] * length if self.propose is not None and wants else proposal[:length]
             if tokens:
                 req.add_drafts(tokens)
                 drafted += 1
         return drafted
+
+    def fill(self, scheduled: list[Request]) -> None:
+        """A draft model: the scheduled sequences' drafts, written over the zeros `draft` put there
+        (the scheduler has allocated their slots, which the draft model's own KV cache writes)."""
+        drafting = [r for r in scheduled if r.num_drafts]
+        if self.propose is None or not drafting:
+            return
+        for req, tokens in zip(
+            drafting, self.propose(drafting, [r.num_drafts for r in drafting]), strict=True
+        ):
+            req.token_ids[req.num_tokens - req.num_drafts :] = tokens
 
     def judged(self, req: Request, num_drafted: int, num_accepted: int) -> None:
         """Count a verified draft; a draft of which nothing was kept is a miss."""

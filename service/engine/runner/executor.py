@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.core.engine_core import PendingResult
+from pagoda.service.engine.core.request import Request
 from pagoda.service.engine.core.scheduler import GrammarBitmask, SchedulerOutput
 from pagoda.service.engine.runner.cuda_graphs import StepGraphs
 from pagoda.service.engine.runner.model_runner import (
@@ -280,6 +281,10 @@ class Executor:
             dead = self._dead_worker(0.0)
             if dead:
                 raise dead
+
+    def propose_drafts(self, reqs: list[Request], k: list[int]) -> list[list[int]]:
+        """The draft model's drafts (rank 0 holds it; it has no collectives)."""
+        return self.runner.propose_drafts(reqs, k)
 
     def check_alive(self) -> None:
         """Raise RuntimeError if a worker died (or a step failed, or the executor was shut down)."""

@@ -20,10 +20,11 @@ import torch
 
 from pagoda.kernels.kv_cache import cache_view
 from pagoda.service.engine.config import EngineConfig
-from pagoda.service.engine.core.request import PLACEHOLDER
+from pagoda.service.engine.core.request import PLACEHOLDER, Request
 from pagoda.service.engine.core.scheduler import GrammarBitmask, SchedulerOutput
 from pagoda.service.engine.runner.block_tables import BlockTables
 from pagoda.service.engine.runner.cuda_graphs import StepGraphs
+from pagoda.service.engine.runner.draft_model import DraftModel
 from pagoda.service.engine.runner.sampler import SampledBatch, Sampler, SampleResult, to_device
 from pagoda.service.engine.runner.spec_verify import verify_drafts
 from pagoda.service.model.attention import AttentionMetadata
@@ -179,6 +180,11 @@ class ModelRunner:
         mc = self.model_config
         self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads  # this rank's
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
+        self.draft: DraftModel | None = None  # speculative decoding's draft model, on rank 0
+        spec = config.speculative
+        if spec is not None and spec.model is not None and tp.rank == 0:
+            self.draft = DraftModel(spec.model, self.dtype, self.device, config.block_size)
+            self.draft.check_vocabulary(mc)
         self.kv = self._kv_cache_layout(agree_num_blocks)
         # [K/V, layer, block, slot x head x dim]; each layer's K and V seen by `cache_view`.
         block_elems = config.block_size * self.num_kv_heads * mc.head_dim
@@ -190,6 +196,8 @@ class ModelRunner:
         for i, layer in enumerate(self.model.attention_layers()):
             layer.k_cache = cache_view(self.kv_cache[0, i], *shape, token_major=False)
             layer.v_cache = cache_view(self.kv_cache[1, i], *shape, token_major=v_token_major)
+        if self.draft is not None:
+            self.draft.allocate(self.kv.num_blocks, self.kv_dtype, v_token_major)
         self.max_model_len = self._max_model_len()
         max_blocks = -(-self.max_model_len // config.block_size) + 1  # +1: a fork's copy-on-write slack
         self.block_tables = BlockTables(config.max_num_seqs + 64, max_blocks)
@@ -251,7 +259,9 @@ class ModelRunner:
             budget = kv_cache_budget(total, free, cfg.gpu_memory_utilization, activations)
         else:
             budget = _CPU_DEFAULT_KV_BYTES
-        num_blocks = budget // bytes_per_block
+        # A draft model's cache has as many blocks as the target's: each block costs both.
+        draft_bytes = self.draft.bytes_per_block(self.kv_dtype) if self.draft is not None else 0
+        num_blocks = budget // (bytes_per_block + draft_bytes)
         if num_blocks < 1:
             raise ValueError(
                 f"no room for the KV cache: the budget is {budget / 2**20:.1f} MiB and one block of "
@@ -400,10 +410,24 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, step: StepInput, prev_tokens: torch.Tensor | None = None) -> StepLogits:
         """The step's logits; under tensor parallelism every rank calls this with the same `step`.
-        `prev_tokens` (rank 0): the previous step's sampled tokens, which fill this one's placeholders."""
+        `prev_tokens` (rank 0): the previous step's sampled tokens, which fill this one's placeholders.
+        A draft model runs the same batch after the target, for its KV cache."""
         for src, dst in step.copy_ops:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
         fill_inputs = self._placeholder_fill(step, prev_tokens)
+        logits = self._forward_target(step, fill_inputs)
+        if self.draft is not None:
+            self.draft.copy_blocks(step.copy_ops)
+            self.draft.shadow(step.batch, fill_inputs)
+        return logits
+
+    def propose_drafts(self, reqs: list[Request], k: list[int]) -> list[list[int]]:
+        """The draft model's `k[i]` greedy tokens after each request's last token."""
+        if self.draft is None:
+            raise ValueError("no draft model: speculative decoding's config names none")
+        return self.draft.propose(reqs, self.block_tables.gather(reqs), k)
+
+    def _forward_target(self, step: StepInput, fill_inputs: InputFill | None) -> StepLogits:
         batch = step.batch
         num_reqs = len(batch["seq_lens"])
         is_decode = batch["max_query_len"] == 1 and len(step.sample_rows) == num_reqs

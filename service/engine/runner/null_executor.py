@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from pagoda.service.engine.config import EngineConfig
+from pagoda.service.engine.core.request import Request
 from pagoda.service.engine.core.scheduler import SchedulerOutput
 from pagoda.service.engine.messages import SampleResult
 from pagoda.service.engine.runner.model_runner import KVCacheLayout, StepResult
@@ -73,6 +74,9 @@ class NullExecutor:
 
     def sample(self, forwarded: SchedulerOutput, grammar: object = None) -> _Done:
         return _Done(self.execute(forwarded))
+
+    def propose_drafts(self, reqs: list[Request], k: list[int]) -> list[list[int]]:
+        raise ValueError("the null executor has no draft model")
 
     def check_alive(self) -> None:
         pass

@@ -1,0 +1,123 @@
+"""A draft model for speculative decoding (`--speculative-config '{"model": DRAFT, ...}'`), on rank 0.
+
+The draft keeps its own paged KV cache with the target's block ids: the same block tables and slot
+mapping address both caches, so the block manager needs to know nothing of it. Every step it runs the
+target's batch too (`shadow`: prompt chunks, decodes, verified drafts), so its cache holds every token
+the target has computed; a step that drafts first runs it k times on one row per drafting sequence
+(`propose`), each time on the token it chose before, greedily. An argmax draft is a one-hot q, so the
+verifier (spec_verify.py) keeps the target's distribution with the same rule as for prompt lookup.
+
+Unsharded and eager: under tensor parallelism only rank 0 holds it (it has no collectives), and its
+steps replay no CUDA graph. It must share the target's vocabulary (checked at load).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from pagoda.kernels.kv_cache import cache_view
+from pagoda.service.engine.core.request import Request
+from pagoda.service.engine.runner.sampler import to_device
+from pagoda.service.model.attention import AttentionMetadata
+from pagoda.service.model.config import ModelConfig
+from pagoda.service.model.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+
+class DraftModel:
+    def __init__(self, path: str, dtype: torch.dtype, device: torch.device, block_size: int) -> None:
+        self.model, self.config = load_model(path, dtype, device)
+        self.device = device
+        self.block_size = block_size
+        self.kv_cache: torch.Tensor | None = None
+
+    def bytes_per_block(self, kv_dtype: torch.dtype) -> int:
+        mc = self.config
+        num_kv_heads = self.model.attention_layers()[0].num_kv_heads
+        return 2 * mc.num_hidden_layers * self.block_size * num_kv_heads * mc.head_dim * kv_dtype.itemsize
+
+    def check_vocabulary(self, target: ModelConfig) -> None:
+        if self.config.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"--speculative-config: the draft model's vocabulary ({self.config.vocab_size} tokens) is "
+                f"not the target's ({target.vocab_size}); a draft must use the target's tokenizer"
+            )
+
+    def allocate(self, num_blocks: int, kv_dtype: torch.dtype, v_token_major: bool) -> None:
+        """Its KV cache: as many blocks as the target's, the same layout."""
+        mc = self.config
+        num_kv_heads = self.model.attention_layers()[0].num_kv_heads
+        block_elems = self.block_size * num_kv_heads * mc.head_dim
+        self.kv_cache = torch.empty(
+            2, mc.num_hidden_layers, num_blocks, block_elems, dtype=kv_dtype, device=self.device
+        )
+        shape = (self.block_size, num_kv_heads, mc.head_dim)
+        for i, layer in enumerate(self.model.attention_layers()):
+            layer.k_cache = cache_view(self.kv_cache[0, i], *shape, token_major=False)
+            layer.v_cache = cache_view(self.kv_cache[1, i], *shape, token_major=v_token_major)
+        logger.info("draft model: %d layers, KV cache of %d blocks beside the target's", mc.num_hidden_layers,
+                    num_blocks)  # fmt: skip
+
+    def copy_blocks(self, copy_ops: list[tuple[int, int]]) -> None:
+        assert self.kv_cache is not None
+        for src, dst in copy_ops:
+            self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
+
+    @torch.inference_mode()
+    def shadow(
+        self, batch: dict[str, np.ndarray], fill_inputs: Callable[[torch.Tensor], None] | None
+    ) -> None:
+        """Run the target's flattened batch, for the KV it writes (no logits)."""
+        input_ids = to_device(batch["input_ids"], torch.int64, self.device)
+        if fill_inputs is not None:
+            fill_inputs(input_ids)
+        self.model(input_ids, to_device(batch["positions"], torch.int64, self.device), self._meta(batch))
+
+    @torch.inference_mode()
+    def propose(self, reqs: list[Request], block_tables: np.ndarray, k: list[int]) -> list[list[int]]:
+        """`k[i]` greedy tokens after each request's last real token. The tokens past it are its
+        drafts' slots, which the scheduler has allocated; their KV, but the last's, is written here.
+        `block_tables`: the requests'. (Right after a fork the step's copy-on-write has not run yet,
+        so such a draft reads a stale block: a worse draft, never a wrong output.)"""
+        lengths = np.asarray([r.num_tokens - r.num_drafts for r in reqs], dtype=np.int64)  # before the drafts
+        last = [r.token_ids[n - 1] for r, n in zip(reqs, lengths.tolist(), strict=True)]
+        tokens = to_device(last, torch.int64, self.device)
+        drafts: list[list[int]] = [[] for _ in reqs]
+        bs = self.block_size
+        for j in range(max(k)):
+            rows = [i for i, n in enumerate(k) if n > j]
+            positions = lengths[rows] - 1 + j
+            batch = {
+                "positions": positions,
+                "slot_mapping": block_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs,
+                "block_tables": block_tables[rows],
+                "seq_lens": positions + 1,
+                "query_start_loc": np.arange(len(rows) + 1, dtype=np.int64),
+                "max_query_len": np.ones(1, dtype=np.int64),
+            }
+            hidden = self.model(tokens, to_device(positions, torch.int64, self.device), self._meta(batch))
+            chosen = self.model.compute_logits(hidden).argmax(dim=1)
+            for row, token in zip(rows, chosen.tolist(), strict=True):
+                drafts[row].append(token)
+            if j + 1 < max(k):
+                keep = [n for n, i in enumerate(rows) if k[i] > j + 1]
+                tokens = chosen[to_device(keep, torch.int64, self.device)]
+        return drafts
+
+    def _meta(self, batch: dict[str, np.ndarray]) -> AttentionMetadata:
+        def dev(name: str, dtype: torch.dtype) -> torch.Tensor:
+            return to_device(batch[name], dtype, self.device)
+
+        return AttentionMetadata(
+            slot_mapping=dev("slot_mapping", torch.int64),
+            block_tables=dev("block_tables", torch.int32),
+            seq_lens=dev("seq_lens", torch.int32),
+            query_start_loc=dev("query_start_loc", torch.int32),
+            max_query_len=int(np.max(batch["max_query_len"])),
+            max_seq_len=int(batch["seq_lens"].max()),
+        )
