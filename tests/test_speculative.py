@@ -22,7 +22,12 @@ from pagoda.service.engine.runner.spec_verify import verify_drafts
 from pagoda.service.llm import LLM
 from pagoda.service.sampling_params import SamplingParams
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+# The tests that count kept drafts draft whatever the step rates say (`adaptive` decides by wall time:
+# StepRates has tests of its own, and one engine test runs with it on).
+NGRAM = {
+    "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
+    "adaptive": False,
+}  # fmt: skip
 
 
 # ---- the drafts ---------------------------------------------------------------------------------
@@ -486,7 +491,7 @@ def test_a_draft_model_gives_the_target_output(
     over chunked prefill, an n = 2 request (forks), a logprobs request that never drafts, and seeded
     sampling that reproduces."""
     draft: Path = request.getfixturevalue(draft_name)
-    config = {"model": str(draft), "num_speculative_tokens": 3}
+    config = {"model": str(draft), "num_speculative_tokens": 3, "adaptive": False}
     common: dict[str, Any] = {
         "dtype": "float32", "kv_cache_memory_bytes": 8 << 20, "max_num_batched_tokens": 32,
         "async_scheduling": async_scheduling,
@@ -526,3 +531,37 @@ def test_a_draft_model_of_another_vocabulary_is_refused(llama_ckpt: Path, tmp_pa
     (other / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"vocabulary \(1000 tokens\) is not the target's \(49152\)"):
         LLM(str(llama_ckpt), dtype="float32", speculative_config={"model": str(other)})
+
+
+def test_step_rates_decide_by_batch_bucket_and_keep_exploring() -> None:
+    from pagoda.service.engine.core.speculation import EXPLORE_EVERY, StepRates
+
+    rates = StepRates()
+    assert rates.worth_drafting(8)  # nothing measured: draft, and measure
+    rates.record(8, drafted=False, tokens=8, seconds=0.010)  # 800 tok/s
+    assert rates.worth_drafting(8)  # drafting at 8 still unmeasured
+    rates.record(8, drafted=True, tokens=20, seconds=0.020)  # 1,000 tok/s: drafting pays
+    assert rates.worth_drafting(8) and rates.worth_drafting(15)  # 8-15 is one bucket
+    assert rates.worth_drafting(64)  # another bucket, nothing measured there
+    rates.record(64, drafted=False, tokens=64, seconds=0.010)  # 6,400 tok/s
+    rates.record(64, drafted=True, tokens=128, seconds=0.025)  # 5,120 tok/s: it does not
+    decisions = [rates.worth_drafting(64) for _ in range(3 * EXPLORE_EVERY)]
+    assert decisions.count(True) == 3 and decisions[EXPLORE_EVERY - 1]  # one step in 32 explores
+    # Drafting gets cheaper (a copy-heavy stretch): the average follows and drafting resumes.
+    for _ in range(10):
+        rates.record(64, drafted=True, tokens=256, seconds=0.025)  # 10,240 tok/s
+    assert rates.worth_drafting(64)
+    assert rates.rate(64, True) == pytest.approx(10_240, rel=0.2) and rates.rate(64, False) == 6_400
+    assert rates.worth_drafting(9)  # bucket 8-15 unaffected
+
+
+def test_adaptive_speculation_keeps_greedy_output(llama_ckpt: Path) -> None:
+    """With the measured rule on (the default) outputs stay the target's whatever it decides."""
+    config = {"method": "ngram", "num_speculative_tokens": 3}
+    common: dict[str, Any] = {"dtype": "float32", "kv_cache_memory_bytes": 8 << 20}
+    prompts = [[5, 6, 7, 8] * 5, *_repetitive_prompts(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(str(llama_ckpt), **common).generate(prompts, params)]
+    spec = LLM(str(llama_ckpt), speculative_config=config, **common)
+    assert spec.engine.core.speculator is not None and spec.engine.core.speculator.config.adaptive
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == expected

@@ -63,6 +63,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     max_batch_tokens: int = 128
+    # Draft at a batch size only while drafting steps emit tokens at least as fast as plain decode
+    # steps there, as measured (core/speculation.py's StepRates); false: the row cap alone.
+    adaptive: bool = True
     model: str | None = None  # a draft model (same tokenizer): runner/draft_model.py
 
     @classmethod

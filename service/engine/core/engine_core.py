@@ -280,6 +280,13 @@ class EngineCore:
                     req.drop_drafts()
             assert self.speculator is not None
             self.speculator.fill(out.requests)
+        # A pure decode step (every row a sequence's next token, or its drafts) is timed for the
+        # speculator's rates: its output tokens, counted once it completes.
+        pure_decode = self.speculator is not None and all(
+            n == 1 + r.num_drafts for r, n in zip(out.requests, out.num_scheduled_tokens, strict=True)
+        )
+        drafted = speculates and any(r.num_drafts for r in out.requests)
+        accepted_before = self.speculator.stats.num_accepted_tokens if self.speculator else 0
         if out.is_empty:
             if before is not None:
                 self._complete(before, outputs)
@@ -314,7 +321,12 @@ class EngineCore:
             self._in_flight = step
         else:  # in turn; or every request ended meanwhile, so nothing waits on it: drain it now
             self._complete(step, outputs)
-        self._time_step(out, time.monotonic() - started)
+        seconds = time.monotonic() - started
+        self._time_step(out, seconds)
+        if pure_decode and out.requests:
+            assert self.speculator is not None
+            kept = self.speculator.stats.num_accepted_tokens - accepted_before  # in turn: counted already
+            self.speculator.rates.record(len(out.requests), drafted, len(out.requests) + kept, seconds)
         return outputs
 
     def _time_step(self, out: SchedulerOutput, seconds: float) -> None:
