@@ -565,3 +565,22 @@ def test_adaptive_speculation_keeps_greedy_output(llama_ckpt: Path) -> None:
     spec = LLM(str(llama_ckpt), speculative_config=config, **common)
     assert spec.engine.core.speculator is not None and spec.engine.core.speculator.config.adaptive
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == expected
+
+
+@pytest.mark.parametrize("ckpt_name", ["qwen2_ckpt", "smollm2"])
+def test_greedy_lookup_is_exact_on_other_checkpoints(ckpt_name: str, request: pytest.FixtureRequest) -> None:
+    """fp32, prompt lookup against none: a random Qwen2 (bias on q/k/v) and the embedded SmolLM2, a
+    real model, on a passage to repeat (where it copies, and drafts are kept)."""
+    model = None if ckpt_name == "smollm2" else str(request.getfixturevalue(ckpt_name))
+    common: dict[str, Any] = {"dtype": "float32", "kv_cache_memory_bytes": 16 << 20, "max_model_len": 512}
+    plain = LLM(model, **common)
+    passage = "The keeper trimmed the wick, polished the lens, and wrote the weather in his logbook."
+    prompts = [f"Here is a passage.\n\n{passage}\n\nRepeat the passage word for word.\n\n", "1, 2, 3, 4,"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    spec = LLM(model, speculative_config=NGRAM, **common)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == expected
+    if model is None:  # the real model copies the passage: most drafts are kept
+        stats = _spec_stats(spec)
+        assert stats.spec_num_accepted_tokens_total >= 10, stats
+        assert stats.spec_num_accepted_tokens_total / stats.spec_num_draft_tokens_total > 0.5, stats
