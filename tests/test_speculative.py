@@ -584,3 +584,27 @@ def test_greedy_lookup_is_exact_on_other_checkpoints(ckpt_name: str, request: py
         stats = _spec_stats(spec)
         assert stats.spec_num_accepted_tokens_total >= 10, stats
         assert stats.spec_num_accepted_tokens_total / stats.spec_num_draft_tokens_total > 0.5, stats
+
+
+def test_pagoda_bench_spec_table(llama_ckpt: Path, tmp_path: Path) -> None:
+    """`pagoda bench spec` on the CPU: a row per workload and batch, the outputs with and without
+    drafts the same; as an echo, after random prompts every draft is kept."""
+    from pagoda.bench import offline as bench
+
+    out = tmp_path / "spec.md"
+    args = ["spec", "--model", str(llama_ckpt), "--device", "cpu", "--dtype", "float32", "--echo",
+            "--copy-batches", "1", "--random-batches", "2", "--input-len", "8", "--output-len", "12",
+            "--output", str(out)]  # fmt: skip
+    assert bench.main(args) == 0
+    rows = [
+        line.split("|")[1:-1]
+        for line in out.read_text().splitlines()
+        if re.match(r"\| (copy|code|random) ", line)
+    ]
+    assert [(r[0].strip(), r[1].strip()) for r in rows] == [("copy", "1"), ("code", "1"), ("random", "2")]
+    for row in rows:
+        kept, drafted = (int(x) for x in row[5].split("/"))
+        assert 0 <= kept <= drafted and drafted > 0, row
+        assert row[7].strip().startswith(f"{row[1].strip()}/{row[1].strip()}"), row  # outputs the same
+    kept, drafted = (int(x) for x in rows[2][5].split("/"))
+    assert kept == drafted  # random prompts: the echo repeats its last token, and every draft is that

@@ -5,6 +5,8 @@ off between runs), greedy, so that the outputs must be equal token for token:
 
 - copy: a passage and the instruction to repeat it, the case prompt lookup is for (on the embedded
   SmolLM2 a real model copies; on random weights the output does not, and this measures misses);
+- code: a function and the instruction to rename one of its variables (an edit: most of the output
+  is the input);
 - random: prompts of random tokens, whose output never repeats them: what drafting costs when it
   fails, at each batch size (the load rule and the pauses should keep it near zero).
 
@@ -35,6 +37,19 @@ PASSAGE = (
 )
 
 
+CODE = """def moving_average(values, window):
+    total = 0.0
+    averages = []
+    for index, value in enumerate(values):
+        total += value
+        if index >= window:
+            total -= values[index - window]
+        if index >= window - 1:
+            averages.append(total / window)
+    return averages
+"""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default=None, help="checkpoint folder or .gguf (default: embedded SmolLM2)"
@@ -44,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--max-batch-tokens", type=int, default=128, help="the load rule's row cap")
-    parser.add_argument("--copy-batches", default="1,8", help="batch sizes of the copy workload")
+    parser.add_argument("--copy-batches", default="1,8", help="batch sizes of the copy and code workloads")
     parser.add_argument("--random-batches", default="1,16,64,256", help="batch sizes of the random workload")
     parser.add_argument("--input-len", type=int, default=256, help="the random workload's prompt length")
     parser.add_argument("--output-len", type=int, default=128)
@@ -52,8 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", default=None, help="append the Markdown result to this file")
 
 
-def _copy_prompts(llm: Any, batch: int) -> list[list[int]]:
-    text = f"Here is a passage.\n\n{PASSAGE}\n\nRepeat the passage word for word.\n\n"
+def _copy_prompts(llm: Any, batch: int, workload: str) -> list[list[int]]:
+    if workload == "code":
+        text = (
+            f"```python\n{CODE}```\n\nThe same function with `total` renamed to `running_sum`:\n\n```python\n"
+        )
+    else:
+        text = f"Here is a passage.\n\n{PASSAGE}\n\nRepeat the passage word for word.\n\n"
     ids = llm.tokenizer.encode(text)
     return [list(ids) for _ in range(batch)]
 
@@ -74,8 +94,10 @@ def run(args: argparse.Namespace) -> int:
     config = SpeculativeConfig(
         num_speculative_tokens=args.num_speculative_tokens, max_batch_tokens=args.max_batch_tokens
     )
+    copy_batches = [int(b) for b in args.copy_batches.split(",") if b]
     batches = {
-        "copy": [int(b) for b in args.copy_batches.split(",") if b],
+        "copy": copy_batches,
+        "code": copy_batches,
         "random": [int(b) for b in args.random_batches.split(",") if b],
     }
     llm = LLM(
@@ -119,8 +141,8 @@ def run(args: argparse.Namespace) -> int:
     ]
     for workload, sizes in batches.items():
         for batch in sizes:
-            if workload == "copy":
-                prompts = _copy_prompts(llm, batch)
+            if workload in ("copy", "code"):
+                prompts = _copy_prompts(llm, batch, workload)
             else:
                 prompts = _random_prompts(batch, args.input_len, vocab)
             timed(prompts[:1], True)  # the drafting shapes' first compile, untimed
