@@ -148,41 +148,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     boolean("--enable-prefix-caching", "Share the KV cache of identical prompt prefixes.", True)
 
-    def kv_events_config(value: str) -> Any:
-        from pagoda.service.engine.config import KVEventsConfig  # standard library only
+    def json_config(name: str) -> Any:
+        """A parser of a flag's JSON into the engine config class `name` (its `from_json`)."""
 
-        if not value:
-            return None
-        try:
-            return KVEventsConfig.from_json(value)
-        except (ValueError, TypeError) as exc:  # argparse turns this into a usage error naming the flag
-            raise argparse.ArgumentTypeError(str(exc)) from exc
+        def parse(value: str) -> Any:
+            from pagoda.service.engine import config  # standard library only
+
+            if not value:
+                return None
+            try:
+                return getattr(config, name).from_json(value)
+            except (ValueError, TypeError) as exc:  # argparse makes this a usage error naming the flag
+                raise argparse.ArgumentTypeError(str(exc)) from exc
+
+        return parse
 
     flag(
         "--kv-events-config",
         'vLLM\'s KV-cache events as JSON, e.g. \'{"enable_kv_cache_events": true, "endpoint": '
         '"tcp://*:5557", "topic": "kv"}\': block stored / removed / all cleared on ZMQ, msgpack.',
         None,
-        kv_events_config,
+        json_config("KVEventsConfig"),
     )
-
-    def speculative_config(value: str) -> Any:
-        from pagoda.service.engine.config import SpeculativeConfig  # standard library only
-
-        if not value:
-            return None
-        try:
-            return SpeculativeConfig.from_json(value)
-        except (ValueError, TypeError) as exc:  # argparse turns this into a usage error naming the flag
-            raise argparse.ArgumentTypeError(str(exc)) from exc
 
     flag(
         "--speculative-config",
         'vLLM\'s speculative decoding as JSON: prompt lookup, e.g. \'{"method": "ngram", '
-        '"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; Pagoda\'s '
-        '"max_batch_tokens" (default 128) caps the rows a step drafts, so big batches do not draft.',
+        '"num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\', or a draft model, '
+        '\'{"model": PATH, "num_speculative_tokens": 4}\'; Pagoda\'s "max_batch_tokens" (128) and "adaptive" '
+        "(true) decide how much a step drafts (docs/speculative.md).",
         None,
-        speculative_config,
+        json_config("SpeculativeConfig"),
     )
     boolean(
         "--async-scheduling",

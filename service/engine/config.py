@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, fields
-from typing import Literal
+from typing import Any, Literal
 
 # Longer than any legitimate step: the longest measured while serving on the H200 is 0.22 s, Triton's
 # compiles and CUDA-graph capture end before the server is ready (docs/processes.md, BENCHMARKS.md); a
@@ -13,6 +13,17 @@ from typing import Literal
 DEFAULT_STALL_TIMEOUT_S = 120.0
 
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
+
+
+def _json_fields(cls: type, text: str, flag: str) -> dict[str, Any]:
+    """A flag's JSON object of `cls`'s fields; a ValueError names the flag and any unknown field."""
+    raw = json.loads(text)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{flag} takes a JSON object")
+    known = {f.name for f in fields(cls)}
+    if unknown := sorted(set(raw) - known):
+        raise ValueError(f"{flag}: unknown field(s) {unknown}; known: {sorted(known)}")
+    return raw
 
 
 @dataclass(frozen=True)
@@ -30,12 +41,7 @@ class KVEventsConfig:
     @classmethod
     def from_json(cls, text: str) -> KVEventsConfig:
         """Parse the flag's JSON; a ValueError names an unknown field or a bad value."""
-        raw = json.loads(text)
-        if not isinstance(raw, dict):
-            raise ValueError("--kv-events-config takes a JSON object")
-        known = {f.name for f in fields(cls)}
-        if unknown := sorted(set(raw) - known):
-            raise ValueError(f"--kv-events-config: unknown field(s) {unknown}; known: {sorted(known)}")
+        raw = _json_fields(cls, text, "--kv-events-config")
         if raw.get("enable_kv_cache_events") and "publisher" not in raw:
             raw["publisher"] = "zmq"
         config = cls(**raw)
@@ -71,12 +77,7 @@ class SpeculativeConfig:
     @classmethod
     def from_json(cls, text: str) -> SpeculativeConfig:
         """Parse the flag's JSON; a ValueError names an unknown field or a bad value."""
-        raw = json.loads(text)
-        if not isinstance(raw, dict):
-            raise ValueError("--speculative-config takes a JSON object")
-        known = {f.name for f in fields(cls)}
-        if unknown := sorted(set(raw) - known):
-            raise ValueError(f"--speculative-config: unknown field(s) {unknown}; known: {sorted(known)}")
+        raw = _json_fields(cls, text, "--speculative-config")
         if raw.get("model") is not None and "method" not in raw:
             raw["method"] = "draft_model"
         return cls(**raw)
