@@ -56,6 +56,11 @@ class KVEventsConfig:
         return self.enable_kv_cache_events and self.publisher == "zmq"
 
 
+# Each lookup tries every suffix length from prompt_lookup_max down, a pass over the sequence each: the
+# bound keeps a lookup of a long context a few passes (vLLM's default is 5).
+MAX_PROMPT_LOOKUP = 64
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's `--speculative-config`: prompt lookup (`{"method": "ngram", "num_speculative_tokens": k,
@@ -99,10 +104,10 @@ class SpeculativeConfig:
             raise ValueError(f"--speculative-config: num_speculative_tokens is at most 16, got "
                              f"{self.num_speculative_tokens}")  # fmt: skip
         lookup_max = self.prompt_lookup_max
-        if type(lookup_max) is not int or lookup_max < self.prompt_lookup_min:
+        if type(lookup_max) is not int or not self.prompt_lookup_min <= lookup_max <= MAX_PROMPT_LOOKUP:
             raise ValueError(
-                f"--speculative-config: prompt_lookup_max must be an integer >= prompt_lookup_min "
-                f"({self.prompt_lookup_min}), got {lookup_max!r}"
+                f"--speculative-config: prompt_lookup_max must be an integer from prompt_lookup_min "
+                f"({self.prompt_lookup_min}) to {MAX_PROMPT_LOOKUP}, got {lookup_max!r}"
             )
 
 
