@@ -69,7 +69,7 @@ TARGETS: dict[str, Target] = {
     # token-for-token tests take seconds each and catch little more).
     "speculation": Target(
         "service/engine/core/speculation.py",
-        ("tests/test_speculative.py", "-k", "lookup or load_rule or pauses or config or flag"),
+        ("tests/test_speculative.py", "-k", "lookup or load_rule or pause or config or flag or rates"),
     ),
     "spec_verify": Target(
         "service/engine/runner/spec_verify.py", ("tests/test_speculative.py", "-k", "verif"), 120.0
