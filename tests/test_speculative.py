@@ -394,6 +394,8 @@ def test_no_lookup_where_the_load_rule_forbids_drafts() -> None:
     logprobs = Request("q", [1, 2, 1, 2, 1], SamplingParams(logprobs=1), 0.0)
     speculator.after_token(logprobs, num_running=1)
     assert logprobs.draft_proposal == [] and speculator.lookups == 3  # never drafts: never looked up
+    logprobs.num_computed_tokens = logprobs.num_tokens - 1
+    assert not logprobs.wants_draft and not speculator.plan([logprobs])
 
 
 def test_tensor_parallel_drafts_give_the_single_rank_output(llama_ckpt: Path) -> None:
@@ -610,3 +612,42 @@ def test_pagoda_bench_spec_table(llama_ckpt: Path, tmp_path: Path) -> None:
         assert row[7].strip().startswith(f"{row[1].strip()}/{row[1].strip()}"), row  # outputs the same
     kept, drafted = (int(x) for x in rows[2][5].split("/"))
     assert kept == drafted  # random prompts: the echo repeats its last token, and every draft is that
+
+
+def test_drafts_stop_short_of_max_tokens_and_the_context() -> None:
+    from pagoda.service.engine.core.speculation import Speculator
+
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=5, adaptive=False), max_model_len=12)
+
+    def drafted(prompt: list[int], outputs: int, max_tokens: int | None) -> list[int]:
+        req = Request("d", prompt, SamplingParams(max_tokens=max_tokens), 0.0)
+        req.token_ids += [1] * outputs
+        req.num_computed_tokens = req.num_tokens - 1
+        req.draft_proposal, req.wants_draft = [7, 7, 7, 7, 7], True
+        speculator.draft([req])
+        return req.draft_token_ids
+
+    assert drafted([1, 2], 1, 100) == [7] * 5  # room for all five
+    assert drafted([1, 2], 1, 4) == [7, 7]  # 1 output + 2 drafts + the verifier's token = 4
+    assert drafted([1, 2], 1, 2) == []  # the verifier's token is the last one allowed
+    assert drafted([1, 2, 3, 4, 5, 6, 7], 1, None) == [7, 7, 7]  # 8 tokens + 3 + 1 = the context's 12
+    assert drafted([1] * 10, 1, None) == []  # 11 tokens: the next is the context's last
+
+
+def test_lookup_needs_every_token_of_the_suffix_and_stats_count_by_position() -> None:
+    from pagoda.service.engine.core.speculation import SpecStats, StepRates
+
+    assert propose_ngram([1, 9, 3, 7, 1, 2, 3], 2, 3, 3) == []  # "1 9 3" is not "1 2 3"
+    assert propose_ngram([1, 2, 3, 7, 8, 1, 2, 3], 2, 3, 3) == [7, 8]
+    stats = SpecStats()
+    stats.count(3, 1)
+    stats.count(2, 2)
+    stats.count(4, 0)
+    assert stats.accepted_per_position == [2, 1, 0, 0]
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 9, 3)
+    rates = StepRates()
+    rates.record(4, drafted=True, tokens=10, seconds=0.002)  # 5,000 tok/s
+    rates.record(4, drafted=True, tokens=20, seconds=0.002)  # 10,000: the average moves a fifth of the way
+    assert rates.rate(4, True) == pytest.approx(6_000)
+    rates.record(4, drafted=False, tokens=4, seconds=0.0)  # a step not timed is not counted
+    assert rates.rate(4, False) is None
