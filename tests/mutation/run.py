@@ -69,7 +69,11 @@ TARGETS: dict[str, Target] = {
     # token-for-token tests take seconds each and catch little more).
     "speculation": Target(
         "service/engine/core/speculation.py",
-        ("tests/test_speculative.py", "-k", "lookup or load_rule or pause or config or flag or rates or short_of or every_token"),
+        (
+            "tests/test_speculative.py",
+            "-k",
+            "lookup or load_rule or pause or config or flag or rates or short_of or every_token",
+        ),
     ),
     "spec_verify": Target(
         "service/engine/runner/spec_verify.py", ("tests/test_speculative.py", "-k", "verif"), 120.0
