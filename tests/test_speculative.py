@@ -417,27 +417,81 @@ def test_tensor_parallel_drafts_give_the_single_rank_output(llama_ckpt: Path) ->
     assert drafted == plain
 
 
-def test_a_grammar_request_beside_drafting_ones_keeps_its_grammar() -> None:
-    """Structured output never drafts; in a step where others do, its bitmask is applied to its own
-    row of the plain rows (the verifier takes the drafting ones)."""
+def test_a_grammar_cuts_drafts_and_masks_each_verified_position(smollm2_gguf: Path) -> None:
+    """Structured output's side: a draft is cut at the first token its grammar refuses (and before an
+    end-of-sequence token); a sequence with k drafts gets k + 1 mask rows, each the grammar's after
+    the drafts before it, and its matcher is where it was afterwards."""
+    from pagoda.service.engine.core.scheduler import SchedulerOutput
+    from pagoda.service.engine.core.structured_output import StructuredOutputManager
+    from pagoda.service.grammar import Grammar
+    from pagoda.service.model import load_tokenizer
+
+    tokenizer = load_tokenizer(str(smollm2_gguf))
+    eos = min(tokenizer.eos_token_ids)
+    manager = StructuredOutputManager(lambda: tokenizer, tokenizer.eos_token_ids)
+    seq = Request("c#0", [1, 2, 3], SamplingParams(temperature=0.0), 0.0)
+    manager.add("c", [seq], Grammar.regex("(ab|cd)[0-9]{2}", "guided_regex"))
+    manager.wait(30.0)
+    assert manager.take_ready() == ([seq], {})
+    ab, cd, digit_4, digit_7 = (tokenizer.encode(t, add_special_tokens=False) for t in ("ab", "cd", "4", "7"))
+    assert all(len(t) == 1 for t in (ab, cd, digit_4, digit_7))
+    assert manager.valid_drafts(seq, [*ab, *digit_4, *digit_7]) == 3
+    assert manager.valid_drafts(seq, [*ab, *cd, *digit_4]) == 1  # cd is not allowed after ab
+    assert manager.valid_drafts(seq, [*cd, eos, *digit_4]) == 1  # never an end-of-sequence draft
+    assert manager.valid_drafts(seq, [*digit_7]) == 0
+
+    seq.token_ids.append(0)  # the step's input row, then two drafts
+    seq.num_computed_tokens = 3
+    seq.add_drafts([*ab, *digit_4])
+    out = SchedulerOutput([seq], [3])
+    masks = manager.bitmask(out)
+    assert masks is not None and masks.rows == [0, 0, 0] and masks.positions == [0, 1, 2]
+    allowed = [
+        {t for t in (*ab, *cd, *digit_4, *digit_7) if masks.bitmask[r, t // 32] >> (t % 32) & 1}
+        for r in range(3)
+    ]
+    assert allowed == [{*ab, *cd}, {*digit_4, *digit_7}, {*digit_4, *digit_7}]
+    seq.drop_drafts()
+    again = manager.bitmask(SchedulerOutput([seq], [1]))  # rolled back: the first position's mask
+    assert again is not None and again.positions == [] and (again.bitmask[0] == masks.bitmask[0]).all()
+
+
+def _colour_list(tokens: int) -> tuple[str, Any]:
     from pagoda.service.grammar import Grammar
 
-    choice = Grammar.regex("(red|green|blue)( (red|green|blue)){5}", "guided_regex")
-    with LLM(max_model_len=256, kv_cache_memory_bytes=32 << 20, speculative_config=NGRAM) as llm:
+    pattern = f"(red|green|blue) [0-9]( (red|green|blue) [0-9]){{{tokens}}}"
+    return pattern, Grammar.regex(pattern, "guided_regex")
+
+
+def test_a_grammar_request_drafts_under_its_grammar_beside_others() -> None:
+    """Structured output drafts by prompt lookup, drafts cut to what the grammar allows and each
+    verified position masked by the grammar after the drafts before it: a colour list the real model
+    copies (words and digits alternate, so a mask on the wrong row changes the output), alone and in
+    a batch with plain drafting requests; greedy output is the same as without speculation."""
+    pattern, colours = _colour_list(11)
+    with LLM(
+        max_model_len=256, dtype="float32", kv_cache_memory_bytes=32 << 20, speculative_config=NGRAM
+    ) as llm:
+        listed = "red 1 green 2 blue 3 red 4 green 5 blue 6\n" * 3
+        params = SamplingParams(temperature=0, max_tokens=60, grammar=colours)
+        alone = llm.generate([listed], params)[0].outputs[0]
+        stats = _spec_stats(llm)
+        assert stats.spec_num_accepted_tokens_total >= 8, stats  # the grammar request drafted, and kept some
+        assert re.fullmatch(pattern, alone.text), alone.text
+
         copy = "one two three four one two three four one two three four one two three"
-        prompts = [copy, "Colours:", copy + " four"]
-        params = [
+        prompts = [copy, listed, copy + " four"]
+        mixed = [
             SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-            SamplingParams(temperature=0, max_tokens=40, grammar=choice),
+            params,
             SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
         ]
-        outs = llm.generate(prompts, params)
-        assert _spec_stats(llm).spec_num_accepted_tokens_total > 5
+        outs = llm.generate(prompts, mixed)
+        assert _spec_stats(llm).spec_num_accepted_tokens_total > stats.spec_num_accepted_tokens_total + 5
         llm.engine.core.speculator = None
-        alone = llm.generate(prompts, params)
-    text = outs[1].outputs[0].text
-    assert re.fullmatch(r"(red|green|blue)( (red|green|blue)){5}", text), text
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in alone]
+        plain = llm.generate(prompts, mixed)
+    assert outs[1].outputs[0].token_ids == alone.token_ids
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
 
 
 def test_pagoda_serve_drafts_through_the_openai_client(llama_ckpt: Path, tmp_path: Path) -> None:

@@ -203,7 +203,10 @@ class EngineCore:
         spec = config.speculative
         self.speculator = (
             Speculator(
-                spec, self.max_model_len, executor.propose_drafts if spec.method == "draft_model" else None
+                spec,
+                self.max_model_len,
+                executor.propose_drafts if spec.method == "draft_model" else None,
+                self.structured_output.valid_drafts,
             )
             if spec is not None
             else None

@@ -21,10 +21,12 @@ from pagoda.service.engine.core.request import PLACEHOLDER, Request, RequestStat
 class GrammarBitmask:
     """The tokens the grammars allow in one step: row k of `bitmask` (int32 words; bit t of a row: token
     t allowed) belongs to row `rows[k]` (of the step's batch in the core, of the sampled rows in the
-    sampler). Rows without a grammar have no row here."""
+    sampler). Rows without a grammar have no row here. A sequence that drafted k tokens has k + 1
+    rows, one per verified position: `positions[k]` is a row's (empty: every row at position 0)."""
 
     rows: list[int]
     bitmask: np.ndarray
+    positions: list[int] = field(default_factory=list)
 
 
 @dataclass

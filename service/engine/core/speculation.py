@@ -46,6 +46,7 @@ _RATE_WEIGHT = 0.2  # weight of the newest step in a bucket's moving average
 
 # A draft model's proposer: `k[i]` greedy tokens after each sequence's last token.
 ProposeDrafts = Callable[[list[Request], list[int]], list[list[int]]]
+ValidDrafts = Callable[[Request, list[int]], int]  # how many of the drafts a sequence's grammar allows
 
 
 def propose_ngram(token_ids: list[int], k: int, lookup_max: int, lookup_min: int) -> list[int]:
@@ -139,14 +140,21 @@ class Speculator:
     for the sequences whose lookup found something (`plan`, `draft`), and keeps the books after it."""
 
     def __init__(
-        self, config: SpeculativeConfig, max_model_len: int, propose: ProposeDrafts | None = None
+        self,
+        config: SpeculativeConfig,
+        max_model_len: int,
+        propose: ProposeDrafts | None = None,
+        valid_drafts: ValidDrafts | None = None,
     ) -> None:
-        """`propose`: a draft model's drafts (the executor's), for `config.method == "draft_model"`."""
+        """`propose`: a draft model's drafts (the executor's), for `config.method == "draft_model"`;
+        `valid_drafts`: how many of a sequence's drafts its grammar allows (structured output's), for
+        prompt lookup: without it grammar requests do not draft."""
         if (config.method == "draft_model") != (propose is not None):
             raise ValueError("a draft model's speculator takes its proposer, and only it")
         self.config = config
         self.max_model_len = max_model_len
         self.propose = propose
+        self.valid_drafts = valid_drafts if propose is None else None
         self.stats = SpecStats()
         self.rates = StepRates()
         self.lookups = 0  # suffix lookups run (each costs a pass over the sequence's tokens)
@@ -157,6 +165,8 @@ class Speculator:
         nothing counts as a miss."""
         req.draft_proposal, req.wants_draft = [], False
         if drafts_per_sequence(self.config, num_running) == 0 or not can_draft(req):
+            return
+        if req.params.grammar is not None and self.valid_drafts is None:
             return
         if req.draft_pause:
             req.draft_pause -= 1
@@ -199,6 +209,9 @@ class Speculator:
             length = max(min(k, room), 0)
             # A draft model's tokens come after scheduling (`fill`): until then its slots hold zeros.
             tokens = [0] * length if self.propose is not None and wants else proposal[:length]
+            if tokens and req.params.grammar is not None:
+                assert self.valid_drafts is not None  # after_token looked up nothing otherwise
+                tokens = tokens[: self.valid_drafts(req, tokens)]
             if tokens:
                 req.add_drafts(tokens)
                 drafted += 1
@@ -232,13 +245,12 @@ class Speculator:
 
 
 def can_draft(req: Request) -> bool:
-    """Whether a sequence's sampling allows drafts: what reads the whole history per row (penalties),
-    a grammar (drafts would need its matcher's rollback), or log-probabilities (each kept row's would
-    be needed) decodes one token a step."""
+    """Whether a sequence's sampling allows drafts: what reads the whole history per row (penalties)
+    or log-probabilities (each kept row's would be needed) decodes one token a step. (A grammar allows
+    prompt-lookup drafts, cut to what it allows: `Speculator.valid_drafts`.)"""
     p = req.params
     return (
-        p.grammar is None
-        and p.logprobs is None
+        p.logprobs is None
         and p.prompt_logprobs is None
         and p.presence_penalty == 0
         and p.frequency_penalty == 0

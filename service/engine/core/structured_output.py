@@ -9,6 +9,10 @@ sequence, and each step a bitmask of the tokens each grammar allows (vLLM V1's S
   machines), as one `GrammarBitmask` for the batch, which the core hands the executor with the step;
   the sampler applies it on the logits' device.
 - After the step, each matcher consumes its sequence's token; a finished grammar ends the sequence.
+- Speculative decoding: a prompt-lookup draft is cut to the prefix its grammar allows (`valid_drafts`),
+  and a sequence with k drafts gets k + 1 rows, the allowed tokens after each draft prefix (its
+  matcher consumes the drafts and rolls them back), so the verifier judges each position under the
+  grammar, and a kept draft is consumed as any token is.
 
 A step with no grammar request does no work here: every entry point returns at `is_active`.
 The API process already validated every grammar (pagoda.service.grammar), so a compile error here is
@@ -123,7 +127,7 @@ class StructuredOutputManager:
         if not self.is_active:
             return None
         rows = [
-            (i, matcher)
+            (i, matcher, seq.draft_token_ids)
             for i, seq in enumerate(out.requests)
             if (matcher := self._matchers.get(seq.request_id)) is not None
             and out.needs_sample(i)
@@ -138,14 +142,50 @@ class StructuredOutputManager:
         )
 
         assert self._ll_tokenizer is not None  # set by the first compile
+        if any(drafts for _, _, drafts in rows):
+            return self._bitmask_with_drafts(rows)
         bitmask = allocate_token_bitmask(len(rows), self._ll_tokenizer.vocab_size)
         if self._ll_executor is not None and len(rows) >= _PARALLEL_MIN_ROWS:
-            fill_next_token_bitmask_par(self._ll_executor, [(m, k) for k, (_, m) in enumerate(rows)], bitmask)
+            fill_next_token_bitmask_par(
+                self._ll_executor, [(m, k) for k, (_, m, _) in enumerate(rows)], bitmask
+            )
         else:
-            for k, (_, matcher) in enumerate(rows):
+            for k, (_, matcher, _) in enumerate(rows):
                 fill_next_token_bitmask(matcher, bitmask, k)
         self._allow_every_eos(bitmask)
-        return GrammarBitmask([i for i, _ in rows], bitmask)
+        return GrammarBitmask([i for i, _, _ in rows], bitmask)
+
+    def _bitmask_with_drafts(self, rows: list[tuple[int, LLMatcher, list[int]]]) -> GrammarBitmask:
+        """One row per verified position: a matcher consumes its drafts one by one, filling the row
+        after each, then rolls them back (the drafts were checked by `valid_drafts`)."""
+        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+        assert self._ll_tokenizer is not None
+        bitmask = allocate_token_bitmask(sum(1 + len(d) for _, _, d in rows), self._ll_tokenizer.vocab_size)
+        batch_rows: list[int] = []
+        positions: list[int] = []
+        for i, matcher, drafts in rows:
+            for j in range(len(drafts) + 1):
+                fill_next_token_bitmask(matcher, bitmask, len(batch_rows))
+                batch_rows.append(i)
+                positions.append(j)
+                if j < len(drafts) and not matcher.consume_token(drafts[j]):
+                    raise AssertionError(f"draft token {drafts[j]} broke its grammar: {matcher.get_error()}")
+            if drafts:
+                matcher.rollback(len(drafts))
+        self._allow_every_eos(bitmask)
+        return GrammarBitmask(batch_rows, bitmask, positions)
+
+    def valid_drafts(self, seq: Request, tokens: list[int]) -> int:
+        """How many of `tokens` (drafts after `seq`'s last token) its grammar allows in a row, stopping
+        before any end-of-sequence token (the verifier's own token may still end it). The matcher must
+        have consumed the sequence's tokens."""
+        matcher = self._matchers.get(seq.request_id)
+        if matcher is None:
+            return 0
+        eos = set(self.eos_token_ids)
+        tokens = tokens[: next((j for j, t in enumerate(tokens) if t in eos), len(tokens))]
+        return matcher.validate_tokens(tokens) if tokens else 0
 
     def accept(self, seq: Request) -> bool:
         """Advance `seq`'s matcher by its new token; True when the grammar ends the sequence.

@@ -512,19 +512,17 @@ class ModelRunner:
         plain = [j for j, k in enumerate(step.num_drafts) if k == 0]
         drafting = [j for j, k in enumerate(step.num_drafts) if k > 0]
         pending = PendingStep(None, {}, prompt_logprobs)
+        plain_grammar, draft_grammar = _split_grammar(grammar, step, plain, drafting)
         if plain:
             plain_reqs = [out.requests[step.sample_rows[j]] for j in plain]
-            if grammar is not None:  # batch rows -> rows of the plain requests' logits
-                position = {step.sample_rows[j]: k for k, j in enumerate(plain)}
-                grammar = GrammarBitmask([position[row] for row in grammar.rows], grammar.bitmask)
             rows = to_device(first[plain], torch.int64, logits.device)
-            pending.sampled = self.sampler(logits.index_select(0, rows), plain_reqs, grammar)
+            pending.sampled = self.sampler(logits.index_select(0, rows), plain_reqs, plain_grammar)
             pending.rows = {r.request_id: row for row, r in enumerate(plain_reqs)}
         drafted_reqs = [out.requests[step.sample_rows[j]] for j in drafting]
         rows = to_device(
             np.concatenate([np.arange(first[j], first[j + 1]) for j in drafting]), torch.int64, logits.device
         )
-        verdicts = verify_drafts(self.sampler, logits.index_select(0, rows), drafted_reqs)
+        verdicts = verify_drafts(self.sampler, logits.index_select(0, rows), drafted_reqs, draft_grammar)
         for req, (token, kept) in zip(drafted_reqs, verdicts, strict=True):
             pending.verified[req.request_id] = (SampleResult(token), kept)
         return pending
@@ -541,3 +539,29 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one step on this rank alone."""
         return self.sample(self.launch_forward(out)).result()
+
+
+def _split_grammar(
+    grammar: GrammarBitmask | None, step: StepInput, plain: list[int], drafting: list[int]
+) -> tuple[GrammarBitmask | None, GrammarBitmask | None]:
+    """A drafting step's grammar rows (by batch row and position) -> those of the plain requests' sampled
+    logits, and those of the drafting requests' verification rows (`plain`, `drafting`: indices into
+    `step.sample_rows`)."""
+    if grammar is None:
+        return None, None
+    positions = grammar.positions or [0] * len(grammar.rows)
+    plain_row = {step.sample_rows[j]: k for k, j in enumerate(plain)}
+    starts = np.cumsum([0, *(step.num_drafts[j] + 1 for j in drafting)])[:-1]
+    first_row = dict(zip((step.sample_rows[j] for j in drafting), starts, strict=True))
+    plain_rows, plain_masks, draft_rows, draft_masks = [], [], [], []
+    for m, (row, j) in enumerate(zip(grammar.rows, positions, strict=True)):
+        if row in plain_row:
+            plain_rows.append(plain_row[row])
+            plain_masks.append(m)
+        else:
+            draft_rows.append(int(first_row[row]) + j)
+            draft_masks.append(m)
+    return (
+        GrammarBitmask(plain_rows, grammar.bitmask[plain_masks]) if plain_rows else None,
+        GrammarBitmask(draft_rows, grammar.bitmask[draft_masks]) if draft_rows else None,
+    )

@@ -173,10 +173,7 @@ class Sampler:
         logits = self.adjusted_logits(logits, reqs)
 
         # Structured output last: whatever the biases did, only the grammar's tokens stay possible.
-        if grammar is not None:
-            mask = grammar.bitmask
-            bits = self._staging.stage(mask) if _pins(device) else torch.from_numpy(mask)
-            logits = apply_token_bitmask(logits, grammar.rows, bits)
+        logits = self.apply_grammar(logits, grammar)
 
         tokens = logits.argmax(dim=1)
         greedy = [p.is_greedy for p in params]
@@ -193,6 +190,14 @@ class Sampler:
             wanted += [chosen, top_vals, top_ids]
         host, ready = _to_host(wanted)
         return SampledBatch(tokens, host, ready, num_logprobs)
+
+    def apply_grammar(self, logits: torch.Tensor, grammar: GrammarBitmask | None) -> torch.Tensor:
+        """`logits` with the tokens each grammar row forbids at -inf (`grammar.rows` index its rows)."""
+        if grammar is None:
+            return logits
+        mask = grammar.bitmask
+        bits = self._staging.stage(mask) if _pins(logits.device) else torch.from_numpy(mask)
+        return apply_token_bitmask(logits, grammar.rows, bits)
 
     def _ban_stops_before_min_tokens(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """min_tokens: end-of-sequence and stop tokens are not allowed yet."""

@@ -2,7 +2,8 @@
 
 A sequence that drafted d_1..d_k has k + 1 rows of logits: row j scores the token after d_j (row 0 the
 token after its last real one). Each row is processed as the sampler processes a decode row at that
-output position (logit_bias, min_tokens, temperature, top-k, top-p, min-p), giving p_j. Then, for
+output position (logit_bias, min_tokens, a grammar's mask after d_1..d_j, temperature, top-k, top-p,
+min-p), giving p_j. Then, for
 j = 0, 1, ...:
 
 - greedy: d_{j+1} stays while it is p_j's argmax; the first that is not is replaced by the argmax, and
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from pagoda.service.engine.core.request import Request
+from pagoda.service.engine.core.scheduler import GrammarBitmask
 from pagoda.service.engine.runner.sampler import Sampler, to_device
 from pagoda.service.sampling_params import SamplingParams
 
@@ -50,10 +52,13 @@ class _Row:
         return self.req.num_output_tokens - self.req.num_drafts + self.j
 
 
-def verify_drafts(sampler: Sampler, logits: torch.Tensor, reqs: list[Request]) -> list[tuple[int, int]]:
+def verify_drafts(
+    sampler: Sampler, logits: torch.Tensor, reqs: list[Request], grammar: GrammarBitmask | None = None
+) -> list[tuple[int, int]]:
     """`logits`: [sum(1 + k_i), vocab], each request's 1 + k_i rows in order (its drafts are the last
-    k_i of its token ids). Returns, per request, (the token after its kept drafts, how many drafts
-    it keeps). Waits for the device."""
+    k_i of its token ids); `grammar`: the allowed tokens of rows under a grammar (its rows index
+    `logits`). Returns, per request, (the token after its kept drafts, how many drafts it keeps).
+    Waits for the device."""
     rows: list[_Row] = []
     drafts: list[int] = []  # per row: the draft it judges, or -1 on each request's last row
     for req in reqs:
@@ -61,6 +66,7 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, reqs: list[Request]) -
         drafts += [*req.draft_token_ids, -1]
     device = logits.device
     adjusted = sampler.adjusted_logits(logits, rows)  # type: ignore[arg-type]  # rows quack as requests
+    adjusted = sampler.apply_grammar(adjusted, grammar)
     tokens = adjusted.argmax(dim=1)
     accept = tokens == to_device(drafts, torch.int64, device)
     greedy = [r.params.is_greedy for r in rows]
