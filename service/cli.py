@@ -68,6 +68,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             name, default=default, action=argparse.BooleanOptionalAction, help=f"{help} [env: {env}]"
         )
 
+    def lora_module(value: str) -> Any:
+        from pagoda.service.engine.config import LoRAModule  # standard library only
+
+        try:
+            return LoRAModule.parse(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
     def optional_int(value: str) -> int | None:
         return None if value.strip().lower() in ("", "none", "auto") else int(value)
 
@@ -179,6 +187,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(true) decide how much a step drafts (docs/speculative.md).",
         None,
         json_config("SpeculativeConfig"),
+    )
+    boolean(
+        "--enable-lora",
+        "Serve LoRA adapters (PEFT format) beside the base model: a request names one in `model` "
+        "(docs/lora.md).",
+        False,
+    )
+    lora_env = env_name("--lora-modules")
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[lora_module(m) for m in os.environ.get(lora_env, "").split()],
+        type=lora_module,
+        metavar="NAME=PATH",
+        help="Adapters to serve from start-up, NAME=PATH or '{\"name\": NAME, \"path\": PATH}' "
+        f"(needs --enable-lora) [env: {lora_env}, space-separated]",
+    )
+    flag("--max-loras", "Adapters in GPU slots at once: a step serves requests of at most this many.", 1, int)
+    flag("--max-lora-rank", "The largest adapter rank (r) served; a larger one is refused.", 16, int)
+    flag(
+        "--max-cpu-loras",
+        "Adapters kept in host memory (least recently used leave first); default: --max-loras.",
+        None,
+        optional_int,
     )
     boolean(
         "--async-scheduling",
@@ -333,8 +365,21 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         executor_class=args.executor_class,
         kv_events=args.kv_events_config,
         speculative=args.speculative_config,
+        lora=lora_config(args),
     )
     return server, engine
+
+
+def lora_config(args: argparse.Namespace) -> Any:
+    """--enable-lora and its flags -> LoRAConfig (None without --enable-lora); adapters without it are
+    refused, as vLLM does."""
+    from pagoda.service.engine.config import LoRAConfig
+
+    if not args.enable_lora:
+        if args.lora_modules:
+            raise ValueError("--lora-modules needs --enable-lora")
+        return None
+    return LoRAConfig(tuple(args.lora_modules), args.max_loras, args.max_lora_rank, args.max_cpu_loras)
 
 
 def check_gpu(precision: str, device: str, kv_cache_dtype: str = "auto") -> None:

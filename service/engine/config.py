@@ -112,6 +112,60 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class LoRAModule:
+    """An adapter served from start-up: vLLM's `--lora-modules NAME=PATH` (or its JSON form)."""
+
+    name: str
+    path: str
+
+    @classmethod
+    def parse(cls, text: str) -> LoRAModule:
+        """`NAME=PATH` or `{"name": NAME, "path": PATH}`; a ValueError says which form it wants."""
+        if text.lstrip().startswith("{"):
+            raw = json.loads(text)
+            if not isinstance(raw, dict) or not {"name", "path"} <= raw.keys():
+                raise ValueError(f'--lora-modules {text!r}: the JSON form is {{"name": NAME, "path": PATH}}')
+            name, path = str(raw["name"]), str(raw["path"])
+        else:
+            name, sep, path = text.partition("=")
+            if not sep:
+                raise ValueError(f"--lora-modules {text!r}: give NAME=PATH")
+        if not name.strip() or not path.strip():
+            raise ValueError(f"--lora-modules {text!r}: the name and the path may not be empty")
+        return cls(name.strip(), path.strip())
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """vLLM's `--enable-lora` and its limits: `max_loras` adapters in GPU slots at once (a step serves
+    requests of at most that many), rank at most `max_lora_rank`, `max_cpu_loras` kept in host memory
+    (least recently used leave first); `modules` load at start (runner/lora.py, docs/lora.md)."""
+
+    modules: tuple[LoRAModule, ...] = ()
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.max_lora_rank > 512:
+            raise ValueError(f"--max-lora-rank is at most 512, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras ({self.max_loras})"
+            )
+        names = [m.name for m in self.modules]
+        if len(set(names)) < len(names):
+            raise ValueError(f"--lora-modules: a name given twice ({', '.join(names)})")
+
+    @property
+    def cpu_capacity(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # checkpoint folder or .gguf file; None: the embedded SmolLM2-135M-Instruct
     served_model_name: str | None = None
@@ -147,6 +201,7 @@ class EngineConfig:
     executor_class: str | None = None
     kv_events: KVEventsConfig | None = None  # vLLM's --kv-events-config (core/kv_events.py)
     speculative: SpeculativeConfig | None = None  # vLLM's --speculative-config (core/speculation.py)
+    lora: LoRAConfig | None = None  # vLLM's --enable-lora and its flags; None: no adapters
 
     @property
     def model_path(self) -> str:
