@@ -201,7 +201,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[lora_module(m) for m in os.environ.get(lora_env, "").split()],
         type=lora_module,
         metavar="NAME=PATH",
-        help="Adapters to serve from start-up, NAME=PATH or '{\"name\": NAME, \"path\": PATH}' "
+        help='Adapters to serve from start-up, NAME=PATH or \'{"name": NAME, "path": PATH}\' '
         f"(needs --enable-lora) [env: {lora_env}, space-separated]",
     )
     flag("--max-loras", "Adapters in GPU slots at once: a step serves requests of at most this many.", 1, int)
