@@ -291,16 +291,39 @@ class EngineClient:
         """Each token as the vocabulary spells it (OpenAI's `logprobs.tokens`)."""
         return [self.engine.tokenizer.id_to_token(t) for t in token_ids]
 
-    def check_model(self, name: str | None) -> None:
-        """Raise a `not_found` APIError unless `name` is empty or the served model's name."""
-        if name and name != self.model_name:
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the served model, or no name); a
+        `not_found` APIError for any other name."""
+        if not name or name == self.model_name:
+            return None
+        adapters = self.lora_adapters()
+        if name in adapters:
+            return name
+        self.metrics.count_error("not_found")
+        served = ", ".join(repr(n) for n in [self.model_name, *adapters])
+        raise APIError(
+            "not_found",
+            f"The model {quoted(name)} does not exist; this server serves {served}.",
+            param="model",
+            code="model_not_found",
+        )
+
+    def lora_adapters(self) -> dict[str, str]:
+        """The LoRA adapters the engine serves (name -> path), as its last stats said."""
+        stats = self.stats_or_none()
+        return stats.lora_adapters if stats is not None else {}
+
+    async def lora_op(self, name: str, path: str | None) -> None:
+        """Load (`path` given) or unload a LoRA adapter in the engine; APIError: why not (400, or
+        404 for an adapter that is not loaded)."""
+        error = await self.engine.lora_op(name, path)
+        if error is None:
+            return
+        if error.startswith("no LoRA adapter"):
             self.metrics.count_error("not_found")
-            raise APIError(
-                "not_found",
-                f"The model {quoted(name)} does not exist; this server serves {self.model_name!r}.",
-                param="model",
-                code="model_not_found",
-            )
+            raise APIError("not_found", error, param="lora_name")
+        self.metrics.count_error("invalid_request")
+        raise APIError("invalid_request", error, param="lora_path")
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -357,6 +380,7 @@ class EngineClient:
         params: SamplingParams,
         request_id: str | None = None,
         admission: Admission | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Admission and validation errors raise APIError before the first
         output; closing the iterator early (client gone) aborts the request in the engine. `admission`:
@@ -375,7 +399,7 @@ class EngineClient:
         admission.take()  # from admitted to in flight (the engine registers it, in the same loop turn)
         self._idle.clear()
         finished = failed = False
-        stream = engine.generate(prompt, params, request_id)
+        stream = engine.generate(prompt, params, request_id, lora_name)
         try:
             async for out in stream:
                 tracker.observe(out)

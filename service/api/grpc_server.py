@@ -144,7 +144,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            self.client.check_model(request.model)
+            lora = self.client.check_model(request.model)  # a LoRA adapter's name, as over HTTP
             self.client.admit().release()  # refused before the prompt is rendered; generate admits it
             try:
                 plan = (
@@ -162,7 +162,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             except InvalidRequestError as exc:
                 self.client.metrics.count_error("invalid_request")
                 raise APIError("invalid_request", str(exc), param=exc.param) from exc
-            stream = self.client.generate(prompt, params, request.request_id or None)
+            stream = self.client.generate(prompt, params, request.request_id or None, lora_name=lora)
             try:
                 last: Any = None
                 done: set[int] = set()

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from msgspec import Struct
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -21,7 +21,9 @@ from pagoda.service.api.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from pagoda.service.api.openai_responses import ErrorBody, ErrorResponse, encode
 from pagoda.service.api.openai_serving import OpenAIServing
@@ -150,6 +152,16 @@ def build_app(
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> Response:
         return json_response(serving.model(model_id))
+
+    if serving.client.config.lora is not None:  # vLLM's run-time adapter endpoints
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
+            return PlainTextResponse(await serving.load_lora_adapter(request))
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
+            return PlainTextResponse(await serving.unload_lora_adapter(request))
 
     @app.get("/version")
     async def version() -> dict[str, str]:

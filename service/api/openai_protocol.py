@@ -292,6 +292,24 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's `POST /v1/load_lora_adapter`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's `POST /v1/unload_lora_adapter` (vLLM's optional `lora_int_id` is taken and unused)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None
+
+
 _Request.model_rebuild()
 ChatCompletionRequest.model_rebuild()
 CompletionRequest.model_rebuild()

@@ -133,6 +133,8 @@ class ModelCard(Struct):
     max_model_len: int
     object: Literal["model"] = "model"
     owned_by: str = "pagoda"
+    root: str | None = None  # vLLM's: a LoRA adapter's path
+    parent: str | None = None  # vLLM's: the base model a LoRA adapter adapts
 
 
 class ModelList(Struct):

@@ -18,7 +18,9 @@ from pagoda.service.api.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from pagoda.service.api.openai_responses import (
     ChatChoice,
@@ -160,14 +162,35 @@ class OpenAIServing:
     def models(self) -> ModelList:
         if self.client.state is ServingState.LOADING:
             raise self.client.unavailable_error()
-        return ModelList([ModelCard(self.client.model_name, now_s(), self.client.max_model_len)])
+        created, base, max_len = now_s(), self.client.model_name, self.client.max_model_len
+        cards = [ModelCard(base, created, max_len)]
+        cards += [
+            ModelCard(name, created, max_len, root=path, parent=base)
+            for name, path in sorted(self.client.lora_adapters().items())
+        ]
+        return ModelList(cards)
 
     def model(self, model_id: str) -> ModelCard:
-        """`GET /v1/models/{id}`: the served model, or a 404 naming it."""
-        listed = self.models().data[0]
-        if model_id != listed.id:
-            self.client.check_model(model_id)
-        return listed
+        """`GET /v1/models/{id}`: the served model or one of its LoRA adapters, or a 404 naming it."""
+        listed = self.models().data
+        card = next((c for c in listed if c.id == model_id), None)
+        if card is None:
+            self.client.check_model(model_id)  # raises
+            raise AssertionError(model_id)
+        return card
+
+    async def load_lora_adapter(self, request: LoadLoRAAdapterRequest) -> str:
+        """vLLM's `POST /v1/load_lora_adapter`: serve another adapter (PEFT folder) from now on."""
+        if request.lora_name == self.client.model_name:
+            self.client.metrics.count_error("invalid_request")
+            raise APIError("invalid_request", "a LoRA adapter cannot take the base model's name", "lora_name")
+        await self.client.lora_op(request.lora_name, request.lora_path)
+        return f"Success: LoRA adapter '{request.lora_name}' added successfully."
+
+    async def unload_lora_adapter(self, request: UnloadLoRAAdapterRequest) -> str:
+        """vLLM's `POST /v1/unload_lora_adapter`: requests running under it end; new ones get a 404."""
+        await self.client.lora_op(request.lora_name, None)
+        return f"Success: LoRA adapter '{request.lora_name}' removed successfully."
 
     async def tokenize(self, request: TokenizeRequest) -> Tokens:
         self.client.check_model(request.model)
@@ -220,7 +243,7 @@ class OpenAIServing:
         return Detokenized(await self.client.detokenize(request.tokens))
 
     async def _start(
-        self, prompts: list[str | list[int]], params: SamplingParams
+        self, prompts: list[str | list[int]], params: SamplingParams, lora_name: str | None = None
     ) -> tuple[list[Any], list[Any]]:
         """Admit and start one engine request per prompt; return (streams, first outputs). Any error
         surfaces here, before a response (or an SSE stream) begins. The caller has checked the request
@@ -228,7 +251,8 @@ class OpenAIServing:
         admission = self.client.admit(len(prompts))  # a batch is admitted whole, or not at all
         base_id = uuid.uuid4().hex
         streams = [
-            self.client.generate(p, params, f"{base_id}-{i}", admission) for i, p in enumerate(prompts)
+            self.client.generate(p, params, f"{base_id}-{i}", admission, lora_name)
+            for i, p in enumerate(prompts)
         ]
         # All prompts enter the engine together (one at a time, each would wait for the last one's
         # first token). The first error, if any, is raised once every stream has stopped.
@@ -245,15 +269,15 @@ class OpenAIServing:
 
     # ---- chat -----------------------------------------------------------------------------------------
     async def chat(self, request: ChatCompletionRequest) -> ChatCompletion | AsyncIterator[bytes]:
-        self.client.check_model(request.model)
+        lora = self.client.check_model(request.model)
         try:
             messages, plan, params = request.chat_messages(), request.tool_plan, request.sampling_params()
         except InvalidRequestError as exc:
             self.client.metrics.count_error("invalid_request")
             raise APIError("invalid_request", str(exc), param=exc.param) from exc
         prompt = await self.client.render_chat(messages, request.add_generation_prompt, plan.template_tools)
-        streams, firsts = await self._start([prompt], params)
-        response_id, created, model = f"chatcmpl-{uuid.uuid4().hex}", now_s(), self.client.model_name
+        streams, firsts = await self._start([prompt], params, lora)
+        response_id, created, model = f"chatcmpl-{uuid.uuid4().hex}", now_s(), lora or self.client.model_name
         parser = self.client.tool_parser
         if request.stream:
             return self._chat_stream(
@@ -322,14 +346,14 @@ class OpenAIServing:
 
     # ---- text completions -------------------------------------------------------------------------------
     async def completions(self, request: CompletionRequest) -> Completion | AsyncIterator[bytes]:
-        self.client.check_model(request.model)
+        lora = self.client.check_model(request.model)
         try:
             prompts, params = request.prompts(), request.sampling_params()
         except InvalidRequestError as exc:
             self.client.metrics.count_error("invalid_request")
             raise APIError("invalid_request", str(exc), param=exc.param) from exc
-        streams, firsts = await self._start(prompts, params)
-        response_id, created, model = f"cmpl-{uuid.uuid4().hex}", now_s(), self.client.model_name
+        streams, firsts = await self._start(prompts, params, lora)
+        response_id, created, model = f"cmpl-{uuid.uuid4().hex}", now_s(), lora or self.client.model_name
         echoes = [self._echo_text(p) if request.echo else "" for p in prompts]
         n = request.n
         if request.stream:

@@ -34,6 +34,8 @@ from pagoda.service.engine.messages import (
     CoreOutputs,
     CoreReady,
     EngineStats,
+    LoRAOp,
+    LoRAReply,
     PromptLogprobs,
     RequestFailure,
     Shutdown,
@@ -71,6 +73,7 @@ def run(core: EngineCore, inputs: zmq.Socket[bytes], outputs: list[zmq.Socket[by
                 return 1
             continue
         changed = False
+        replies: list[LoRAReply] = []
         while True:
             try:
                 message = decode(inputs.recv(zmq.NOBLOCK))
@@ -82,6 +85,8 @@ def run(core: EngineCore, inputs: zmq.Socket[bytes], outputs: list[zmq.Socket[by
             elif isinstance(message, Abort):
                 for request_id in message.request_ids:
                     core.abort(request_id, message.index)
+            elif isinstance(message, LoRAOp):
+                replies.append(LoRAReply(message.op_id, core.lora_op(message.name, message.path)))
             elif isinstance(message, Shutdown):
                 return 0
         if core.has_unfinished:
@@ -91,9 +96,10 @@ def run(core: EngineCore, inputs: zmq.Socket[bytes], outputs: list[zmq.Socket[by
                 logger.exception("engine step failed")
                 broadcast(CoreFailed(f"the engine step failed: {exc!r}"))
                 return 1
-            send_outputs(encode, outputs, step.tokens, step.prompt_logprobs, step.failures, core.stats())
+            failures = step.failures + core.take_lora_failures()
+            send_outputs(encode, outputs, step.tokens, step.prompt_logprobs, failures, core.stats(), replies)
         elif changed:  # aborts freed blocks: the API's queue and KV gauges should see it
-            send_outputs(encode, outputs, [], [], [], core.stats())
+            send_outputs(encode, outputs, [], [], core.take_lora_failures(), core.stats(), replies)
 
 
 def send_outputs(
@@ -103,14 +109,20 @@ def send_outputs(
     prompt_logprobs: list[PromptLogprobs],
     failures: list[RequestFailure],
     stats: EngineStats,
+    lora_replies: list[LoRAReply] | None = None,
 ) -> None:
     """One step's outputs to the API processes: all of them to the only one, or else each process its
     own requests' (ids back to the process's own) and the stats to every process, which serve /metrics."""
     now = time.monotonic()
     if len(outputs) == 1:
-        outputs[0].send(encode(CoreOutputs(tokens, prompt_logprobs, stats, failures, now)))
+        outputs[0].send(
+            encode(CoreOutputs(tokens, prompt_logprobs, stats, failures, now, lora_replies or []))
+        )
         return
     routed = [CoreOutputs([], [], stats, [], now) for _ in outputs]
+    for reply in lora_replies or ():
+        api_index, reply.op_id = split_core_request_id(reply.op_id)
+        routed[api_index].lora_replies.append(reply)
     for token in tokens:
         api_index, token.request_id = split_core_request_id(token.request_id)
         routed[api_index].outputs.append(token)

@@ -64,9 +64,11 @@ class LLMEngine:
         arrival_time: float | None = None,
         validated_token_ids: list[int] | None = None,
         final_only: bool = False,
+        lora_name: str | None = None,
     ) -> None:
         """Queue a request. `validated_token_ids`: the result of an earlier `validate(prompt, params)`.
-        `final_only`: `step` returns its output once, when it finishes (`LLM.generate`)."""
+        `final_only`: `step` returns its output once, when it finishes (`LLM.generate`). `lora_name`:
+        a LoRA adapter the core serves (`core.lora_op` loads one)."""
         if request_id in self.output_processor.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         token_ids = validated_token_ids if validated_token_ids is not None else self.validate(prompt, params)
@@ -74,7 +76,7 @@ class LLMEngine:
         self.output_processor.add_request(
             request_id, prompt if isinstance(prompt, str) else None, token_ids, params, now, final_only
         )
-        self.core.add_request(AddRequest(request_id, token_ids, params, now))
+        self.core.add_request(AddRequest(request_id, token_ids, params, now, lora_name))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request at once and free its blocks; its final output says `finish_reason="abort"`
@@ -94,7 +96,7 @@ class LLMEngine:
         outputs, stops = self.output_processor.process(step.tokens, step.prompt_logprobs, now)
         for request_id, index in stops:
             self.core.abort(request_id, index)
-        for failure in step.failures:  # ended by the core: their final outputs say why
+        for failure in step.failures + self.core.take_lora_failures():  # ended by the core: finals say why
             final = self.output_processor.fail(failure.request_id, failure.message, now)
             if final is not None:
                 outputs.append(final)

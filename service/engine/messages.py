@@ -51,6 +51,8 @@ class EngineStats:
     spec_num_draft_tokens_total: int = 0
     spec_num_accepted_tokens_total: int = 0
     spec_accepted_per_position_total: list[int] = field(default_factory=list)
+    # LoRA adapters the core serves (name -> path; --enable-lora), so every API process knows them.
+    lora_adapters: dict[str, str] = field(default_factory=dict)
 
 
 # Upper bounds, in seconds, of the step duration histogram (`pagoda_engine_step_duration_seconds`).
@@ -67,6 +69,7 @@ class AddRequest(msgspec.Struct, tag=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float  # time.monotonic(): one clock for every process of the host
+    lora_name: str | None = None  # a LoRA adapter the core serves (None: the base model)
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -80,7 +83,16 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-CoreInput = AddRequest | Abort | Shutdown
+class LoRAOp(msgspec.Struct, tag=True):
+    """Load (`path` given) or unload a LoRA adapter; the core answers with a `LoRAReply` of `op_id`
+    (routed as request ids are)."""
+
+    op_id: str
+    name: str
+    path: str | None = None
+
+
+CoreInput = AddRequest | Abort | Shutdown | LoRAOp
 
 
 # ---- engine core -> API process -------------------------------------------------------------------
@@ -114,6 +126,13 @@ class RequestFailure(msgspec.Struct, array_like=True):
     message: str
 
 
+class LoRAReply(msgspec.Struct, array_like=True):
+    """A `LoRAOp` done (`error` None) or refused, with why."""
+
+    op_id: str
+    error: str | None = None
+
+
 class CoreOutputs(msgspec.Struct, tag=True):
     outputs: list[TokenOutput]
     prompt_logprobs: list[PromptLogprobs]
@@ -122,6 +141,7 @@ class CoreOutputs(msgspec.Struct, tag=True):
     # time.monotonic() in the core as it sent this (CLOCK_MONOTONIC: one clock for every process of a
     # host), so an API process can time the hop (`pagoda_output_delay_seconds{stage="core_to_api"}`).
     sent_at: float = 0.0
+    lora_replies: list[LoRAReply] = []
 
 
 class CoreReady(msgspec.Struct, tag=True):

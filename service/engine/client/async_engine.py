@@ -43,6 +43,7 @@ from pagoda.service.engine.messages import (
     CoreMessage,
     CoreReady,
     EngineStats,
+    LoRAOp,
     Shutdown,
     core_request_id,
     encoder,
@@ -96,6 +97,7 @@ class AsyncEngine:
         self._output_processor: OutputProcessor | None = None
         self._stats = EngineStats()
         self._streams: dict[str, OutputStream] = {}
+        self._lora_replies: dict[str, asyncio.Future[str | None]] = {}  # LoRAOp id -> its answer
         self._heard_at = time.monotonic()  # the core's last message, or when work began after none
         self._error: str | None = None
         self._ids = itertools.count()
@@ -224,7 +226,11 @@ class AsyncEngine:
             shutil.rmtree(self.link.socket_dir, ignore_errors=True)
 
     async def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Invalid input raises `InvalidRequestError` before any output;
         closing the stream early (client gone, task cancelled) aborts the request."""
@@ -253,7 +259,7 @@ class AsyncEngine:
             self._output_processor.add_request(
                 request_id, prompt if isinstance(prompt, str) else None, token_ids, params, now
             )
-            self._send(AddRequest(self._id_prefix + request_id, token_ids, params, now))
+            self._send(AddRequest(self._id_prefix + request_id, token_ids, params, now, lora_name))
             while True:
                 item = await stream.get()
                 if self.observe_delay is not None:
@@ -293,6 +299,19 @@ class AsyncEngine:
         if stream is not None:
             stream.put_nowait(final)
 
+    async def lora_op(self, name: str, path: str | None) -> str | None:
+        """Load (`path` given) or unload a LoRA adapter in the core; None when done, else why not."""
+        if self._error is not None:
+            raise EngineDeadError(self._error)
+        op_id = f"lora-{next(self._ids)}"
+        reply: asyncio.Future[str | None] = asyncio.get_running_loop().create_future()
+        self._lora_replies[op_id] = reply
+        try:
+            self._send(LoRAOp(self._id_prefix + op_id, name, path))
+            return await reply
+        finally:
+            self._lora_replies.pop(op_id, None)
+
     def _send(self, message: CoreInput) -> None:
         if self._error is None and not self._send_now(message):
             self.fail("the engine core closed its connection")
@@ -327,6 +346,10 @@ class AsyncEngine:
                 failed = self._streams.get(failure.request_id)
                 if failed is not None:
                     failed.put_nowait(RequestFailedError(failure.message))
+            for reply in message.lora_replies:
+                waiting = self._lora_replies.get(reply.op_id.removeprefix(self._id_prefix))
+                if waiting is not None and not waiting.done():
+                    waiting.set_result(reply.error)
             for output in outputs:
                 stream = self._streams.get(output.request_id)
                 if stream is not None:
@@ -347,3 +370,6 @@ class AsyncEngine:
         dead = EngineDeadError(f"the engine failed: {self._error}")
         for stream in self._streams.values():
             stream.put_nowait(dead)
+        for reply in self._lora_replies.values():
+            if not reply.done():
+                reply.set_exception(dead)

@@ -76,7 +76,8 @@ class BlockManager:
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else 0
+            # Under a LoRA adapter the same tokens hold other K and V: its chain starts elsewhere.
+            parent = hashes[-1] if hashes else (hash(("lora", req.lora_name)) if req.lora_name else 0)
             hashes.append(hash((parent, tuple(req.token_ids[i * bs : (i + 1) * bs]))))
         return hashes
 

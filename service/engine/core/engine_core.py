@@ -33,6 +33,7 @@ from typing import Any, NamedTuple, Protocol
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.core.block_manager import BlockManager
 from pagoda.service.engine.core.kv_events import build_publisher
+from pagoda.service.engine.core.lora_slots import LoRASlots
 from pagoda.service.engine.core.request import PLACEHOLDER, Request, RequestStatus
 from pagoda.service.engine.core.scheduler import GrammarBitmask, Scheduler, SchedulerOutput
 from pagoda.service.engine.core.speculation import Speculator
@@ -94,6 +95,10 @@ class ModelExecutor(Protocol):
     def propose_drafts(self, reqs: list[Request], k: list[int]) -> list[list[int]]:
         """A draft model's `k[i]` greedy tokens after each request's last token (speculative decoding
         with `{"model": ...}`); an executor without one raises."""
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Read and check a LoRA adapter (PEFT folder) against the model; raise ValueError saying why
+        it cannot be served. Its slot is loaded later, by the step that first needs it."""
 
     def check_alive(self) -> None:
         """Raise when a rank has died (the core then fails rather than hang in a collective)."""
@@ -175,12 +180,18 @@ class EngineCore:
             config.enable_prefix_caching,
             record_events=self.kv_events is not None,
         )
+        self.lora_slots = LoRASlots(config.lora.max_loras) if config.lora is not None else None
+        self._lora_failures: list[RequestFailure] = []  # requests of adapters unloaded under them
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             config.max_mixed_prefill_tokens,
+            self.lora_slots,
         )
+        for module in config.lora.modules if config.lora is not None else ():
+            if error := self.lora_op(module.name, module.path):
+                raise ValueError(f"--lora-modules {module.name}: {error}")
         self._requests: dict[str, list[Request]] = {}  # client request id -> its n sequences
         self._scheduled_time: dict[str, float] = {}  # sequence id -> first scheduled, until its first token
         self.prompt_tokens_total = 0
@@ -220,9 +231,19 @@ class EngineCore:
         """Queue a request validated by the API process (ids in range, room in the context)."""
         if req.request_id in self._requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.lora_name is not None and (
+            self.lora_slots is None or req.lora_name not in self.lora_slots.adapters
+        ):
+            # Unloaded after the API process checked the name: this request fails, nothing else.
+            self._lora_failures.append(
+                RequestFailure(req.request_id, f"no LoRA adapter {req.lora_name!r} is loaded")
+            )
+            return
         n = req.params.n
         seqs = [
-            Request(f"{req.request_id}#{i}", req.prompt_token_ids, req.params, req.arrival_time, index=i)
+            Request(
+                f"{req.request_id}#{i}", req.prompt_token_ids, req.params, req.arrival_time, i, req.lora_name
+            )
             for i in range(n)
         ]
         seqs[0].pending_forks = seqs[1:]
@@ -234,6 +255,35 @@ class EngineCore:
         else:
             self.scheduler.add(seqs[0])
         self.prompt_tokens_total += len(req.prompt_token_ids)
+
+    def lora_op(self, name: str, path: str | None) -> str | None:
+        """Load (`path` given) or unload adapter `name`; None when done, else why not. Unloading ends
+        the requests running under it (each a `RequestFailure`, from `take_lora_failures`)."""
+        if self.lora_slots is None:
+            return "LoRA adapters are not enabled on this server (--enable-lora)"
+        if path is None:
+            if name not in self.lora_slots.adapters:
+                return f"no LoRA adapter {name!r} is loaded"
+            for request_id, seqs in list(self._requests.items()):
+                if seqs[0].lora_name == name:
+                    self._lora_failures.append(
+                        RequestFailure(request_id, f"the LoRA adapter {name!r} was unloaded")
+                    )
+                    self.abort(request_id)
+            self.lora_slots.unregister(name)
+            return None
+        if name in self.lora_slots.adapters:
+            return f"a LoRA adapter named {name!r} is already loaded"
+        try:
+            self.executor.add_lora(name, path)
+        except ValueError as exc:
+            return str(exc)
+        self.lora_slots.register(name, path)
+        return None
+
+    def take_lora_failures(self) -> list[RequestFailure]:
+        failures, self._lora_failures = self._lora_failures, []
+        return failures
 
     def abort(self, request_id: str, index: int | None = None) -> None:
         """Free a request's sequences (or the one at `index`); unknown or finished ones are ignored."""
@@ -499,6 +549,7 @@ class EngineCore:
             step_seconds_sum=dict(self._step_seconds_sum),
             gc_pause_seconds_total=self.gc_pauses.seconds_total if self.gc_pauses else 0.0,
             gc_collections_total=self.gc_pauses.collections_total if self.gc_pauses else 0,
+            lora_adapters=dict(self.lora_slots.adapters) if self.lora_slots is not None else {},
             **self._spec_stats(),
         )
 

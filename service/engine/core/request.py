@@ -32,6 +32,7 @@ class Request:
         params: SamplingParams,
         arrival_time: float,
         index: int = 0,
+        lora_name: str | None = None,
     ) -> None:
         self.request_id = request_id  # unique per sequence: "<client id>" or "<client id>#<index>"
         self.index = index  # which of the client's n completions
@@ -53,6 +54,8 @@ class Request:
         self.wants_draft = False  # whether it drafts at the next step (its lookup found one; a draft model)
         self.draft_misses = 0  # misses in a row: lookups that found nothing, drafts rejected whole
         self.draft_pause = 0  # lookups to skip (after misses)
+        self.lora_name = lora_name  # the LoRA adapter it runs under (None: the base model)
+        self.lora_slot = -1  # the adapter's GPU slot while it runs (core/lora_slots.py)
 
     @property
     def num_tokens(self) -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagoda.service.engine.core.block_manager import BlockManager
+from pagoda.service.engine.core.lora_slots import LoRASlots
 from pagoda.service.engine.core.request import PLACEHOLDER, Request, RequestStatus
 
 
@@ -36,6 +37,7 @@ class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
     copy_ops: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks, before the step
+    lora_loads: list[tuple[int, str, str]] = field(default_factory=list)  # (slot, name, path), before it
 
     @property
     def total_num_tokens(self) -> int:
@@ -58,8 +60,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_mixed_prefill_tokens: int = 0,
+        lora_slots: LoRASlots | None = None,
     ) -> None:
         self.block_manager = block_manager
+        self.lora_slots = lora_slots  # with --enable-lora: the adapters' GPU slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # Prefill tokens a step may add beside running decodes (0: the whole step budget). Every stream
@@ -87,6 +91,7 @@ class Scheduler:
         for offset, child in enumerate(leader.pending_forks, start=1):
             self.block_manager.fork(leader, child)
             child.status = RequestStatus.RUNNING
+            child.lora_slot = leader.lora_slot
             self.running.insert(position + offset, child)
         leader.pending_forks = []
 
@@ -143,10 +148,14 @@ class Scheduler:
             break  # `req` itself was preempted: nothing newer is left to schedule
 
         # Admit waiting requests unless this step had to preempt.
+        passed: list[Request] = []  # waiting for an adapter slot: the ones behind go first meanwhile
         while self.waiting and min(budget, prefill_budget) > 0 and len(self.running) < self.max_num_seqs:
             if preempted:
                 break  # memory is tight
             req = self.waiting[0]
+            if req.lora_name is not None and not self._place_adapter(req):
+                passed.append(self.waiting.popleft())
+                continue
             num_cached = bm.num_cached_prefix_tokens(req)
             num_new = min(req.num_tokens - num_cached, budget, prefill_budget)
             if req.pending_forks:
@@ -164,7 +173,20 @@ class Scheduler:
             out.num_scheduled_tokens.append(num_new)
             budget -= num_new
             prefill_budget -= num_new
+        self.waiting.extendleft(reversed(passed))
+        if self.lora_slots is not None:
+            out.lora_loads = self.lora_slots.take_loads()
         return out
+
+    def _place_adapter(self, req: Request) -> bool:
+        """Give `req` its adapter's slot; False when the running requests hold every slot."""
+        assert self.lora_slots is not None and req.lora_name is not None
+        in_use = {r.lora_name for r in self.running if r.lora_name is not None}
+        slot = self.lora_slots.place(req.lora_name, in_use)
+        if slot is None:
+            return False
+        req.lora_slot = slot
+        return True
 
     def advance(self, out: SchedulerOutput) -> list[Request]:
         """Advance the computed counts once the runner has `out` (queued, or done); each request that

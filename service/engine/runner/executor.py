@@ -286,6 +286,10 @@ class Executor:
         """The draft model's drafts (rank 0 holds it; it has no collectives)."""
         return self.runner.propose_drafts(reqs, k)
 
+    def add_lora(self, name: str, path: str) -> None:
+        """Check a LoRA adapter on rank 0 (the other ranks read it when a step first places it)."""
+        self.runner.add_lora(name, path)
+
     def check_alive(self) -> None:
         """Raise RuntimeError if a worker died (or a step failed, or the executor was shut down)."""
         if self._failure is not None:

@@ -25,6 +25,7 @@ from pagoda.service.engine.core.scheduler import GrammarBitmask, SchedulerOutput
 from pagoda.service.engine.runner.block_tables import BlockTables
 from pagoda.service.engine.runner.cuda_graphs import StepGraphs
 from pagoda.service.engine.runner.draft_model import DraftModel
+from pagoda.service.engine.runner.lora import LoRARunner
 from pagoda.service.engine.runner.sampler import SampledBatch, Sampler, SampleResult, to_device
 from pagoda.service.engine.runner.spec_verify import verify_drafts
 from pagoda.service.model.attention import AttentionMetadata
@@ -99,6 +100,9 @@ class StepInput:
     # and how many tokens that step sampled (under TP, rank 0 broadcasts them to the other ranks).
     placeholders: list[tuple[int, int]]
     num_prev_tokens: int
+    lora_loads: list[tuple[int, str, str]] = field(
+        default_factory=list
+    )  # (slot, adapter, path) to load first
 
 
 @dataclass
@@ -178,6 +182,12 @@ class ModelRunner:
         else:
             self.model, self.model_config = load_model(model_path, self.dtype, self.device, tp)
         mc = self.model_config
+        # LoRA slots before the KV cache, whose budget is what they leave of the GPU's memory.
+        self.lora = (
+            LoRARunner(self.model, mc, config.lora, tp, self.dtype, self.device)
+            if config.lora is not None
+            else None
+        )
         self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads  # this rank's
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         self.draft: DraftModel | None = None  # speculative decoding's draft model, on rank 0
@@ -205,7 +215,9 @@ class ModelRunner:
         self.graphs: StepGraphs | None = None
         if self.device.type == "cuda":
             self._warm_up()
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.lora is not None and self.device.type == "cuda" and not config.enforce_eager:
+            logger.warning("LoRA: steps run eagerly (CUDA graphs do not carry the adapters' slots yet)")
+        if self.device.type == "cuda" and not config.enforce_eager and self.lora is None:
             self.graphs = StepGraphs(
                 self.model,
                 self.device,
@@ -301,6 +313,8 @@ class ModelRunner:
             "query_start_loc": query_start_loc,
             "max_query_len": counts.max(),
         }
+        if self.lora is not None:
+            batch["lora_slots"] = np.fromiter((r.lora_slot for r in reqs), dtype=np.int32, count=len(reqs))
         # Logits at position p score the prompt's token p + 1: a chunk scores up to the last prompt token.
         prompt_chunks = []
         for i, req in enumerate(reqs):
@@ -328,6 +342,7 @@ class ModelRunner:
             prompt_chunks,
             [(int(r), prev_rows[reqs[row[r]].request_id]) for r in placeholders],
             len(prev_rows),
+            list(out.lora_loads),
         )
 
     def _warm_up(self) -> None:
@@ -415,6 +430,9 @@ class ModelRunner:
         for src, dst in step.copy_ops:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
         fill_inputs = self._placeholder_fill(step, prev_tokens)
+        if self.lora is not None:
+            self.lora.load(step.lora_loads)
+            self.lora.set_step(step.batch)
         logits = self._forward_target(step, fill_inputs)
         if self.draft is not None:
             self.draft.copy_blocks(step.copy_ops)
@@ -426,6 +444,12 @@ class ModelRunner:
         if self.draft is None:
             raise ValueError("no draft model: speculative decoding's config names none")
         return self.draft.propose(reqs, self.block_tables.gather(reqs), k)
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Read and check a LoRA adapter into host memory (ValueError: why it cannot be served)."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters are not enabled (--enable-lora)")
+        self.lora.add(name, path)
 
     def _forward_target(self, step: StepInput, fill_inputs: InputFill | None) -> StepLogits:
         batch = step.batch

@@ -78,6 +78,9 @@ class NullExecutor:
     def propose_drafts(self, reqs: list[Request], k: list[int]) -> list[list[int]]:
         raise ValueError("the null executor has no draft model")
 
+    def add_lora(self, name: str, path: str) -> None:
+        raise ValueError("the null executor has no model to adapt")
+
     def check_alive(self) -> None:
         pass
 
