@@ -14,13 +14,23 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pagoda.kernels import reference
 
-__all__ = ["paged_attention", "rms_norm", "rotary_embedding", "silu_and_mul", "write_kv"]
+__all__ = [
+    "LoraSegments",
+    "lora_expand",
+    "lora_shrink",
+    "paged_attention",
+    "rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "write_kv",
+]
 
 _MODES = ("auto", "triton", "reference")
 
@@ -154,3 +164,41 @@ def rotary_embedding(
         reference.rotary_embedding(positions, q, k, cos_sin_cache)
     if kv_write is not None:
         reference.write_kv(k, *kv_write)
+
+
+@dataclass(frozen=True)
+class LoraSegments:
+    """Runs of consecutive tokens that share one slot (a prefill's sequences): the SGMV form."""
+
+    starts: torch.Tensor  # [G + 1] int32 token offsets, starts[0] == 0, starts[G] == T
+    slots: torch.Tensor  # [G] int32, the slot of each run (-1: no adapter)
+    max_len: int  # the longest run, on the host (sizes the grid)
+
+
+def lora_shrink(
+    x: torch.Tensor,  # [T, K] activations (bf16, fp16 or fp32)
+    a: torch.Tensor,  # [num_slots, S, R, K]: each slot's A of each slice, rank padded to R with zero rows
+    token_slots: torch.Tensor,  # [T] int32: each token's slot, -1 for none
+    segments: LoraSegments | None = None,  # given: SGMV over runs (prefill); None: BGMV, a token at a time
+) -> torch.Tensor:  # [S, T, R] float32; rows of tokens with slot -1 are zero
+    """A LoRA's first product for every token and slice, `v[s, t] = a[slot(t), s] @ x[t]`, each token
+    with its own adapter. `segments` (the runs of `token_slots`) only pick the kernel's form."""
+    if use_triton(x):
+        return _triton_fn("lora", "lora_shrink")(x, a, token_slots, segments)
+    return reference.lora_shrink(x, a, token_slots)
+
+
+def lora_expand(
+    v: torch.Tensor,  # [S, T, R] float32 (lora_shrink's output)
+    b: torch.Tensor,  # [num_slots, N, R]: each slot's B of the S slices stacked along N, scaling folded in
+    token_slots: torch.Tensor,  # [T] int32
+    y: torch.Tensor,  # [T, N], added to in place
+    slice_starts: tuple[int, ...],  # S + 1 ints: slice s owns columns slice_starts[s]:slice_starts[s + 1]
+    segments: LoraSegments | None = None,
+) -> None:
+    """A LoRA's second product added to the projection's output: `y[t, n] += v[s(n), t] @ b[slot(t), n]`
+    in float32, rounded once to y's dtype; rows of tokens with slot -1 are not touched."""
+    if use_triton(y):
+        _triton_fn("lora", "lora_expand")(v, b, token_slots, y, slice_starts, segments)
+        return
+    reference.lora_expand(v, b, token_slots, y, slice_starts)

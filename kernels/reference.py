@@ -14,6 +14,7 @@ Layouts shared by every attention function:
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -197,3 +198,52 @@ def scale_product(
 ) -> torch.Tensor:  # [M, N] in `dtype`
     """`acc * row_scale * col_scale` in float32, rounded once to `dtype`."""
     return ((acc.float() * row_scale.view(-1, 1)) * col_scale.view(1, -1)).to(dtype)
+
+
+# Multi-LoRA layouts (`lora_shrink`, `lora_expand`): adapters sit in slots; a token's slot is -1 when it
+# has none. A merged projection (q/k/v, gate/up) has S slices: slice s owns the output columns
+# `slice_starts[s]:slice_starts[s + 1]`, and each slot holds one A and one B per slice.
+# - A: `[num_slots, S, R, K]`, each slot's A of each slice; an adapter of rank r < R fills rows :r and
+#   leaves the rest zero.
+# - B: `[num_slots, N, R]`, each slot's B of the S slices stacked along N (alpha / r folded in); columns
+#   r: are zero for an adapter of rank r.
+# - The shrink's product v: `[S, T, R]` float32.
+
+
+def lora_shrink(
+    x: torch.Tensor,  # [T, K]
+    a: torch.Tensor,  # [num_slots, S, R, K]
+    token_slots: torch.Tensor,  # [T] int32, -1: no adapter
+) -> torch.Tensor:  # [S, T, R] float32
+    """`v[s, t] = a[slot(t), s] @ x[t]` in float32 for every slice; zero rows for tokens of slot -1."""
+    num_slices, rank = a.shape[1], a.shape[2]
+    v = torch.zeros(num_slices, x.shape[0], rank, dtype=torch.float32, device=x.device)
+    for slot in token_slots.unique().tolist():
+        if slot < 0:
+            continue
+        rows = (token_slots == slot).nonzero().squeeze(1)
+        v[:, rows] = x[rows].float() @ a[slot].float().transpose(1, 2)  # [T', K] @ [S, K, R]
+    return v
+
+
+def lora_expand(
+    v: torch.Tensor,  # [S, T, R] float32
+    b: torch.Tensor,  # [num_slots, N, R]
+    token_slots: torch.Tensor,  # [T] int32, -1: no adapter
+    y: torch.Tensor,  # [T, N], added to in place
+    slice_starts: tuple[int, ...],  # S + 1 column offsets into y and b
+) -> None:
+    """`y[t, n] += v[s, t] @ b[slot(t), n]` for the slice s that owns column n, summed in float32 with
+    y's value and rounded once to y's dtype; rows of tokens of slot -1 are left as they are."""
+    for slot in token_slots.unique().tolist():
+        if slot < 0:
+            continue
+        rows = (token_slots == slot).nonzero().squeeze(1)
+        delta = torch.cat(
+            [
+                v[s, rows] @ b[slot, lo:hi].float().t()  # [T', R] @ [R, hi - lo]
+                for s, (lo, hi) in enumerate(itertools.pairwise(slice_starts))
+            ],
+            dim=1,
+        )
+        y[rows] = (y[rows].float() + delta).to(y.dtype)

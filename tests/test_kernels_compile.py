@@ -28,6 +28,12 @@ def test_every_kernel_compiles_for_sm90(tmp_path: Path) -> None:
     kernels = {line.split(": ")[1].split(" ")[0] for line in lines}
     assert len(lines) >= 20 and not any(line.startswith("FAIL") for line in lines)
     assert {"_rotary_kernel", "_rms_norm_kernel", "_decode_kernel", "_prefill_kernel"} <= kernels, kernels
+    assert {
+        "_bgmv_shrink_kernel",
+        "_bgmv_expand_kernel",
+        "_sgmv_shrink_kernel",
+        "_sgmv_expand_kernel",
+    } <= kernels
 
 
 def test_fp8_decode_widens_v_before_shared_memory(tmp_path: Path) -> None:

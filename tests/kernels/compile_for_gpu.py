@@ -40,7 +40,9 @@ _TYPES = {
 _OPTIONS = ("num_warps", "num_stages")
 
 
-def _type(value: Any) -> str:
+def _type(value: Any) -> str | tuple:
+    if isinstance(value, tuple):  # a tuple argument (lora's slice_starts): its elements' types
+        return tuple(_type(v) for v in value)
     if isinstance(value, torch.Tensor):
         return "*" + _TYPES[value.dtype]
     if isinstance(value, bool):
@@ -115,7 +117,17 @@ def fp8_decode_ptx() -> dict[str, dict[str, int]]:
 
 def _launches() -> list[tuple[str, Callable[[], object]]]:
     """Each wrapper call on CPU tensors, with the shapes and flags the engine uses (Llama-3-8B-like)."""
-    from pagoda.kernels import activation, attention, fp8_gemm, kv_cache, norm, quant, rotary
+    from pagoda.kernels import (
+        LoraSegments,
+        activation,
+        attention,
+        fp8_gemm,
+        kv_cache,
+        lora,
+        norm,
+        quant,
+        rotary,
+    )
 
     bf16, f32, fp8 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
 
@@ -135,6 +147,20 @@ def _launches() -> list[tuple[str, Callable[[], object]]]:
     q_scales = (r(4, 1, dtype=f32), r(1, 8 * 128, dtype=f32))
 
     v8_token_major = kv_cache.cache_view(r(num_blocks, block * 2 * 128, dtype=fp8), block, 2, 128, True)
+
+    # Multi-LoRA at the GPU's tiles (a CUDA device's LoraConfig), qkv of Llama-3-8B: 3 slices, rank 16.
+    lora_cfg = lora.LoraConfig()
+    lora_slots = torch.tensor([0, -1, 2, 2], dtype=torch.int32)
+    runs = LoraSegments(
+        torch.tensor([0, 1, 2, 4], dtype=torch.int32), torch.tensor([0, -1, 2], dtype=torch.int32), 2
+    )
+    qkv_starts = (0, 4096, 5120, 6144)
+
+    def lora_call(segments: LoraSegments | None, dtype: torch.dtype = bf16) -> None:
+        v = lora.lora_shrink(r(4, 4096, dtype=dtype), r(3, 3, 16, 4096, dtype=dtype), lora_slots, segments,
+                             config=lora_cfg)  # fmt: skip
+        lora.lora_expand(v, r(3, 6144, 16, dtype=dtype), lora_slots, r(4, 6144, dtype=dtype), qkv_starts,
+                         segments, config=lora_cfg)  # fmt: skip
 
     def attention_call(
         query_len: int, kv: torch.Tensor, v: torch.Tensor | None = None, **decode: Any
@@ -223,6 +249,9 @@ def _launches() -> list[tuple[str, Callable[[], object]]]:
         ("attention prefill fp8", lambda: attention_call(7, cache8)),
         ("attention decode fp8 V token-major", lambda: attention_call(1, cache8, v=v8_token_major)),
         ("attention prefill fp8 V token-major", lambda: attention_call(7, cache8, v=v8_token_major)),
+        ("lora bgmv", lambda: lora_call(None)),
+        ("lora sgmv", lambda: lora_call(runs)),
+        ("lora sgmv float32", lambda: lora_call(runs, f32)),
         (
             "fp8 w8a16",
             lambda: fp8_gemm.fp8_matmul_w8a16(r(4, 512), r(256, 512, dtype=fp8), r(256, dtype=f32)),
