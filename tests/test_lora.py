@@ -1,0 +1,264 @@
+"""Multi-LoRA serving against transformers + PEFT, token for token (fp32, random checkpoints and random
+adapters), and the refusals: what does not fit the model or the limits, and what is not loaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pagoda.service.engine.core.lora_slots import LoRASlots
+from pagoda.service.llm import LLM, LoRARequest
+from pagoda.service.sampling_params import SamplingParams
+from tests.test_engine_greedy import random_prompts
+
+NEW_TOKENS = 16
+ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def write_adapter(base: Path, folder: Path, seed: int, **lora: Any) -> Path:
+    """A PEFT LoRA adapter of `base` with random A and B (PEFT starts B at zero: no change at all)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(**lora))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0.0, 0.2)
+    peft_model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def adapters(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        # Every projection, rank 8; and q/v only, rank 4, rsLoRA's scaling.
+        "every": write_adapter(llama_ckpt, root / "every", 1, r=8, lora_alpha=16, target_modules=ALL_MODULES),
+        "qv": write_adapter(
+            llama_ckpt,
+            root / "qv",
+            2,
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "v_proj"],
+            use_rslora=True,
+        ),
+        "too_wide": write_adapter(
+            llama_ckpt, root / "too_wide", 3, r=32, lora_alpha=32, target_modules=["q_proj"]
+        ),
+    }
+
+
+def _peft_greedy(
+    base: Path, adapter: Path | None, prompts: list[list[int]], hf_greedy: Any
+) -> list[list[int]]:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter).eval()
+    return hf_greedy(model, prompts, NEW_TOKENS)
+
+
+def test_a_mixed_batch_of_two_adapters_and_the_base_equals_peft(
+    llama_ckpt: Path, adapters: dict[str, Path], hf_greedy: Any
+) -> None:
+    """One batch: base-model prompts and prompts under two adapters of different ranks and modules,
+    interleaved (so runs of tokens switch adapters inside a step), chunked prefill, then decode;
+    greedy output equals transformers + PEFT for each prompt under its own adapter."""
+    prompts = random_prompts([5, 19, 8, 33, 12, 3], seed=4)
+    kinds: list[str | None] = [None, "every", "qv", "every", None, "qv"]
+    expected = {
+        kind: _peft_greedy(llama_ckpt, adapters[kind] if kind else None, prompts, hf_greedy)
+        for kind in (None, "every", "qv")
+    }
+    llm = LLM(
+        str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=32,
+        enable_lora=True, max_loras=2, max_lora_rank=8,
+    )  # fmt: skip
+    requests = [LoRARequest(k, i, str(adapters[k])) if k else None for i, k in enumerate(kinds, 1)]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=requests)]
+    assert got == [expected[k][i] for i, k in enumerate(kinds)]
+    # The adapters change the output: a base-model engine would not pass.
+    assert expected["every"] != expected[None] and expected["qv"] != expected[None]
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_an_adapter_is_loaded_at_run_time_then_unloaded(
+    llama_ckpt: Path, adapters: dict[str, Path], hf_greedy: Any
+) -> None:
+    """One slot, two adapters: the second waits for the first's requests, takes its slot, and is
+    right; after unloading, a request for it is refused. The prefix cache never serves one adapter's
+    blocks to another's request (the same prompt under each)."""
+    prompt = random_prompts([40], seed=9)
+    llm = LLM(
+        str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=8 << 20, enable_lora=True, max_loras=1,
+        max_lora_rank=8,
+    )  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    every = LoRARequest("every", 1, str(adapters["every"]))
+    qv = LoRARequest("qv", 2, str(adapters["qv"]))
+    got = llm.generate(prompt * 3, params, lora_request=[every, qv, None])
+    assert [o.outputs[0].token_ids for o in got] == [
+        _peft_greedy(llama_ckpt, adapters["every"], prompt, hf_greedy)[0],
+        _peft_greedy(llama_ckpt, adapters["qv"], prompt, hf_greedy)[0],
+        _peft_greedy(llama_ckpt, None, prompt, hf_greedy)[0],
+    ]
+    assert set(llm.engine.stats().lora_adapters) == {"every", "qv"}
+    llm.unload_lora("qv")
+    assert set(llm.engine.stats().lora_adapters) == {"every"}
+    with pytest.raises(ValueError, match="no LoRA adapter 'qv' is loaded"):
+        llm.unload_lora("qv")
+    llm.engine.add_request("gone", prompt[0], params, lora_name="qv")
+    outputs = llm.engine.step()
+    assert [o.request_id for o in outputs] == ["gone"] and outputs[0].finished
+
+
+def test_adapters_that_do_not_fit_are_refused_with_the_reason(
+    llama_ckpt: Path, qwen2_ckpt: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    llm = LLM(
+        str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=8 << 20, enable_lora=True, max_lora_rank=16
+    )
+    core = llm.engine.core
+    assert "rank 32 is above --max-lora-rank 16" in (core.lora_op("wide", str(adapters["too_wide"])) or "")
+    assert "no adapter_config.json" in (core.lora_op("none", str(tmp_path)) or "")
+    embed = write_adapter(llama_ckpt, tmp_path / "embed", 4, r=4, target_modules=["q_proj", "embed_tokens"])
+    assert "embed_tokens" in (core.lora_op("embed", str(embed)) or "")
+    # An adapter of a model with other shapes (Qwen2 here has the same sizes: widen one).
+    from transformers import LlamaConfig
+
+    other = LlamaConfig.from_pretrained(llama_ckpt)
+    other.intermediate_size = 96
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(other).save_pretrained(tmp_path / "other")
+    mismatched = write_adapter(
+        tmp_path / "other", tmp_path / "mismatched", 5, r=4, target_modules=["up_proj"]
+    )
+    assert "another model" in (core.lora_op("mismatched", str(mismatched)) or "")
+    assert core.lora_op("every", str(adapters["every"])) is None
+    assert "already loaded" in (core.lora_op("every", str(adapters["every"])) or "")
+    assert set(llm.engine.stats().lora_adapters) == {"every"}
+    plain = LLM(str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=8 << 20)
+    assert "not enabled" in (plain.engine.core.lora_op("every", str(adapters["every"])) or "")
+
+
+def test_slots_go_to_the_least_recently_used_adapter_no_running_request_holds() -> None:
+    slots = LoRASlots(2)
+    for name in "abc":
+        slots.register(name, f"/{name}")
+    assert slots.place("a", set()) == 0 and slots.place("b", {"a"}) == 1
+    assert slots.take_loads() == [(0, "a", "/a"), (1, "b", "/b")]
+    assert slots.place("c", {"a", "b"}) is None  # both in use
+    assert slots.place("a", {"b"}) == 0  # placed already: no load, and now the most recent
+    assert slots.place("c", {"b"}) == 0  # a is not in use: it leaves, though b is older
+    assert slots.take_loads() == [(0, "c", "/c")]
+    assert slots.place("b", {"b", "c"}) == 1  # its own adapter in use is no obstacle
+    slots.register("c", "/elsewhere")  # re-pointed: loaded again at its next use
+    assert slots.place("c", set()) == 0 and slots.take_loads() == [(0, "c", "/elsewhere")]
+    slots.unregister("b")
+    assert slots.place("a", {"c"}) == 1 and slots.take_loads() == [(1, "a", "/a")]
+
+
+def test_tensor_parallel_adapters_give_the_single_rank_output(
+    llama_ckpt: Path, adapters: dict[str, Path]
+) -> None:
+    """TP 2 (gloo): q/k/v and gate/up keep their rows of B, o and down their columns of A (the shrink
+    summed over ranks); with an n = 2 request whose forks share its adapter."""
+    prompts = random_prompts([6, 21, 11], seed=5)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS),
+        SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, n=2),
+        SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS),
+    ]
+    requests = [
+        LoRARequest("every", 1, str(adapters["every"])),
+        LoRARequest("qv", 2, str(adapters["qv"])),
+        None,
+    ]
+    common: dict[str, Any] = {
+        "dtype": "float32", "kv_cache_memory_bytes": 8 << 20, "enable_lora": True, "max_loras": 2,
+        "max_lora_rank": 8,
+    }  # fmt: skip
+    one = [
+        [c.token_ids for c in o.outputs]
+        for o in LLM(str(llama_ckpt), **common).generate(prompts, params, requests)
+    ]
+    with LLM(str(llama_ckpt), tensor_parallel_size=2, **common) as tp2:
+        two = [[c.token_ids for c in o.outputs] for o in tp2.generate(prompts, params, requests)]
+    assert two == one
+    assert one[1][0] == one[1][1]  # greedy forks under one adapter agree
+
+
+def test_pagoda_serve_adapters_through_the_openai_client(
+    llama_ckpt: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """`pagoda serve --enable-lora --lora-modules`: /v1/models lists the base and each adapter with its
+    parent; a completion naming an adapter is the offline engine's under it; an adapter loaded at run
+    time serves, a bad one is a 400 saying why, an unloaded one a 404."""
+    import httpx
+    import openai
+
+    from pagoda.service.serve_process import ServeProcess
+
+    prompt = random_prompts([13], seed=6)[0]
+    offline = LLM(
+        str(llama_ckpt),
+        dtype="float32",
+        kv_cache_memory_bytes=8 << 20,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+    )
+    greedy = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    expected = {
+        name: offline.generate([prompt], greedy, LoRARequest(name, 1, str(adapters[name])))[0].outputs[0].text
+        for name in ("every", "qv")
+    }
+    args = [
+        "--model", str(llama_ckpt), "--served-model-name", "tiny", "--kv-cache-memory-bytes", str(8 << 20),
+        "--enable-lora", "--lora-modules", f"every={adapters['every']}", "--max-loras", "2",
+        "--max-lora-rank", "8",
+    ]  # fmt: skip
+    with ServeProcess(args, log_path=tmp_path / "serve.log") as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none")
+        models = {m.id: m for m in client.models.list().data}
+        assert set(models) == {"tiny", "every"}
+        assert models["every"].model_extra == {
+            "max_model_len": models["tiny"].model_extra["max_model_len"],  # type: ignore[index]
+            "root": str(adapters["every"]),
+            "parent": "tiny",
+        }
+        done = client.completions.create(model="every", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0)
+        assert done.model == "every" and done.choices[0].text == expected["every"]
+
+        base = server.base_url
+        refused = httpx.post(
+            f"{base}/v1/load_lora_adapter", json={"lora_name": "wide", "lora_path": str(adapters["too_wide"])}
+        )
+        assert refused.status_code == 400 and "rank 32 is above --max-lora-rank 8" in refused.text
+        loaded = httpx.post(
+            f"{base}/v1/load_lora_adapter", json={"lora_name": "qv", "lora_path": str(adapters["qv"])}
+        )
+        assert loaded.status_code == 200, loaded.text
+        stream = client.completions.create(
+            model="qv", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stream=True
+        )
+        assert "".join(c.choices[0].text for c in stream if c.choices) == expected["qv"]
+
+        assert httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "qv"}).status_code == 200
+        gone = httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "qv"})
+        assert gone.status_code == 404 and "no LoRA adapter 'qv'" in gone.text
+        with pytest.raises(openai.NotFoundError, match="'qv' does not exist"):
+            client.completions.create(model="qv", prompt=prompt, max_tokens=4)
+        assert {m.id for m in client.models.list().data} == {"tiny", "every"}
