@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -134,6 +135,8 @@ class _EngineCollector:
             yield family
         if stats.spec_num_drafts_total is not None:
             yield from _spec_decode_metrics(stats, model)
+        if stats.max_loras:
+            yield from _lora_metrics(stats, model)
         yield InfoMetricFamily(
             "vllm:cache_config",
             "KV cache configuration (vLLM name).",
@@ -159,6 +162,38 @@ def _spec_decode_metrics(stats: Any, model: str) -> Iterator[Metric]:
     for position, value in enumerate(stats.spec_accepted_per_position_total):
         per_position.add_metric([model, str(position)], value)
     yield per_position
+
+
+def _lora_metrics(stats: Any, model: str) -> Iterator[Metric]:
+    """With --enable-lora: vLLM's `lora_requests_info` and Pagoda's per-adapter counters."""
+    info = GaugeMetricFamily(
+        "vllm:lora_requests_info",
+        "Adapters of running and waiting requests and the slot count; the value is the time (vLLM name).",
+        labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+    )
+    info.add_metric(
+        [",".join(stats.lora_running), ",".join(stats.lora_waiting), str(stats.max_loras)], time.time()
+    )
+    yield info
+    for name, doc, values in [
+        ("pagoda_lora_requests", "Requests under each LoRA adapter.", stats.lora_requests_total),
+        (
+            "pagoda_lora_generation_tokens",
+            "Tokens generated under each adapter.",
+            stats.lora_generation_tokens_total,
+        ),
+        ("pagoda_lora_loads", "Adapter loads: its files read and checked.", stats.lora_loads_total),
+        ("pagoda_lora_load_seconds", "Seconds spent loading each adapter.", stats.lora_load_seconds_total),
+        (
+            "pagoda_lora_slot_loads",
+            "Placements of each adapter into a GPU slot.",
+            stats.lora_slot_loads_total,
+        ),
+    ]:
+        family = CounterMetricFamily(name, doc, labels=["model_name", "lora_name"])
+        for adapter, value in sorted(values.items()):
+            family.add_metric([model, adapter], value)
+        yield family
 
 
 class _GpuCollector:

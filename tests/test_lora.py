@@ -3,6 +3,7 @@ adapters), and the refusals: what does not fit the model or the limits, and what
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -262,3 +263,21 @@ def test_pagoda_serve_adapters_through_the_openai_client(
         with pytest.raises(openai.NotFoundError, match="'qv' does not exist"):
             client.completions.create(model="qv", prompt=prompt, max_tokens=4)
         assert {m.id for m in client.models.list().data} == {"tiny", "every"}
+        metrics = httpx.get(f"{base}/metrics").text
+
+    def series(name: str, adapter: str) -> float:
+        found = re.search(rf'^{name}{{lora_name="{adapter}",model_name="tiny"}} (\S+)$', metrics, re.M)
+        assert found is not None, (name, adapter, metrics)
+        return float(found.group(1))
+
+    assert (
+        series("pagoda_lora_requests_total", "every") == 1 and series("pagoda_lora_requests_total", "qv") == 1
+    )
+    assert series("pagoda_lora_generation_tokens_total", "every") == done.usage.completion_tokens  # type: ignore[union-attr]
+    assert series("pagoda_lora_loads_total", "qv") == 1 and series("pagoda_lora_load_seconds_total", "qv") > 0
+    assert series("pagoda_lora_slot_loads_total", "qv") == 1
+    assert re.search(
+        r'^vllm:lora_requests_info\{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""\} ',
+        metrics,
+        re.M,
+    )

@@ -393,7 +393,7 @@ def _documented_metrics() -> tuple[list[str], list[str]]:
     for line in doc.splitlines():
         if line.startswith("## "):
             section = line
-        elif any(w in section for w in ("operator", "router", "Speculative")):  # not this server's
+        elif any(w in section for w in ("operator", "router", "Speculative", "LoRA")):  # not this server's
             continue
         elif match := re.match(r"\| `([a-z0-9_:]+)` \|", line):
             (gpu_only if "GPU" in section else always).append(match.group(1))

@@ -53,6 +53,16 @@ class EngineStats:
     spec_accepted_per_position_total: list[int] = field(default_factory=list)
     # LoRA adapters the core serves (name -> path; --enable-lora), so every API process knows them.
     lora_adapters: dict[str, str] = field(default_factory=dict)
+    max_loras: int = 0  # GPU slots (0: LoRA off)
+    lora_running: list[str] = field(default_factory=list)  # adapters of running / waiting requests
+    lora_waiting: list[str] = field(default_factory=list)
+    # Per adapter, since start (unloaded ones stay): requests, generated tokens, loads (reading and
+    # checking its files) with their seconds, and placements into a GPU slot.
+    lora_requests_total: dict[str, int] = field(default_factory=dict)
+    lora_generation_tokens_total: dict[str, int] = field(default_factory=dict)
+    lora_loads_total: dict[str, int] = field(default_factory=dict)
+    lora_load_seconds_total: dict[str, float] = field(default_factory=dict)
+    lora_slot_loads_total: dict[str, int] = field(default_factory=dict)
 
 
 # Upper bounds, in seconds, of the step duration histogram (`pagoda_engine_step_duration_seconds`).

@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -182,6 +183,8 @@ class EngineCore:
         )
         self.lora_slots = LoRASlots(config.lora.max_loras) if config.lora is not None else None
         self._lora_failures: list[RequestFailure] = []  # requests of adapters unloaded under them
+        self._lora_counts: dict[str, Counter[str]] = {k: Counter() for k in ("requests", "tokens", "loads")}
+        self._lora_load_seconds: dict[str, float] = {}
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_num_seqs,
@@ -248,6 +251,8 @@ class EngineCore:
         ]
         seqs[0].pending_forks = seqs[1:]
         self._requests[req.request_id] = seqs
+        if req.lora_name is not None:
+            self._lora_counts["requests"][req.lora_name] += 1
         if _needs_turns(req.params):
             self._taking_turns.add(req.request_id)
         if req.params.grammar is not None:  # scheduled once its grammar is compiled, off this thread
@@ -274,10 +279,13 @@ class EngineCore:
             return None
         if name in self.lora_slots.adapters:
             return f"a LoRA adapter named {name!r} is already loaded"
+        started = time.monotonic()
         try:
             self.executor.add_lora(name, path)
         except ValueError as exc:
             return str(exc)
+        self._lora_counts["loads"][name] += 1
+        self._lora_load_seconds[name] = self._lora_load_seconds.get(name, 0.0) + time.monotonic() - started
         self.lora_slots.register(name, path)
         return None
 
@@ -418,6 +426,8 @@ class EngineCore:
             for sample in samples:  # one token, or the accepted drafts and the verifier's token
                 seq.token_ids.append(sample.token_id)
                 self.generation_tokens_total += 1
+                if seq.lora_name is not None:
+                    self._lora_counts["tokens"][seq.lora_name] += 1
                 output = TokenOutput(client_id, seq.index, sample)
                 if seq.num_output_tokens == 1:
                     output.num_cached_tokens = seq.num_cached_tokens
@@ -549,9 +559,26 @@ class EngineCore:
             step_seconds_sum=dict(self._step_seconds_sum),
             gc_pause_seconds_total=self.gc_pauses.seconds_total if self.gc_pauses else 0.0,
             gc_collections_total=self.gc_pauses.collections_total if self.gc_pauses else 0,
-            lora_adapters=dict(self.lora_slots.adapters) if self.lora_slots is not None else {},
             **self._spec_stats(),
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict[str, Any]:
+        slots = self.lora_slots
+        if slots is None:
+            return {}
+        sched = self.scheduler
+        return {
+            "lora_adapters": dict(slots.adapters),
+            "max_loras": slots.max_loras,
+            "lora_running": sorted({r.lora_name for r in sched.running if r.lora_name is not None}),
+            "lora_waiting": sorted({r.lora_name for r in sched.waiting if r.lora_name is not None}),
+            "lora_requests_total": dict(self._lora_counts["requests"]),
+            "lora_generation_tokens_total": dict(self._lora_counts["tokens"]),
+            "lora_loads_total": dict(self._lora_counts["loads"]),
+            "lora_load_seconds_total": dict(self._lora_load_seconds),
+            "lora_slot_loads_total": dict(slots.slot_loads_total),
+        }
 
     def _spec_stats(self) -> dict[str, Any]:
         if self.speculator is None:

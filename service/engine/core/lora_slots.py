@@ -11,7 +11,7 @@ No torch in this module.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 
 class LoRASlots:
@@ -21,6 +21,7 @@ class LoRASlots:
         self._slot_of: OrderedDict[str, int] = OrderedDict()  # placed, least recently used first
         self._free = list(range(max_loras))
         self._loads: list[tuple[int, str, str]] = []  # (slot, name, path) placed since the last step
+        self.slot_loads_total: Counter[str] = Counter()  # placements into a slot, by adapter
 
     def register(self, name: str, path: str) -> None:
         """Add (or re-point) an adapter; a re-pointed one is loaded again where it is next used."""
@@ -50,6 +51,7 @@ class LoRASlots:
             slot = self._slot_of.pop(evicted)
         self._slot_of[name] = slot
         self._loads.append((slot, name, self.adapters[name]))
+        self.slot_loads_total[name] += 1
         return slot
 
     def take_loads(self) -> list[tuple[int, str, str]]:
