@@ -56,7 +56,7 @@ class LoraConfig:
     # BGMV: elements of a program's tile of A ([S x R, BLOCK_K]) or B ([BLOCK_N, R]), at least 16 columns
     # or rows: 4096 is 32 float32 registers a thread at 4 warps (BLOCK_K 64 at qkv's S x R = 3 x 16).
     gemv_tile: int = 4096
-    programs_per_sm: int = 2  # the shrink splits K until about this many programs an SM
+    programs_per_sm: int = 2  # the shrink splits K until about this many programs an SM (0: never)
     num_warps: int = 4
 
 

@@ -3,7 +3,10 @@
 Like NIMCache / KServe's LocalModelCache: `model.cache` on a `uri` source makes the operator create
 a PersistentVolumeClaim and a Job running `pagoda download` (in the server image: nothing installed at
 start-up) that fills it; the server pods mount the claim read-only once the Job has completed. Names
-carry a digest of repo@revision, so a new revision gets a new claim and Job. Pure builders and the
+carry a digest of repo@revision, so a new revision gets a new claim and Job. LoRA adapters with a `uri`
+source are fetched by the same Job into the same claim (one init container each, before the model):
+the Job's name also carries their digest, so a changed adapter list gets a new Job on the same claim,
+which finds the model already there (`pagoda download` skips a finished folder). Pure builders and the
 state read from the Job; reconcile.py applies them.
 """
 
@@ -11,12 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 from pagoda.operator import sources
 from pagoda.operator.gpus import GPU_TOLERATION
-from pagoda.operator.spec import OperatorConfig, ServiceSpec
+from pagoda.operator.spec import Adapter, OperatorConfig, ServiceSpec
 
 CacheState = Literal["Caching", "Cached", "Failed"]
 MOUNT = "/models"
@@ -40,10 +43,29 @@ class CacheStatus:
         }
 
 
+def uri_adapters(spec: ServiceSpec) -> tuple[Adapter, ...]:
+    """The adapters the cache Job downloads."""
+    return tuple(a for a in spec.adapters if a.source.kind == "uri")
+
+
+def _name(spec: ServiceSpec, with_adapters: bool) -> str:
+    key = sources.label(spec.source.location)
+    if with_adapters:  # nothing added without uri adapters: the names of caches made before them stay
+        key += "".join(f" {a.name}={sources.label(a.source.location)}" for a in uri_adapters(spec))
+    return f"{spec.name[:47]}-model-{hashlib.sha256(key.encode()).hexdigest()[:8]}"
+
+
 def cache_name(spec: ServiceSpec) -> str:
-    """`<service>-model-<8 hex of repo@revision or the URI>`: one claim and one Job per model version."""
-    digest = hashlib.sha256(sources.label(spec.source.location).encode()).hexdigest()[:8]
-    return f"{spec.name[:47]}-model-{digest}"
+    """The claim: `<service>-model-<8 hex of repo@revision or the URI>`, one per model version. A
+    ReadWriteOncePod claim, which a new download Job cannot mount while the server pods hold it, is one
+    per model version and adapter list."""
+    cache = spec.cache
+    return _name(spec, with_adapters=cache is not None and cache.access_mode == "ReadWriteOncePod")
+
+
+def job_name(spec: ServiceSpec) -> str:
+    """The download Job: one per model version and list of uri adapters (the claim's name without any)."""
+    return _name(spec, with_adapters=True)
 
 
 def selector(spec: ServiceSpec) -> str:
@@ -51,16 +73,23 @@ def selector(spec: ServiceSpec) -> str:
     return f"app.kubernetes.io/name=pagoda-model-cache,app.kubernetes.io/instance={spec.name}"
 
 
-def stale(spec: ServiceSpec, objects: Iterable[Mapping[str, Any]]) -> list[str]:
-    """Names of cache objects of other revisions (to delete once this revision is cached)."""
-    return sorted({o["metadata"]["name"] for o in objects} - {cache_name(spec)})
+def stale(spec: ServiceSpec, kind: str, objects: Iterable[Mapping[str, Any]]) -> list[str]:
+    """Names of cache Jobs or claims (`kind`) of other revisions or adapter lists (to delete once this
+    one is cached)."""
+    keep = job_name(spec) if kind == "Job" else cache_name(spec)
+    return sorted({o["metadata"]["name"] for o in objects} - {keep})
 
 
 def last_words(pods: Iterable[Mapping[str, Any]]) -> str | None:
-    """The download pod's own error (its termination message: the downloader's one line)."""
+    """The download pod's own error (its termination message: the downloader's one line), from the
+    adapters' init containers or the model's container."""
     for pod in sorted(pods, key=lambda p: p.get("metadata", {}).get("creationTimestamp", ""), reverse=True):
-        for status in (pod.get("status") or {}).get("containerStatuses") or ():
-            message = ((status.get("state") or {}).get("terminated") or {}).get("message")
+        status = pod.get("status") or {}
+        for container in [
+            *(status.get("initContainerStatuses") or ()),
+            *(status.get("containerStatuses") or ()),
+        ]:
+            message = ((container.get("state") or {}).get("terminated") or {}).get("message")
             if message:
                 return " ".join(message.split())[-400:]
     return None
@@ -89,30 +118,42 @@ def pvc(spec: ServiceSpec) -> dict[str, Any]:
     return body
 
 
-def job(spec: ServiceSpec, config: OperatorConfig, target: str, env: Mapping[str, Any]) -> dict[str, Any]:
+def job(
+    spec: ServiceSpec,
+    config: OperatorConfig,
+    target: str,
+    env: Mapping[str, Any],
+    adapters: Sequence[tuple[Adapter, str, Mapping[str, Any]]] = (),
+) -> dict[str, Any]:
     """The download Job: `pagoda download` into the claim's folder `target`; `env`: the container's env
-    and envFrom (manifests.download_env: HF_ENDPOINT and proxies from spec.env, the source's secrets)."""
+    and envFrom (manifests.download_env: HF_ENDPOINT and proxies from spec.env, the source's secrets).
+    `adapters`: (adapter, folder, env) of each uri adapter, fetched first, each by an init container
+    with its own source's secrets (small, and a wrong token fails before the model's hours)."""
     cache = spec.cache
     assert cache is not None
-    container = {
-        "name": "download",
-        "image": spec.image or config.server_image,
-        "command": sources.download_command(spec.source.location, target),
-        **env,
-        "resources": dict(cache.resources or {"requests": {"cpu": "1", "memory": "1Gi"}}),
-        "volumeMounts": [{"name": "model", "mountPath": MOUNT}, {"name": "tmp", "mountPath": "/tmp"}],
-        "terminationMessagePolicy": "FallbackToLogsOnError",  # the downloader's one-line error
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
-    }
-    if spec.image_pull_policy:
-        container["imagePullPolicy"] = spec.image_pull_policy
+
+    def download(name: str, uri: str, folder: str, env: Mapping[str, Any]) -> dict[str, Any]:
+        container = {
+            "name": name,
+            "image": spec.image or config.server_image,
+            "command": sources.download_command(uri, folder),
+            **env,
+            "resources": dict(cache.resources or {"requests": {"cpu": "1", "memory": "1Gi"}}),
+            "volumeMounts": [{"name": "model", "mountPath": MOUNT}, {"name": "tmp", "mountPath": "/tmp"}],
+            "terminationMessagePolicy": "FallbackToLogsOnError",  # the downloader's one-line error
+            "securityContext": {
+                "allowPrivilegeEscalation": False,
+                "readOnlyRootFilesystem": True,
+                "capabilities": {"drop": ["ALL"]},
+            },
+        }
+        if spec.image_pull_policy:
+            container["imagePullPolicy"] = spec.image_pull_policy
+        return container
+
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
-        "containers": [container],
+        "containers": [download("download", spec.source.location, target, env)],
         "volumes": [
             {"name": "model", "persistentVolumeClaim": {"claimName": cache_name(spec)}},
             {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
@@ -125,6 +166,11 @@ def job(spec: ServiceSpec, config: OperatorConfig, target: str, env: Mapping[str
             "seccompProfile": {"type": "RuntimeDefault"},
         },
     }
+    if adapters:
+        pod_spec["initContainers"] = [
+            download(f"download-adapter-{i}", adapter.source.location, folder, adapter_env)
+            for i, (adapter, folder, adapter_env) in enumerate(adapters)
+        ]
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": s} for s in spec.image_pull_secrets]
     # Where the service's pods may run, the download may too, unless model.cache says where: the node
@@ -140,7 +186,7 @@ def job(spec: ServiceSpec, config: OperatorConfig, target: str, env: Mapping[str
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": {"name": cache_name(spec), "namespace": spec.namespace, "labels": _labels(spec)},
+        "metadata": {"name": job_name(spec), "namespace": spec.namespace, "labels": _labels(spec)},
         "spec": {
             "backoffLimit": BACKOFF_LIMIT,
             "template": {"metadata": {"labels": _labels(spec)}, "spec": pod_spec},
@@ -157,14 +203,17 @@ def state(spec: ServiceSpec, job_obj: Mapping[str, Any] | None, detail: str | No
     """Caching until the Job completes, Cached after, Failed with the Job's message (and detail: the
     download pod's last words)."""
     what = sources.label(spec.source.location)
-    name = cache_name(spec)
+    if num_adapters := len(uri_adapters(spec)):
+        what += f" and {num_adapters} adapter{'s' if num_adapters > 1 else ''}"
+    name, job = cache_name(spec), job_name(spec)
     for cond in ((job_obj or {}).get("status") or {}).get("conditions") or ():
         if cond.get("status") != "True":
             continue
         if cond.get("type") == "Complete":
-            return CacheStatus("Cached", f"{what} is in PersistentVolumeClaim {name}", name, name)
+            verb = "are" if num_adapters else "is"
+            return CacheStatus("Cached", f"{what} {verb} in PersistentVolumeClaim {name}", name, job)
         if cond.get("type") == "Failed":
             why = cond.get("message") or cond.get("reason") or "failed"
             why += f"; the download said: {detail}" if detail else ""
-            return CacheStatus("Failed", f"download Job {name} of {what} failed: {why}", name, name)
-    return CacheStatus("Caching", f"downloading {what} into PersistentVolumeClaim {name}", name, name)
+            return CacheStatus("Failed", f"download Job {job} of {what} failed: {why}", name, job)
+    return CacheStatus("Caching", f"downloading {what} into PersistentVolumeClaim {name}", name, job)

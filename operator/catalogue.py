@@ -21,9 +21,24 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     max_position_embeddings: int
+    hidden_size: int
+    intermediate_size: int
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def lora_slot_bytes(self, rank: int, tensor_parallel_size: int = 1, dtype_bytes: int = 2) -> int:
+        """One GPU's share of one LoRA slot of rank r: A [r, in] and B [out, r] of q, k, v, o, gate, up
+        and down in every layer. Sharded as the base layer is: q, k, v, gate, up split their output (B)
+        and o, down their input (A) over the ranks; the other factor is whole on every GPU."""
+        tp = tensor_parallel_size
+        hidden, kv = self.hidden_size, -(-self.num_kv_heads // tp) * self.head_dim
+        per_layer = (
+            2 * (hidden + hidden // tp)  # q, o
+            + 2 * (hidden + kv)  # k, v (KV heads are replicated where TP exceeds them)
+            + 3 * (hidden + self.intermediate_size // tp)  # gate, up, down
+        )
+        return self.num_layers * rank * per_layer * dtype_bytes
 
     def can_split(self, tensor_parallel_size: int) -> bool:
         """Attention heads are sharded across ranks, so the degree must divide them."""
@@ -32,28 +47,38 @@ class ModelShape:
 
 
 def _shape(
-    name: str, label: str, params: float, layers: int, heads: int, kv: int, dim: int, ctx: int
+    name: str,
+    label: str,
+    params: float,
+    layers: int,
+    heads: int,
+    kv: int,
+    dim: int,
+    ctx: int,
+    hidden: int,
+    intermediate: int,
 ) -> ModelShape:
-    return ModelShape(name, label, int(params), layers, heads, kv, dim, ctx)
+    return ModelShape(name, label, int(params), layers, heads, kv, dim, ctx, hidden, intermediate)
 
 
-# Figures from each model's config.json (parameter counts from the model cards).
+# Figures from each model's config.json (parameter counts from the model cards); the last two are
+# hidden_size and intermediate_size (LoRA slots are sized from them).
 CATALOGUE: dict[str, ModelShape] = {
     s.name: s
     for s in (
-        _shape("smollm2-135m", "135M", 134.5e6, 30, 9, 3, 64, 8192),
-        _shape("qwen2.5-0.5b", "0.5B", 494e6, 24, 14, 2, 64, 32768),
-        _shape("llama-3.2-1b", "1B", 1.24e9, 16, 32, 8, 64, 131072),
-        _shape("qwen2.5-1.5b", "1.5B", 1.54e9, 28, 12, 2, 128, 32768),
-        _shape("llama-3.2-3b", "3B", 3.21e9, 28, 24, 8, 128, 131072),
-        _shape("mistral-7b", "7B", 7.25e9, 32, 32, 8, 128, 32768),
-        _shape("qwen2.5-7b", "7B", 7.62e9, 28, 28, 4, 128, 32768),
-        _shape("llama-3.1-8b", "8B", 8.03e9, 32, 32, 8, 128, 131072),
-        _shape("qwen2.5-14b", "14B", 14.8e9, 48, 40, 8, 128, 32768),
-        _shape("qwen2.5-32b", "32B", 32.8e9, 64, 40, 8, 128, 32768),
-        _shape("llama-3.1-70b", "70B", 70.6e9, 80, 64, 8, 128, 131072),
-        _shape("qwen2.5-72b", "72B", 72.7e9, 80, 64, 8, 128, 32768),
-        _shape("llama-3.1-405b", "405B", 405.9e9, 126, 128, 8, 128, 131072),
+        _shape("smollm2-135m", "135M", 134.5e6, 30, 9, 3, 64, 8192, 576, 1536),
+        _shape("qwen2.5-0.5b", "0.5B", 494e6, 24, 14, 2, 64, 32768, 896, 4864),
+        _shape("llama-3.2-1b", "1B", 1.24e9, 16, 32, 8, 64, 131072, 2048, 8192),
+        _shape("qwen2.5-1.5b", "1.5B", 1.54e9, 28, 12, 2, 128, 32768, 1536, 8960),
+        _shape("llama-3.2-3b", "3B", 3.21e9, 28, 24, 8, 128, 131072, 3072, 8192),
+        _shape("mistral-7b", "7B", 7.25e9, 32, 32, 8, 128, 32768, 4096, 14336),
+        _shape("qwen2.5-7b", "7B", 7.62e9, 28, 28, 4, 128, 32768, 3584, 18944),
+        _shape("llama-3.1-8b", "8B", 8.03e9, 32, 32, 8, 128, 131072, 4096, 14336),
+        _shape("qwen2.5-14b", "14B", 14.8e9, 48, 40, 8, 128, 32768, 5120, 13824),
+        _shape("qwen2.5-32b", "32B", 32.8e9, 64, 40, 8, 128, 32768, 5120, 27648),
+        _shape("llama-3.1-70b", "70B", 70.6e9, 80, 64, 8, 128, 131072, 8192, 28672),
+        _shape("qwen2.5-72b", "72B", 72.7e9, 80, 64, 8, 128, 32768, 8192, 29568),
+        _shape("llama-3.1-405b", "405B", 405.9e9, 126, 128, 8, 128, 131072, 16384, 53248),
     )
 }
 

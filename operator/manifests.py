@@ -14,7 +14,7 @@ from pagoda.operator import router, sources
 from pagoda.operator.cache import cache_name
 from pagoda.operator.gpus import GPU_TOLERATION, PRODUCT, RESOURCE
 from pagoda.operator.profile import Decision
-from pagoda.operator.spec import OperatorConfig, ServiceSpec
+from pagoda.operator.spec import Adapter, ModelSource, OperatorConfig, ServiceSpec
 
 HTTP_PORT = 8000  # OpenAI API, /v1/health/*, /metrics
 GRPC_PORT = 8001
@@ -24,6 +24,12 @@ QUEUE_METRIC = "pagoda_requests_waiting"
 KV_CACHE_METRIC = "pagoda_kv_cache_usage_ratio"
 DCGM_METRIC = "DCGM_FI_PROF_GR_ENGINE_ACTIVE"
 MODEL_DIR = "/models"
+# LoRA adapters not under MODEL_DIR: node paths at host/<name>, other claims at pvc/<claim>, downloads
+# (without a model cache) at uri/<name>; with a model cache they are downloaded into it, under
+# CACHED_ADAPTERS. Siblings, never nested: a mount inside a read-only mount cannot be created.
+ADAPTER_DIR = "/adapters"
+DOWNLOADED = f"{ADAPTER_DIR}/uri"
+CACHED_ADAPTERS = "adapters"
 KERNEL_CACHE_DIR = "/var/cache/pagoda/triton"
 HOME_CACHE_DIR = "/home/pagoda/.cache"  # HF_HOME, XDG caches: writable under a read-only root
 GIB = 1024**3
@@ -81,7 +87,45 @@ def server_args(spec: ServiceSpec, decision: Decision, config: OperatorConfig) -
         args += ["--kv-cache-dtype", engine.kv_cache_dtype]
     if engine.api_server_count is not None:
         args += ["--api-server-count", str(engine.api_server_count)]
+    if spec.speculative is not None:
+        args += ["--speculative-config", spec.speculative.config_json()]
+    if spec.adapters:
+        args += ["--enable-lora", "--lora-modules"]
+        args += [f"{adapter.name}={adapter_path(spec, adapter)}" for adapter in spec.adapters]
+        args += ["--max-loras", str(engine.max_loras), "--max-lora-rank", str(engine.max_lora_rank)]
+        if engine.max_cpu_loras is not None:
+            args += ["--max-cpu-loras", str(engine.max_cpu_loras)]
     return args + list(engine.extra_args)
+
+
+def adapter_path(spec: ServiceSpec, adapter: Adapter) -> str:
+    """Where the server loads an adapter from (its --lora-modules PATH)."""
+    source = adapter.source
+    if source.kind == "imagePath":
+        return source.location
+    if source.kind == "pvc":
+        if spec.source.kind == "pvc" and spec.source.location == source.location:  # the model's claim
+            return posixpath.join(MODEL_DIR, source.path) if source.path else MODEL_DIR
+        return posixpath.join(ADAPTER_DIR, "pvc", source.location, source.path).rstrip("/")
+    if source.kind == "hostPath":
+        return posixpath.join(ADAPTER_DIR, "host", adapter.name)
+    return adapter_download_folder(spec, adapter)
+
+
+def adapter_download_folder(spec: ServiceSpec, adapter: Adapter) -> str:
+    """The folder `pagoda download` fills with a uri adapter: in the model cache, or the pod's own."""
+    if spec.cache is not None:
+        return posixpath.join(MODEL_DIR, CACHED_ADAPTERS, adapter.name)
+    return posixpath.join(DOWNLOADED, adapter.name)
+
+
+def describe_source(source: ModelSource) -> str:
+    """A source in one line, as status.adapters shows it."""
+    if source.kind == "pvc":
+        return f"pvc:{source.location}" + (f"/{source.path}" if source.path else "")
+    if source.kind == "uri":
+        return source.location
+    return f"{source.kind}:{source.location}"
 
 
 def model_path(spec: ServiceSpec) -> str:
@@ -101,10 +145,11 @@ def download_folder(spec: ServiceSpec) -> str:
     return posixpath.join(MODEL_DIR, sources.folder_name(spec.source.location))
 
 
-def download_env(spec: ServiceSpec) -> dict[str, Any]:
+def download_env(spec: ServiceSpec, source: ModelSource | None = None) -> dict[str, Any]:
     """`env` and `envFrom` of a download container: spec.env (HF_ENDPOINT, proxies), the Hub token,
-    and the source's credentials Secret as environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS)."""
-    source = spec.source
+    and the source's credentials Secret as environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS).
+    `source`: an adapter's (default: the model's)."""
+    source = source or spec.source
     env: list[dict[str, Any]] = [{"name": "HOME", "value": "/tmp"}, *spec.env]
     if source.token_secret is not None:
         name, key = source.token_secret
@@ -131,20 +176,67 @@ def _model_volumes(spec: ServiceSpec, config: OperatorConfig) -> tuple[list, lis
         return [volume], [{"name": "model", "mountPath": MODEL_DIR, "readOnly": True}], []
     # No cache: `pagoda download` (in the server image, nothing installed at start) fills an emptyDir
     # bounded by the checkpoint's size (parameters x 2 bytes as stored, + 10%) at every pod start.
-    *command, flag, target = sources.download_command(source.location, download_folder(spec))
-    fetch = {
-        "name": "fetch-model",
-        "image": config.downloader_image or spec.image or config.server_image,
-        "command": command,
-        "args": [flag, target],
-        **download_env(spec),
-        "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR}, {"name": "tmp", "mountPath": "/tmp"}],
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": _container_security(),
-    }
+    fetch = _fetch(spec, config, "fetch-model", source, download_folder(spec), ("model", MODEL_DIR))
     size_gib = -(-spec.model.num_params * 2 * 11 // (10 * GIB))
     volume = {"name": "model", "emptyDir": {"sizeLimit": f"{size_gib}Gi"}}
     return [volume], [{"name": "model", "mountPath": MODEL_DIR, "readOnly": True}], [fetch]
+
+
+def _fetch(
+    spec: ServiceSpec,
+    config: OperatorConfig,
+    name: str,
+    source: ModelSource,
+    target: str,
+    volume: tuple[str, str],
+) -> dict[str, Any]:
+    """An init container: `pagoda download` of `source` into `target`, on the volume (name, mount path)."""
+    *command, flag, folder = sources.download_command(source.location, target)
+    return {
+        "name": name,
+        "image": config.downloader_image or spec.image or config.server_image,
+        "command": command,
+        "args": [flag, folder],
+        **download_env(spec, source),
+        "volumeMounts": [
+            {"name": volume[0], "mountPath": volume[1]},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "securityContext": _container_security(),
+    }
+
+
+def _adapter_volumes(spec: ServiceSpec, config: OperatorConfig) -> tuple[list, list, list]:
+    """(volumes, server mounts, init containers) that put each adapter at adapter_path(), read-only as
+    the model: a claim once however many adapters it holds, a node path each, downloads into one
+    emptyDir (with a model cache, the cache Job has fetched them: cache.py)."""
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    fetches: list[dict[str, Any]] = []
+    claims: set[str] = {spec.source.location} if spec.source.kind == "pvc" else set()
+    for i, adapter in enumerate(spec.adapters):
+        source, name = adapter.source, f"adapter-{i}"
+        if source.kind == "pvc" and source.location not in claims:
+            claims.add(source.location)
+            claim = {"claimName": source.location, "readOnly": True}
+            volumes.append({"name": name, "persistentVolumeClaim": claim})
+            path = posixpath.join(ADAPTER_DIR, "pvc", source.location)
+            mounts.append({"name": name, "mountPath": path, "readOnly": True})
+        elif source.kind == "hostPath":
+            volumes.append({"name": name, "hostPath": {"path": source.location}})
+            mounts.append({"name": name, "mountPath": adapter_path(spec, adapter), "readOnly": True})
+        elif source.kind == "uri" and spec.cache is None:
+            folder = adapter_download_folder(spec, adapter)
+            fetches.append(_fetch(spec, config, f"fetch-{name}", source, folder, ("adapters", DOWNLOADED)))
+    if fetches:
+        # An adapter's size is unknown until fetched: room for its A and B at the largest rank in fp32
+        # (how PEFT saves trained adapters), + 10%, at least 1 GiB each.
+        per_adapter = spec.model.lora_slot_bytes(spec.engine.max_lora_rank, dtype_bytes=4) * 11 // 10
+        size_gib = len(fetches) * max(1, -(-per_adapter // GIB))
+        volumes.append({"name": "adapters", "emptyDir": {"sizeLimit": f"{size_gib}Gi"}})
+        mounts.append({"name": "adapters", "mountPath": DOWNLOADED, "readOnly": True})
+    return volumes, mounts, fetches
 
 
 def _pod_security() -> dict[str, Any]:
@@ -231,6 +323,8 @@ def deployment(spec: ServiceSpec, decision: Decision, config: OperatorConfig) ->
         raise ValueError("a Deployment needs a selected profile")
     arch = f"sm{gpu.compute_capability[0]}{gpu.compute_capability[1]}"
     volumes, mounts, init_containers = _model_volumes(spec, config)
+    for got, more in zip((volumes, mounts, init_containers), _adapter_volumes(spec, config), strict=True):
+        got.extend(more)
     cache_dir = f"{KERNEL_CACHE_DIR}/{arch}"  # kernels compiled for one architecture never mix
     if config.kernel_cache_pvc:
         volumes.append(

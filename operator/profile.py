@@ -8,7 +8,9 @@ The rules, in order:
   KV reserve: room for 32768 tokens of KV cache (or one `max_model_len` sequence if longer; 16-bit,
   or 8-bit with `kv_cache_dtype` fp8), and never less than 10% of the weight bytes, so a model that
   only just fits is not chosen with a KV cache too small to batch (70B bf16 on 2 x 80 GB would leave
-  ~10 GiB).
+  ~10 GiB). LoRA adapters' GPU slots (`max_loras` x the largest rank's A and B of every projection of
+  every layer, 16-bit) come out of the same room: they are held for the server's whole life, so the KV
+  reserve must fit beside them.
 - with a preference list, the first entry that fits wins; without one, the fitting candidate with the
   fewest GPUs, then the newest compute capability, then the most memory.
 - capacity: where the groups carry free GPU counts, a candidate needs TP free GPUs on one node.
@@ -66,6 +68,20 @@ class ProfileRequest:
     kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION
     max_model_len: int | None = None
     kv_cache_dtype: KvCacheDtype = "auto"
+    lora_slots: int = 0  # --max-loras; 0: no adapters
+    max_lora_rank: int = 0  # --max-lora-rank: each slot is sized for it
+
+    def lora_bytes_per_gpu(self, tensor_parallel_size: int) -> int:
+        if not self.lora_slots:
+            return 0
+        return self.lora_slots * self.model.lora_slot_bytes(self.max_lora_rank, tensor_parallel_size)
+
+    def describe_lora(self, tensor_parallel_size: int) -> str:
+        """` + 1.3 GiB per GPU of LoRA slots (8 x rank 16)`, or nothing without adapters."""
+        if not self.lora_slots:
+            return ""
+        size = _gib(self.lora_bytes_per_gpu(tensor_parallel_size))
+        return f" + {size} per GPU of LoRA slots ({self.lora_slots} x rank {self.max_lora_rank})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +172,8 @@ def _need(request: ProfileRequest, precision: str) -> _Need:
 
 def _fits(request: ProfileRequest, need: _Need, memory_mib: int, tp: int) -> bool:
     usable_per_gpu = memory_mib * 1024**2 * request.kv_cache_fraction
-    kv_room = tp * (usable_per_gpu - need.weight_bytes / tp - OVERHEAD_BYTES)
+    lora = request.lora_bytes_per_gpu(tp)
+    kv_room = tp * (usable_per_gpu - need.weight_bytes / tp - OVERHEAD_BYTES - lora)
     return kv_room >= need.kv_reserve_bytes
 
 
@@ -216,6 +233,7 @@ def _evaluate(
     sizes = f"{_gib(need.weight_bytes)} weights + {_gib(need.kv_reserve_bytes)} KV reserve"
     if tp is None:
         at_most = fixed_tp or max(t for t in TP_DEGREES if t <= group.num_gpus)
+        sizes += request.describe_lora(at_most)
         fits = f"{at_most} x {group.product} ({group.memory_gib:.0f} GiB)"
         return Decision(
             False, f"{model.size_label} {precision} ({sizes}) does not fit {fits}", cause="Memory"
@@ -227,6 +245,7 @@ def _evaluate(
             f"{model.size_label} {precision} TP {tp} needs {tp} free GPUs on one node; {in_use}",
             cause="Capacity",
         )
+    sizes += request.describe_lora(tp)
     why = f"{precision} " + (f"(auto: compute capability {group.cc})" if is_auto else "(requested)")
     reason = (
         f"{model.size_label} {why}, TP {tp}: {sizes} fits {tp} x {group.product} ({group.memory_gib:.0f} GiB)"
@@ -291,7 +310,8 @@ def _nothing_fits(request: ProfileRequest, groups: list[GpuGroup], rejected: lis
     if tp is not None:
         needs = f"{tp} x {widest.memory_gib:.0f} GiB"
     else:
-        total = need.weight_bytes + need.kv_reserve_bytes
+        widest_tp = max(TP_DEGREES)
+        total = need.weight_bytes + need.kv_reserve_bytes + widest_tp * request.lora_bytes_per_gpu(widest_tp)
         needs = f"{math.ceil(total / GIB)} GiB, more than 8 x {widest.memory_gib:.0f} GiB"
     reason = (
         f"{request.model.size_label} {precision} needs {needs}; "

@@ -265,6 +265,15 @@ def reconcile(body: Mapping[str, Any], kube: Kube, config: OperatorConfig, now: 
         issue=issue,
         cache=cached.to_dict() if cached else None,
         router=status_mod.router_status(owned.get("Deployment" + router.SUFFIX), spec.router.policy),
+        adapters=[
+            {
+                "name": a.name,
+                "source": manifests.describe_source(a.source),
+                "path": manifests.adapter_path(spec, a),
+            }
+            for a in spec.adapters
+        ]
+        or None,
     )
     if is_kept:  # what runs is still the old profile: show it, with why it could not be chosen now
         old_profile = old_status.get("profile") or {}
@@ -287,7 +296,11 @@ def _ensure_cache(
     """The model cache's PVC and Job (created once: a Job's template is immutable), and its state."""
     owner = kopf.Body(cast(kopf.RawBody, dict(body)))
     claim = cache.pvc(spec)
-    job = cache.job(spec, config, manifests.download_folder(spec), manifests.download_env(spec))
+    adapters = [
+        (a, manifests.adapter_download_folder(spec, a), manifests.download_env(spec, a.source))
+        for a in cache.uri_adapters(spec)
+    ]
+    job = cache.job(spec, config, manifests.download_folder(spec), manifests.download_env(spec), adapters)
     for obj in (claim, job):
         kopf.adopt(obj, owner=owner)
     events: list[Event] = []
@@ -305,9 +318,12 @@ def _ensure_cache(
     if now.state == "Failed":
         pods = kube.list_objects("v1", "Pod", spec.namespace, cache.pod_selector(now.job_name))
         now = cache.state(spec, existing, cache.last_words(pods))
-    if now.state == "Cached":  # the weights of other revisions are no longer needed (pvc-protection
-        for api, kind in (("batch/v1", "Job"), ("v1", "PersistentVolumeClaim")):  # waits for old pods)
-            for name in cache.stale(spec, kube.list_objects(api, kind, spec.namespace, cache.selector(spec))):
+    # The weights of other revisions, and the Jobs of other adapter lists, are no longer needed
+    # (pvc-protection waits for old pods).
+    if now.state == "Cached":
+        for api, kind in (("batch/v1", "Job"), ("v1", "PersistentVolumeClaim")):
+            found = kube.list_objects(api, kind, spec.namespace, cache.selector(spec))
+            for name in cache.stale(spec, kind, found):
                 kube.delete(api, kind, spec.namespace, name)
                 events.append(
                     Event("Normal", "Deleted", f"deleted {kind} {name}: a cache of another revision")

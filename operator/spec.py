@@ -10,6 +10,7 @@ a CRD installed before the rule).
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -50,6 +51,13 @@ OPERATOR_FLAGS: tuple[str, ...] = (
     "--port",
     "--grpc-port",
     "--drain-timeout",
+    "--speculative-config",
+    "--enable-lora",
+    "--no-enable-lora",  # never rendered; it would switch off what spec.adapters turns on
+    "--lora-modules",
+    "--max-loras",
+    "--max-lora-rank",
+    "--max-cpu-loras",
 )
 
 
@@ -84,6 +92,64 @@ class ModelCache:
     node_selector: Mapping[str, str] | None = None
     tolerations: tuple[Mapping[str, Any], ...] | None = None
     resources: Mapping[str, Any] | None = None
+
+
+SpeculativeMethod = Literal["ngram", "draftModel"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Speculative:
+    """spec.speculative: `pagoda serve --speculative-config` (docs/speculative.md). The defaults are the
+    server's (service/engine/config.py SpeculativeConfig; tests/test_operator_contract.py holds them
+    equal), written out so the pod spec says what runs. Off unless the spec asks: docs/operator.md."""
+
+    method: SpeculativeMethod
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    draft_model: str | None = None  # a path the pod sees (an imagePath, a volume of spec.volumes)
+    max_batch_tokens: int = 128
+    adaptive: bool = True
+
+    def config_json(self) -> str:
+        """The flag's JSON, in vLLM's snake_case keys."""
+        fields: dict[str, Any] = {"method": "ngram"}
+        if self.method == "draftModel":
+            fields = {"method": "draft_model", "model": self.draft_model}
+        fields["num_speculative_tokens"] = self.num_speculative_tokens
+        if self.method == "ngram":
+            fields |= {
+                "prompt_lookup_max": self.prompt_lookup_max,
+                "prompt_lookup_min": self.prompt_lookup_min,
+            }
+        fields |= {"max_batch_tokens": self.max_batch_tokens, "adaptive": self.adaptive}
+        return json.dumps(fields)
+
+
+MAX_SPECULATIVE_TOKENS = 16  # the server's bounds (SpeculativeConfig)
+MAX_PROMPT_LOOKUP = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapter:
+    """One of spec.adapters: a LoRA adapter (a PEFT folder: adapter_config.json and
+    adapter_model.safetensors) served beside the model under its own name."""
+
+    name: str
+    source: ModelSource
+
+
+# spec.adapters[].name: the `model` clients send. OpenAI's model ids' characters (`ft:gpt-4o:org::id`),
+# no `/` or leading dot (it names the adapter's folder too), no `=` (`--lora-modules NAME=PATH`).
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+MAX_ADAPTERS = 64
+# --max-loras when the spec leaves it: every adapter in a GPU slot, up to 8 (NIM's NIM_MAX_GPU_LORAS).
+# A step serves requests of at most max_loras adapters, so fewer slots than adapters queues requests of
+# the others behind; each slot costs KV cache (8 x rank 16 of an 8B model: 640 MiB; of a 70B: 3.3 GiB).
+DEFAULT_MAX_LORAS_CAP = 8
+DEFAULT_MAX_LORA_RANK = 16  # the server's and vLLM's
+MAX_LORA_RANK = 512
+MAX_CPU_LORAS = 1024
 
 
 ROUTER_POLICIES = ("cache_aware", "power_of_two", "round_robin", "consistent_hash", "random")
@@ -141,6 +207,11 @@ class EngineSettings:
     kv_cache_fraction: float = DEFAULT_KV_CACHE_FRACTION
     is_prefix_caching: bool = True
     extra_args: tuple[str, ...] = ()
+    # LoRA (with spec.adapters only): GPU slots (0: no adapters), the largest rank, adapters kept in host
+    # memory (None: the server's default, max_loras).
+    max_loras: int = 0
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+    max_cpu_loras: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +249,8 @@ class ServiceSpec:
     ingress: Ingress | None = None
     http_route: HttpRoute | None = None
     router: Router = Router()
+    speculative: Speculative | None = None
+    adapters: tuple[Adapter, ...] = ()
 
     def profile_request(self) -> ProfileRequest:
         return ProfileRequest(
@@ -188,24 +261,26 @@ class ServiceSpec:
             kv_cache_fraction=self.engine.kv_cache_fraction,
             max_model_len=self.engine.max_model_len,
             kv_cache_dtype=self.engine.kv_cache_dtype or "auto",
+            lora_slots=self.engine.max_loras,
+            max_lora_rank=self.engine.max_lora_rank if self.engine.max_loras else 0,
         )
 
 
-def _source(raw: Mapping[str, Any]) -> ModelSource:
+def _source(raw: Mapping[str, Any], where: str = "model.source") -> ModelSource:
+    if sum(kind in raw for kind in ("pvc", "hostPath", "imagePath", "uri")) != 1:
+        raise ValueError(f"{where}: give exactly one of pvc, hostPath, imagePath or uri")
     if "pvc" in raw:
         return ModelSource("pvc", raw["pvc"]["claimName"], path=raw["pvc"].get("path", "").strip("/"))
     for kind in ("hostPath", "imagePath"):
         if kind in raw:
             return ModelSource(kind, raw[kind])  # type: ignore[arg-type]
-    if "uri" in raw:
-        uri = str(raw["uri"])
-        if not URI_PATTERN.match(uri):  # the CRD's pattern, for objects that never met the API server
-            raise ValueError(f"model.source.uri {uri!r}: {URI_FORMS}")
-        secret = raw.get("tokenSecret")
-        token = (secret["name"], secret.get("key", "token")) if secret else None
-        credentials = (raw.get("credentialsSecret") or {}).get("name")
-        return ModelSource("uri", uri, token_secret=token, credentials_secret=credentials)
-    raise ValueError("model.source: give exactly one of pvc, hostPath, imagePath or uri")
+    uri = str(raw["uri"])
+    if not URI_PATTERN.match(uri):  # the CRD's pattern, for objects that never met the API server
+        raise ValueError(f"{where}.uri {uri!r}: {URI_FORMS}")
+    secret = raw.get("tokenSecret")
+    token = (secret["name"], secret.get("key", "token")) if secret else None
+    credentials = (raw.get("credentialsSecret") or {}).get("name")
+    return ModelSource("uri", uri, token_secret=token, credentials_secret=credentials)
 
 
 def _cache(raw: Mapping[str, Any] | None, source: ModelSource) -> ModelCache | None:
@@ -320,15 +395,24 @@ def _string_map(raw: Mapping[str, Any] | None, where: str, reserved: tuple[str, 
     return out
 
 
-# The pod's own volumes and mount paths (manifests.py): a spec's may not take their names or paths.
-OPERATOR_VOLUMES = ("model", "kernel-cache", "tmp", "cache", "dshm")
-OPERATOR_MOUNT_PATHS = ("/models", "/tmp", "/dev/shm", "/var/cache/pagoda", "/home/pagoda/.cache")
+# The pod's own volumes and mount paths (manifests.py): a spec's may not take their names or paths. The
+# adapters' volumes are `adapters` and `adapter-<index>`.
+OPERATOR_VOLUMES = ("model", "kernel-cache", "tmp", "cache", "dshm", "adapters")
+OPERATOR_VOLUME_NAME = re.compile(r"^adapter-[0-9]+$")
+OPERATOR_MOUNT_PATHS = (
+    "/models",
+    "/adapters",
+    "/tmp",
+    "/dev/shm",
+    "/var/cache/pagoda",
+    "/home/pagoda/.cache",
+)
 
 
 def _volumes(raw: Mapping[str, Any]) -> tuple[tuple[Mapping[str, Any], ...], tuple[Mapping[str, Any], ...]]:
     volumes, mounts = tuple(raw.get("volumes") or ()), tuple(raw.get("volumeMounts") or ())
     names = [str(v.get("name")) for v in volumes]
-    if taken := sorted(set(names) & set(OPERATOR_VOLUMES)):
+    if taken := sorted({n for n in names if n in OPERATOR_VOLUMES or OPERATOR_VOLUME_NAME.match(n)}):
         raise ValueError(f"volumes: {', '.join(taken)} is a volume of the operator's (choose another name)")
     for mount in mounts:
         path = str(mount.get("mountPath", "")).rstrip("/")
@@ -397,7 +481,97 @@ def _precision(value: str | None, where: str) -> str | None:
     return value
 
 
-def _engine(raw: Mapping[str, Any]) -> EngineSettings:
+def _int(raw: Mapping[str, Any], key: str, default: int, low: int, high: int, where: str) -> int:
+    """An integer field within the CRD's bounds (repeated for objects that never met the API server)."""
+    value = raw.get(key, default)
+    if type(value) is not int or not low <= value <= high:
+        raise ValueError(f"{where}.{key} must be an integer from {low} to {high}, got {value!r}")
+    return value
+
+
+def _speculative(raw: Mapping[str, Any] | None) -> Speculative | None:
+    """spec.speculative: the CRD's bounds and rules, repeated (the server would refuse the same values
+    at start, in a crash loop, with its own flag's words)."""
+    if raw is None:
+        return None
+    where = "speculative"
+    method = raw.get("method")
+    if method not in ("ngram", "draftModel"):
+        raise ValueError(f"{where}.method must be ngram or draftModel, got {method!r}")
+    draft = raw.get("draftModel")
+    if (method == "draftModel") != (draft is not None):
+        raise ValueError(f"{where}.draftModel is required exactly when method is draftModel")
+    if draft is not None and not str(draft).startswith("/"):
+        raise ValueError(f"{where}.draftModel {draft!r}: a path the server pod sees, starting with /")
+    is_lookup = {"promptLookupMax", "promptLookupMin"} & raw.keys()
+    if method == "draftModel" and is_lookup:
+        raise ValueError(f"{where}.{min(is_lookup)} is prompt lookup's (method ngram), not a draft model's")
+    lookup_min = _int(raw, "promptLookupMin", Speculative.prompt_lookup_min, 1, MAX_PROMPT_LOOKUP, where)
+    lookup_max = _int(raw, "promptLookupMax", Speculative.prompt_lookup_max, 1, MAX_PROMPT_LOOKUP, where)
+    if lookup_min > lookup_max:
+        raise ValueError(
+            f"{where}.promptLookupMin ({lookup_min}) must be at most promptLookupMax ({lookup_max}); "
+            f"unset, they are {Speculative.prompt_lookup_min} and {Speculative.prompt_lookup_max}"
+        )
+    adaptive = raw.get("adaptive", True)
+    if not isinstance(adaptive, bool):
+        raise ValueError(f"{where}.adaptive must be true or false, got {adaptive!r}")
+    return Speculative(
+        method,
+        num_speculative_tokens=_int(
+            raw, "numSpeculativeTokens", Speculative.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS, where
+        ),
+        prompt_lookup_max=lookup_max,
+        prompt_lookup_min=lookup_min,
+        draft_model=None if draft is None else str(draft),
+        max_batch_tokens=_int(raw, "maxBatchTokens", Speculative.max_batch_tokens, 1, 2**31 - 1, where),
+        adaptive=adaptive,
+    )
+
+
+def _adapters(raw: list[Mapping[str, Any]] | None, model_name: str) -> tuple[Adapter, ...]:
+    adapters: list[Adapter] = []
+    for i, item in enumerate(raw or ()):
+        name = str(item.get("name", ""))
+        where = f"adapters[{i}]"
+        if not ADAPTER_NAME.match(name):
+            raise ValueError(
+                f"{where}.name {name!r}: 1-128 letters, digits, '.', '_', ':' or '-', starting with a letter "
+                "or digit (clients send it as `model`)"
+            )
+        if name == model_name:
+            raise ValueError(
+                f"{where}.name {name!r} is the served model's name (model.name): clients name one or the "
+                "other in `model`"
+            )
+        if any(a.name == name for a in adapters):
+            raise ValueError(f"{where}.name {name!r}: another adapter has this name")
+        source = _source(item.get("source") or {}, f"{where}.source")
+        if source.kind == "uri" and source.location.lower().endswith(".gguf"):
+            raise ValueError(
+                f"{where}.source.uri {source.location!r}: an adapter is a PEFT folder (adapter_config.json, "
+                "adapter_model.safetensors), not a .gguf file"
+            )
+        adapters.append(Adapter(name, source))
+    if len(adapters) > MAX_ADAPTERS:
+        raise ValueError(f"adapters: at most {MAX_ADAPTERS}, got {len(adapters)}")
+    return tuple(adapters)
+
+
+def _engine(raw: Mapping[str, Any], num_adapters: int = 0) -> EngineSettings:
+    lora_keys = sorted({"maxLoras", "maxLoraRank", "maxCpuLoras"} & raw.keys())
+    max_loras, max_cpu_loras = 0, None
+    if lora_keys and not num_adapters:
+        raise ValueError(f"engine.{', '.join(lora_keys)}: settings of spec.adapters, which has none")
+    if num_adapters:
+        max_loras = _int(raw, "maxLoras", min(num_adapters, DEFAULT_MAX_LORAS_CAP), 1, MAX_ADAPTERS, "engine")
+        if "maxCpuLoras" in raw:
+            max_cpu_loras = _int(raw, "maxCpuLoras", max_loras, 1, MAX_CPU_LORAS, "engine")
+            if max_cpu_loras < max_loras:
+                raise ValueError(
+                    f"engine.maxCpuLoras ({max_cpu_loras}) must be at least maxLoras ({max_loras}): the "
+                    "adapters in GPU slots are kept in host memory too"
+                )
     return EngineSettings(
         max_model_len=raw.get("maxModelLen"),
         max_num_seqs=raw.get("maxNumSeqs"),
@@ -406,6 +580,9 @@ def _engine(raw: Mapping[str, Any]) -> EngineSettings:
         kv_cache_fraction=float(raw.get("kvCacheFraction", DEFAULT_KV_CACHE_FRACTION)),
         is_prefix_caching=bool(raw.get("prefixCaching", True)),
         extra_args=_extra_args(raw.get("extraArgs")),
+        max_loras=max_loras,
+        max_lora_rank=_int(raw, "maxLoraRank", DEFAULT_MAX_LORA_RANK, 1, MAX_LORA_RANK, "engine"),
+        max_cpu_loras=max_cpu_loras,
     )
 
 
@@ -424,6 +601,7 @@ def parse_spec(body: Mapping[str, Any]) -> ServiceSpec:
     )
     source = _source(model.get("source") or {})
     volumes, volume_mounts = _volumes(spec)
+    adapters = _adapters(spec.get("adapters"), model["name"])
     return ServiceSpec(
         name=meta["name"],
         namespace=meta.get("namespace", "default"),
@@ -436,7 +614,7 @@ def parse_spec(body: Mapping[str, Any]) -> ServiceSpec:
         preferences=preferences,
         replicas=int(spec.get("replicas", 1)),
         autoscaling=_autoscaling(spec.get("autoscaling")),
-        engine=_engine(spec.get("engine") or {}),
+        engine=_engine(spec.get("engine") or {}, len(adapters)),
         image=spec.get("image"),
         image_pull_policy=spec.get("imagePullPolicy"),
         image_pull_secrets=tuple(s["name"] for s in spec.get("imagePullSecrets") or ()),
@@ -460,6 +638,8 @@ def parse_spec(body: Mapping[str, Any]) -> ServiceSpec:
         ingress=_ingress(spec.get("ingress")),
         http_route=_http_route(spec.get("httpRoute")),
         router=_router(spec.get("router"), _several_replicas(spec)),
+        speculative=_speculative(spec.get("speculative")),
+        adapters=adapters,
     )
 
 

@@ -205,7 +205,10 @@ def status(
     issue: PodIssue | None = None,
     cache: Mapping[str, Any] | None = None,
     router: Mapping[str, Any] | None = None,
+    adapters: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    """status; `adapters`: status.adapters, the LoRA adapters the pods are told to serve (None: none, or
+    a spec that could not be parsed)."""
     conds = conditions(decision, state, conflicts, is_kept, failure, issue)
     return {
         "observedGeneration": generation,
@@ -216,5 +219,6 @@ def status(
         "selector": selector,
         "cache": cache,  # None removes it (merge patch)
         "router": router,
+        "adapters": None if adapters is None else [dict(a) for a in adapters],
         **urls,
     }
