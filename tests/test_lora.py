@@ -281,3 +281,45 @@ def test_pagoda_serve_adapters_through_the_openai_client(
         metrics,
         re.M,
     )
+
+
+def test_graph_steps_with_adapters_give_the_eager_outputs(
+    llama_ckpt: Path, adapters: dict[str, Path]
+) -> None:
+    """The CUDA-graph paths with LoRA slots, on the CPU (`StepGraphs(capture=False)`: the same padded
+    forward over the same static buffers as a replay): each token's slot is a static input, padding
+    has none, and both ladders give the eager engine's output."""
+    from pagoda.service.engine.config import EngineConfig, LoRAConfig
+    from pagoda.service.engine.llm_engine import LLMEngine
+    from pagoda.service.engine.runner.cuda_graphs import StepGraphs
+
+    config = EngineConfig(
+        model=str(llama_ckpt), dtype="float32", max_num_batched_tokens=160, max_num_seqs=16,
+        kv_cache_memory_bytes=8 << 20, lora=LoRAConfig((), max_loras=2, max_lora_rank=8),
+    )  # fmt: skip
+    prompts = random_prompts([9, 140, 3, 60, 27, 1, 88, 14], seed=8)
+    names = ["every", None, "qv", "every", "qv", None, "every", "qv"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def run(engine: LLMEngine) -> dict[str, list[int]]:
+        for name in ("every", "qv"):
+            assert engine.core.lora_op(name, str(adapters[name])) is None
+        finals: dict[str, list[int]] = {}
+        pending = list(enumerate(zip(prompts, names, strict=True)))
+        while pending or engine.has_unfinished:
+            for _ in range(2):
+                if pending:
+                    i, (prompt, name) = pending.pop(0)
+                    engine.add_request(f"r{i}", prompt, params, lora_name=name)
+            finals.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+        return finals
+
+    expected = run(LLMEngine(config))
+    engine = LLMEngine(config)
+    runner = engine.runner.runner
+    assert runner.lora is not None
+    runner.graphs = StepGraphs(
+        runner.model, runner.device, config.max_num_seqs, config.max_num_batched_tokens, runner.max_model_len,
+        config.block_size, capture=False, lora=runner.lora.batch,
+    )  # fmt: skip
+    assert run(engine) == expected

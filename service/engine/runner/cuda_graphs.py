@@ -16,6 +16,10 @@ of 0 (mixed) or 1 (decode). Rows are independent in every other op, so padding n
 row. The attention grids are sized for `max_model_len` (the kernels stop at each row's real length),
 so one graph serves every context length.
 
+With LoRA adapters (`lora`), each token's slot is one more static input (padding: -1, no adapter),
+and the adapters' kernels run their one-token-at-a-time form (BGMV) in both ladders, whose grids do
+not depend on how tokens group into sequences.
+
 `capture=False` runs the same padded forward eagerly: how tests on the CPU check the padding.
 """
 
@@ -30,6 +34,7 @@ import torch
 
 from pagoda.service.model.attention import AttentionMetadata
 from pagoda.service.model.llama import LlamaForCausalLM
+from pagoda.service.model.lora import LoRABatch
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +72,10 @@ class StepGraphs:
         block_size: int,
         capture: bool = True,
         max_mixed_tokens: int = 2048,
+        lora: LoRABatch | None = None,
     ) -> None:
         self.model = model
+        self.lora = lora
         self.device = device
         self.max_model_len = max_model_len
         self.capture_graphs = capture
@@ -85,6 +92,7 @@ class StepGraphs:
         self.input_ids = zeros(max_tokens, dtype=torch.int64)
         self.positions = zeros(max_tokens, dtype=torch.int64)
         self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)  # LoRA
         # Decode: row i is sequence i, so query_start_loc never changes.
         max_bs = self.sizes[-1]
         self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
@@ -136,6 +144,10 @@ class StepGraphs:
 
     def _forward(self, key: tuple[str, int]) -> torch.Tensor:
         kind, size = key
+        if self.lora is not None:  # the adapters read the static slots (every call: the runner's
+            self.lora.token_slots = self.token_slots[:size]  # eager steps point them elsewhere)
+            self.lora.segments = None
+            self.lora.active = True
         return self._decode_forward(size) if kind == "decode" else self._mixed_forward(size)
 
     @torch.inference_mode()
@@ -178,6 +190,7 @@ class StepGraphs:
         positions: np.ndarray,
         slot_mapping: np.ndarray,
         fill_inputs: Callable[[torch.Tensor], None] | None,
+        token_slots: np.ndarray | None = None,
     ) -> None:
         n = len(input_ids)
         _put(self.input_ids[:n], input_ids)
@@ -186,6 +199,11 @@ class StepGraphs:
         _put(self.positions[:n], positions)
         _put(self.slot_mapping[:n], slot_mapping)
         self.slot_mapping[n:size].fill_(-1)
+        if self.lora is not None:
+            if token_slots is None:
+                raise ValueError("a graph with LoRA slots replayed without each token's slot")
+            _put(self.token_slots[:n], token_slots)
+            self.token_slots[n:size].fill_(-1)
 
     def run(
         self,
@@ -195,12 +213,14 @@ class StepGraphs:
         seq_lens: np.ndarray,
         block_tables: np.ndarray,
         fill_inputs: Callable[[torch.Tensor], None] | None = None,
+        token_slots: np.ndarray | None = None,
     ) -> torch.Tensor:  # [bs, vocab] float32 logits
         """Replay the smallest decode graph that holds this batch (rows of one token each).
-        `fill_inputs` writes, on the device, the input ids the host does not know yet."""
+        `fill_inputs` writes, on the device, the input ids the host does not know yet; `token_slots`:
+        each token's LoRA slot (with adapters)."""
         bs = len(input_ids)
         graph_bs = next(s for s in self.sizes if s >= bs)
-        self._put_tokens(graph_bs, input_ids, positions, slot_mapping, fill_inputs)
+        self._put_tokens(graph_bs, input_ids, positions, slot_mapping, fill_inputs, token_slots)
         _put(self.seq_lens[:bs], seq_lens.astype(np.int32))
         self.seq_lens[bs:graph_bs].fill_(1)
         _put(self.block_tables[:bs, : block_tables.shape[1]], block_tables)
@@ -211,12 +231,15 @@ class StepGraphs:
         batch: dict[str, np.ndarray],
         logits_rows: np.ndarray,
         fill_inputs: Callable[[torch.Tensor], None] | None = None,
+        token_slots: np.ndarray | None = None,
     ) -> torch.Tensor:  # [len(logits_rows), vocab] float32 logits
         """Replay the smallest mixed graph that holds this flattened batch (`ModelRunner.prepare`'s
         layout) and return the logits of the token rows `logits_rows`."""
         num_tokens, num_seqs = len(batch["input_ids"]), len(batch["seq_lens"])
         size = next(t for t in self.mixed_sizes if t >= num_tokens)
-        self._put_tokens(size, batch["input_ids"], batch["positions"], batch["slot_mapping"], fill_inputs)
+        self._put_tokens(
+            size, batch["input_ids"], batch["positions"], batch["slot_mapping"], fill_inputs, token_slots
+        )
         _put(self.mixed_seq_lens[:num_seqs], batch["seq_lens"].astype(np.int32))
         self.mixed_seq_lens[num_seqs:].fill_(0)
         _put(self.mixed_query_start_loc[: num_seqs + 1], batch["query_start_loc"].astype(np.int32))

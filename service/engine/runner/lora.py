@@ -42,6 +42,7 @@ class LoRARunner:
             model, model_config, config.max_loras, config.max_lora_rank, tp, dtype, device
         )
         self._host: OrderedDict[tuple[str, str], LoRAAdapter] = OrderedDict()
+        self.token_slots = np.zeros(0, dtype=np.int32)  # the step's, each token's slot (host)
 
     def add(self, name: str, path: str) -> LoRAAdapter:
         """Read and check an adapter, and keep it on the host; LoRAError (a ValueError) says why not."""
@@ -67,14 +68,14 @@ class LoRARunner:
         slot (-1: none); a decode (one row per request) runs one token at a time, anything else over
         runs of tokens that share a slot."""
         slots = batch["lora_slots"]
+        starts = batch["query_start_loc"]
+        self.token_slots = np.repeat(slots, np.diff(starts)).astype(np.int32)  # what a CUDA graph copies
         state = self.batch
         state.active = bool((slots >= 0).any())
         if not state.active:
             state.token_slots, state.segments = None, None
             return
-        starts = batch["query_start_loc"]
-        counts = np.diff(starts)
-        state.token_slots = to_device(np.repeat(slots, counts).astype(np.int32), torch.int32, self.device)
+        state.token_slots = to_device(self.token_slots, torch.int32, self.device)
         if int(batch["max_query_len"]) == 1:
             state.segments = None
             return

@@ -215,9 +215,7 @@ class ModelRunner:
         self.graphs: StepGraphs | None = None
         if self.device.type == "cuda":
             self._warm_up()
-        if self.lora is not None and self.device.type == "cuda" and not config.enforce_eager:
-            logger.warning("LoRA: steps run eagerly (CUDA graphs do not carry the adapters' slots yet)")
-        if self.device.type == "cuda" and not config.enforce_eager and self.lora is None:
+        if self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = StepGraphs(
                 self.model,
                 self.device,
@@ -226,6 +224,7 @@ class ModelRunner:
                 self.max_model_len,
                 config.block_size,
                 max_mixed_tokens=config.cuda_graph_max_tokens,
+                lora=self.lora.batch if self.lora is not None else None,
             )
             self.graphs.capture()
         logger.info(
@@ -463,16 +462,18 @@ class ModelRunner:
                 batch["seq_lens"],
                 batch["block_tables"],
                 fill_inputs,
+                self.lora.token_slots if self.lora is not None else None,
             )
             return StepLogits(logits, [])
         mixed_fits = self.graphs is not None and self.graphs.fits_mixed(
             len(batch["input_ids"]), num_reqs, len(step.logit_rows)
         )
         if self.graphs is not None and mixed_fits and not step.prompt_chunks:
+            token_slots = self.lora.token_slots if self.lora is not None else None
             if not step.sample_rows:
-                self.graphs.run_mixed(batch, np.zeros(0, dtype=np.int64), fill_inputs)
+                self.graphs.run_mixed(batch, np.zeros(0, dtype=np.int64), fill_inputs, token_slots)
                 return StepLogits(None, [])
-            return StepLogits(self.graphs.run_mixed(batch, step.logit_rows, fill_inputs), [])
+            return StepLogits(self.graphs.run_mixed(batch, step.logit_rows, fill_inputs, token_slots), [])
         hidden = self._forward_eager(batch, fill_inputs)
         prompt = [self.model.compute_logits(hidden[row : row + n]) for _, row, n in step.prompt_chunks]
         if not step.sample_rows:  # only prompt chunks this step: the KV cache is filled, nothing to sample
