@@ -67,6 +67,7 @@ URI_PATTERN = re.compile(
     r"|(s3|gs)://[a-z0-9][a-z0-9._-]{1,62}/[^\s]+"
     r"|https?://[^\s/]+/[^\s]+\.gguf)$"
 )
+MAX_URI_LENGTH = 8192  # the CRD's maxLength (which bounds the cost of its CEL rules on adapters' URIs)
 URI_FORMS = (
     "give hf://org/name[@revision], s3://bucket/path, gs://bucket/path or http(s)://host/path/file.gguf"
 )
@@ -275,6 +276,8 @@ def _source(raw: Mapping[str, Any], where: str = "model.source") -> ModelSource:
         if kind in raw:
             return ModelSource(kind, raw[kind])  # type: ignore[arg-type]
     uri = str(raw["uri"])
+    if len(uri) > MAX_URI_LENGTH:
+        raise ValueError(f"{where}.uri: at most {MAX_URI_LENGTH} characters, got {len(uri)}")
     if not URI_PATTERN.match(uri):  # the CRD's pattern, for objects that never met the API server
         raise ValueError(f"{where}.uri {uri!r}: {URI_FORMS}")
     secret = raw.get("tokenSecret")
