@@ -236,6 +236,8 @@ def lora_expand(
     """`y[t, n] += v[s, t] @ b[slot(t), n]` for the slice s that owns column n, summed in float32 with
     y's value and rounded once to y's dtype; rows of tokens of slot -1 are left as they are."""
     for slot in token_slots.unique().tolist():
+        if slot < 0:
+            continue
         rows = (token_slots == slot).nonzero().squeeze(1)
         delta = torch.cat(
             [
