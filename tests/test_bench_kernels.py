@@ -22,3 +22,20 @@ def test_needs_a_gpu(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Mon
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench.main(["--sweep", "fp8", "--sweep-only"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_lora_peer_computes_what_the_kernels_do() -> None:
+    """The LoRA rows' gather + bmm peer computes the references' products (else the ratio would compare
+    unlike work): every slice, slot -1 left alone, y added to."""
+    from pagoda.bench.lora_inputs import gather_bmm_expand, gather_bmm_shrink, lora_inputs
+    from pagoda.kernels import reference
+
+    gen = torch.Generator().manual_seed(0)
+    inp = lora_inputs([1, 3, 2, 2], [2, -1, 0, 2], 24, (8, 4, 4), [4, 2, 4], torch.float32, "cpu", gen)
+    v = gather_bmm_shrink(inp.x, inp.a, inp.token_slots)
+    torch.testing.assert_close(v, reference.lora_shrink(inp.x, inp.a, inp.token_slots))
+    y, y_ref = inp.y.clone(), inp.y.clone()
+    gather_bmm_expand(v, inp.b, inp.token_slots, y, inp.slice_starts)
+    reference.lora_expand(v, inp.b, inp.token_slots, y_ref, inp.slice_starts)
+    torch.testing.assert_close(y, y_ref)
+    assert torch.equal(y[1:4], inp.y[1:4])

@@ -7,8 +7,10 @@ overhead, as the engine's decode steps run), in microseconds. "bytes" is the lea
 operation needs (each input read once, each output written once; for attention the K/V of every
 context token); "of copy" is that traffic's rate over the copy's, both counting reads plus writes.
 Peers: PyTorch SDPA on contiguous tensors for attention (flash backend for prefill, as the goal
-asks), the plain-PyTorch reference for the rest. Llama-3-8B shapes: 32 query heads, 8 KV heads,
-head dim 128, hidden 4096, intermediate 14336, bfloat16, block size 16.
+asks), gather + bmm for multi-LoRA (each token's A and B gathered by `index_select`, then batched
+GEMVs: `lora_inputs.gather_bmm_shrink` / `gather_bmm_expand`), the plain-PyTorch reference for the
+rest. Llama-3-8B shapes: 32 query heads, 8 KV heads, head dim 128, hidden 4096, intermediate 14336,
+bfloat16, block size 16.
 """
 
 from __future__ import annotations
@@ -322,6 +324,61 @@ def bench_small(quick: bool) -> list[Row]:
     return rows
 
 
+LORA_PROJECTIONS = {"qkv": (4096, 1024, 1024), "gate_up": (14336, 14336)}  # output columns of each slice
+LORA_SLOTS, LORA_RANK = 8, 16
+
+
+def bench_lora(quick: bool) -> list[Row]:
+    """Multi-LoRA's shrink and expand, each kernel against gather + bmm, at K = 4096 with 8 rank-16
+    adapters: BGMV for decode batches (token t on adapter t % 8), SGMV for prefill (8 sequences of
+    T / 8 tokens, one adapter each). "bytes": x, the used slots' A and v for the shrink; v, the used
+    slots' B and y read and written for the expand."""
+    import torch
+
+    from pagoda.bench.lora_inputs import gather_bmm_expand, gather_bmm_shrink, lora_inputs
+    from pagoda.kernels.lora import lora_expand, lora_shrink
+
+    steps = [("BGMV", t, [1] * t) for t in (1, 16, 64)] + [("SGMV", t, [t // 8] * 8) for t in (512, 2048)]
+    if quick:
+        steps = [steps[1], steps[3]]
+    rows = []
+    for proj, slices in LORA_PROJECTIONS.items():
+        for form, num_tokens, run_lens in steps:
+            run_slots = [i % LORA_SLOTS for i in range(len(run_lens))]
+            inp = lora_inputs(
+                run_lens, run_slots, 4096, slices, [LORA_RANK] * LORA_SLOTS, torch.bfloat16, DEVICE
+            )
+            segments = inp.segments if form == "SGMV" else None
+            x, a, b, y, slots, starts = inp.x, inp.a, inp.b, inp.y, inp.token_slots, inp.slice_starts
+            v = lora_shrink(x, a, slots, segments)
+            used = min(LORA_SLOTS, len(run_lens))
+            n, r = sum(slices), LORA_RANK
+            shape = f"{proj}, {num_tokens} tok, {LORA_SLOTS} x rank {r}"
+            v_bytes = v.numel() * 4
+            shrink = Row(
+                f"lora shrink ({form})",
+                shape,
+                _time(lambda x=x, a=a, s=slots, g=segments: lora_shrink(x, a, s, g)),
+                x.numel() * 2 + used * len(slices) * r * 4096 * 2 + v_bytes,
+                peer="gather + bmm",
+            )
+            shrink.peer_us = _time(lambda x=x, a=a, s=slots: gather_bmm_shrink(x, a, s))
+            expand = Row(
+                f"lora expand ({form})",
+                shape,
+                _time(lambda v=v, b=b, s=slots, y=y, st=starts, g=segments: lora_expand(v, b, s, y, st, g)),
+                v_bytes + used * n * r * 2 + 2 * y.numel() * 2,
+                peer="gather + bmm",
+            )
+            expand.peer_us = _time(
+                lambda v=v, b=b, s=slots, y=y, st=starts: gather_bmm_expand(v, b, s, y, st)
+            )
+            rows += [shrink, expand]
+            del inp, x, a, b, y, v
+            torch.cuda.empty_cache()
+    return rows
+
+
 def sweep(copy_bw: float) -> list[str]:
     """Tile, warp, stage and split variants of both attention kernels, for picking the defaults."""
     from pagoda.kernels.attention import DecodeConfig, PrefillConfig, paged_attention
@@ -519,7 +576,7 @@ def run(args: argparse.Namespace) -> int:
     versions += f"; {copy_note}"
     print(f"{gpu}; {versions}", flush=True)
     rows: list[Row] = []
-    for section in () if args.sweep_only else (bench_decode, bench_prefill, bench_small):
+    for section in () if args.sweep_only else (bench_decode, bench_prefill, bench_small, bench_lora):
         try:
             rows += section(args.quick)
         except Exception as e:  # report what ran; a broken section must not hide the others
