@@ -323,3 +323,20 @@ def test_graph_steps_with_adapters_give_the_eager_outputs(
         config.block_size, capture=False, lora=runner.lora.batch,
     )  # fmt: skip
     assert run(engine) == expected
+
+
+def test_pagoda_bench_lora_table(llama_ckpt: Path, tmp_path: Path) -> None:
+    """`pagoda bench lora` on the CPU: its adapters (written without PEFT) load, and each batch gets a
+    row with the base and the adapters' rates."""
+    from pagoda.bench.offline import main
+
+    out = tmp_path / "lora.md"
+    args = ["lora", "--model", str(llama_ckpt), "--dtype", "float32", "--num-adapters", "3", "--rank", "4"]
+    assert (
+        main([*args, "--batches", "1,5", "--input-len", "8", "--output-len", "4", "--output", str(out)]) == 0
+    )
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [row.split(" | ")[0] for row in rows] == ["| 1", "| 5"]
+    for row in rows:
+        base, adapted, ratio = (float(cell) for cell in row.strip("| ").split(" | ")[1:])
+        assert base > 0 and adapted > 0 and ratio == pytest.approx(adapted / base, rel=0.02)

@@ -121,6 +121,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pagoda.bench import spec as bench_spec
 
     bench_spec.add_arguments(spec)
+    lora = sub.add_parser(
+        "lora",
+        help="decode with many LoRA adapters in one batch against the base model alone, on one engine",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    from pagoda.bench import lora as bench_lora
+
+    bench_lora.add_arguments(lora)
     kernels = sub.add_parser("kernels", help="Triton kernels vs references and SDPA (needs a CUDA GPU)")
     kernels.add_argument("args", nargs=argparse.REMAINDER, help="passed to pagoda.bench.kernels")
 
@@ -500,6 +508,10 @@ def run(args: argparse.Namespace) -> int:
         from pagoda.bench import spec as bench_spec
 
         return bench_spec.run(args)
+    if args.bench == "lora":
+        from pagoda.bench import lora as bench_lora
+
+        return bench_lora.run(args)
     if args.bench == "kernels":
         from pagoda.bench.kernels import main as kernels_main
 

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Multi-LoRA (issue 35) on one CUDA GPU, in one call: `pagoda bench lora` on the Llama-3.1-8B-shaped
+# random checkpoint, decode with 8 rank-16 adapters on every projection spread over the batch against
+# the base model alone (the goal: 85% of the base's tok/s at batch 64 in bf16), in bf16 and with an fp8
+# base; then the LoRA kernels' GPU check. (`pagoda bench kernels` times them against gather + bmm.)
+# Env: LORA_PRECISIONS (bf16 fp8), LORA_BATCHES (1,64).
+# Usage: bash bench/gpu_lora.sh TOKENIZER_DIR OUT_DIR   (carry .whl and out/tok: bench/device_wheels.sh)
+set -uo pipefail
+tok=${1:?tokenizer folder}; out=${2:?output folder}
+source "$(dirname "$0")/device_env.sh"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+start=$SECONDS
+step() { echo "== $1 after $((SECONDS - start)) s"; }
+[ -f /tmp/llama-8b-random/config.json ] || python3 -m pagoda.bench.gpu_check --tokenizer "$tok" --build-8b /tmp/llama-8b-random 2>&1 | tail -1
+step checkpoint
+for q in ${LORA_PRECISIONS:-bf16 fp8}; do
+    quant=(); [ "$q" = fp8 ] && quant=(--quantization fp8)
+    python3 -m pagoda.bench lora --model /tmp/llama-8b-random --dtype bfloat16 "${quant[@]}" \
+        --num-adapters 8 --rank 16 --batches "${LORA_BATCHES:-1,64}" --output "$out/lora.md" 2>&1 |
+        grep -v Loading | tail -6
+    step "$q"
+done
+cd "$root" || exit 1
+python3 -m pytest -q -p no:cacheprovider tests/kernels/check_lora.py 2>&1 | tail -5
+step "kernel check"
