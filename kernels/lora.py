@@ -18,12 +18,14 @@ Punica (Chen et al., 2023; S-LoRA uses its kernels) names the two forms kept her
   `tl.dot` on tensor cores ([BLOCK_T, BLOCK_K] x [BLOCK_K, S x R] for the shrink, [BLOCK_T, R] x
   [R, BLOCK_N] for the expand): each slot's A and B tile is read once a tile of tokens, not once a
   token. The grid is runs x ceil(max_len / BLOCK_T), so a host-known max_len sizes it; the programs past
-  a shorter run's end return at once.
+  a shorter run's end return at once (a step of many one-token runs beside one long run launches mostly
+  such programs: its decode tokens are BGMV's work).
 
 The shrink computes all S slices in one program (A's slices are contiguous in a slot: an [S x R, K]
 matrix, padded to a power of two of at least 16 rows, as `tl.dot` needs), so x is read once. It splits
 K over a grid axis until about `programs_per_sm` programs an SM run, adding the partial sums with float32
-atomics into a zeroed v (a decode of one token would otherwise be 1 program reading all of A). The
+atomics into a zeroed v (a decode of one token would otherwise be 1 program reading all of A; the atomics'
+order makes v's last bits vary from run to run, `programs_per_sm=0` never splits). The
 expand has a grid axis over slices whose programs past a shorter slice's columns return, and adds its
 float32 sum to y's value once, rounded to y's dtype: as `reference.lora_expand`.
 
@@ -291,9 +293,15 @@ def _rank_pow2(rank: int) -> int:
     return max(16, triton.next_power_of_2(rank))  # tl.dot's smallest dimension
 
 
-def _check_slots(
-    name: str, token_slots: torch.Tensor, num_tokens: int, segments: LoraSegments | None
+def _check_inputs(
+    name: str, tensors: tuple[torch.Tensor, ...], token_slots: torch.Tensor, segments: LoraSegments | None
 ) -> None:
+    """Every tensor on the first's device, token_slots one int32 a token, segments of int32 runs."""
+    num_tokens = tensors[0].shape[0]
+    runs = () if segments is None else (segments.starts, segments.slots)
+    devices = {t.device for t in (*tensors, token_slots, *runs)}
+    if len(devices) > 1:
+        raise ValueError(f"{name}: every tensor must be on one device; got {sorted(map(str, devices))}")
     if token_slots.shape != (num_tokens,) or token_slots.dtype != torch.int32:
         raise ValueError(
             f"{name}: token_slots must be int32 [{num_tokens}]; got {token_slots.dtype} "
@@ -346,7 +354,7 @@ def lora_shrink(
         raise ValueError(f"lora_shrink: x and a must be contiguous in K, strides {x.stride()}, {a.stride()}")
     num_tokens, k = x.shape
     _, num_slices, rank, _ = a.shape
-    _check_slots("lora_shrink", token_slots, num_tokens, segments)
+    _check_inputs("lora_shrink", (x, a), token_slots, segments)
     cfg = _config(config, x.device)
     v = torch.zeros((num_slices, num_tokens, rank), dtype=torch.float32, device=x.device)
     if num_tokens == 0 or num_slices == 0 or rank == 0 or k == 0:
@@ -418,7 +426,7 @@ def lora_expand(
             f"lora_expand: v, b and y must be contiguous in their last dim, strides {v.stride()}, "
             f"{b.stride()}, {y.stride()}"
         )
-    _check_slots("lora_expand", token_slots, num_tokens, segments)
+    _check_inputs("lora_expand", (y, v, b), token_slots, segments)
     cfg = _config(config, y.device)
     max_slice = max((hi - lo for lo, hi in itertools.pairwise(starts)), default=0)
     if num_tokens == 0 or num_slices == 0 or rank == 0 or max_slice == 0:

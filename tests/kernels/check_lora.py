@@ -239,6 +239,8 @@ def test_refuses_bad_inputs() -> None:
         lora_shrink(x, a[..., :-1], slots)
     with pytest.raises(ValueError, match="token_slots must be int32"):
         lora_shrink(x, a, slots.long())
+    with pytest.raises(ValueError, match="one device"):
+        lora_shrink(x, a, slots.to("meta"))
     with pytest.raises(ValueError, match="segments want"):
         lora_shrink(x, a, slots, LoraSegments(inp.segments.starts[:-1], inp.segments.slots, 19))
     with pytest.raises(ValueError, match="slice_starts"):
