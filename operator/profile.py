@@ -313,8 +313,11 @@ def _nothing_fits(request: ProfileRequest, groups: list[GpuGroup], rejected: lis
         widest_tp = max(TP_DEGREES)
         total = need.weight_bytes + need.kv_reserve_bytes + widest_tp * request.lora_bytes_per_gpu(widest_tp)
         needs = f"{math.ceil(total / GIB)} GiB, more than 8 x {widest.memory_gib:.0f} GiB"
+    lora = (
+        f" with {request.lora_slots} LoRA slots of rank {request.max_lora_rank}" if request.lora_slots else ""
+    )
     reason = (
-        f"{request.model.size_label} {precision} needs {needs}; "
+        f"{request.model.size_label} {precision}{lora} needs {needs}; "
         f"largest node has {largest.num_gpus} x {largest.memory_gib:.0f} GiB ({largest.product})"
     )
     return Decision(False, reason, rejected=tuple(rejected), cause="Memory")

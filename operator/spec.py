@@ -146,7 +146,7 @@ ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 MAX_ADAPTERS = 64
 # --max-loras when the spec leaves it: every adapter in a GPU slot, up to 8 (NIM's NIM_MAX_GPU_LORAS).
 # A step serves requests of at most max_loras adapters, so fewer slots than adapters queues requests of
-# the others behind; each slot costs KV cache (8 x rank 16 of an 8B model: 640 MiB; of a 70B: 3.3 GiB).
+# the others behind; each slot costs KV cache (8 x rank 16 of an 8B model: 640 MiB; of a 70B: 3.1 GiB).
 DEFAULT_MAX_LORAS_CAP = 8
 DEFAULT_MAX_LORA_RANK = 16  # the server's and vLLM's
 MAX_LORA_RANK = 512

@@ -442,3 +442,56 @@ def test_nothing_fits_names_the_node_with_the_most_memory_in_all() -> None:
     d = decide("llama-3.1-405b", [node("H100", "one", allocatable=1), node("L4", "eight", allocatable=8)])
     assert not d.is_selected
     assert "largest node has 8 x 22 GiB (NVIDIA-L4)" in d.reason, d.reason
+
+
+def test_a_lora_slot_is_every_projections_a_and_b_at_the_largest_rank() -> None:
+    """Llama-3.1-8B (hidden 4096, 8 KV heads of 128, intermediate 14336, 32 layers), rank 16, bf16: per
+    layer r x (q 4096+4096, k and v 4096+1024 each, o 4096+4096, gate and up 4096+14336 each, down
+    14336+4096) = 16 x 81920 parameters, 80 MiB in all. At TP 2 each GPU holds the split factor's half
+    and the other whole."""
+    shape = resolve("llama-3.1-8b")
+    assert shape.lora_slot_bytes(16) == 32 * 16 * 81920 * 2 == 80 * 1024**2
+    assert shape.lora_slot_bytes(64) == 4 * shape.lora_slot_bytes(16)  # linear in the rank
+    per_layer_tp2 = 2 * (4096 + 2048) + 2 * (4096 + 512) + 3 * (4096 + 7168)
+    assert shape.lora_slot_bytes(16, tensor_parallel_size=2) == 32 * 16 * per_layer_tp2 * 2
+    # Qwen2.5-7B has 4 KV heads: at TP 8 each rank still holds one whole (replicated, not a half).
+    qwen = resolve("qwen2.5-7b")
+    per_layer_tp8 = 2 * (3584 + 448) + 2 * (3584 + 128) + 3 * (3584 + 18944 // 8)
+    assert qwen.lora_slot_bytes(1, tensor_parallel_size=8) == 28 * per_layer_tp8 * 2
+
+
+def test_lora_slots_come_out_of_the_kv_room() -> None:
+    """70B fp8 runs at TP 2 on H100s; 64 slots of rank 64 (51-67 GiB a GPU) leave no KV reserve there,
+    so TP 4; on one L4 an 8B with 64 slots of rank 64 (20 GiB) does not fit at all. Ignoring the
+    slots, the server would start with a KV cache too small to batch, or fail to allocate them."""
+    h100 = [node("H100")]
+    assert decide("llama-3.1-70b", h100).tensor_parallel_size == 2
+    slots = {"lora_slots": 64, "max_lora_rank": 64}
+    with_adapters = decide("llama-3.1-70b", h100, **slots)
+    assert with_adapters.is_selected and with_adapters.tensor_parallel_size == 4, with_adapters.reason
+    per_gpu = 64 * resolve("llama-3.1-70b").lora_slot_bytes(64, tensor_parallel_size=4) / 1024**3
+    assert f"KV reserve + {per_gpu:.1f} GiB per GPU of LoRA slots (64 x rank 64) fits 4 x" in (
+        with_adapters.reason
+    )
+    assert decide("llama-3.1-8b", [node("L4")], lora_slots=8, max_lora_rank=16).is_selected
+    too_many = decide("llama-3.1-8b", [node("L4")], **slots)
+    assert not too_many.is_selected and too_many.reason.startswith(
+        "8B fp8 with 64 LoRA slots of rank 64 needs 2 x 22 GiB"
+    ), too_many.reason
+    assert "20.0 GiB per GPU of LoRA slots (64 x rank 64)" in too_many.rejected[0].reason
+    assert "LoRA" not in decide("llama-3.1-70b", h100).reason  # nothing said without adapters
+
+
+def test_the_spec_asks_the_profile_for_its_adapters_slots() -> None:
+    from pagoda.operator.spec import parse_spec
+
+    def request(**spec: object) -> ProfileRequest:
+        model = {"name": "llama-3.1-8b", "source": {"imagePath": "/m"}}
+        body = {"metadata": {"name": "x"}, "spec": {"model": model, **spec}}
+        return parse_spec(body).profile_request()
+
+    assert (request().lora_slots, request().max_lora_rank) == (0, 0)
+    adapters = [{"name": f"a{i}", "source": {"imagePath": f"/a/{i}"}} for i in range(12)]
+    assert (request(adapters=adapters).lora_slots, request(adapters=adapters).max_lora_rank) == (8, 16)
+    asked = request(adapters=adapters, engine={"maxLoras": 12, "maxLoraRank": 128})
+    assert (asked.lora_slots, asked.max_lora_rank) == (12, 128)
