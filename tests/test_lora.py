@@ -207,9 +207,12 @@ def test_pagoda_serve_adapters_through_the_openai_client(
     """`pagoda serve --enable-lora --lora-modules`: /v1/models lists the base and each adapter with its
     parent; a completion naming an adapter is the offline engine's under it; an adapter loaded at run
     time serves, a bad one is a 400 saying why, an unloaded one a 404."""
+    import grpc
     import httpx
     import openai
 
+    from pagoda.service.grpc_gen import inference_pb2 as pb
+    from pagoda.service.grpc_gen import inference_pb2_grpc as pb_grpc
     from pagoda.service.serve_process import ServeProcess
 
     prompt = random_prompts([13], seed=6)[0]
@@ -242,6 +245,16 @@ def test_pagoda_serve_adapters_through_the_openai_client(
         }
         done = client.completions.create(model="every", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0)
         assert done.model == "every" and done.choices[0].text == expected["every"]
+        with grpc.insecure_channel(server.grpc_target) as channel:  # gRPC names the adapter the same way
+            stub = pb_grpc.InferenceStub(channel)
+            sampling = pb.SamplingParameters(temperature=0.0, max_new_tokens=NEW_TOKENS)
+            request = pb.GenerateRequest(model="every", token_ids=pb.TokenIds(ids=prompt), sampling=sampling)
+            responses = list(stub.Generate(request, timeout=60))
+            assert "".join(r.text for r in responses) == expected["every"]
+            grpc_tokens = sum(len(r.token_ids) for r in responses)
+            with pytest.raises(grpc.RpcError) as missing:
+                list(stub.Generate(pb.GenerateRequest(model="nope", text="x", sampling=sampling), timeout=60))
+            assert missing.value.code() == grpc.StatusCode.NOT_FOUND
 
         base = server.base_url
         refused = httpx.post(
@@ -270,10 +283,12 @@ def test_pagoda_serve_adapters_through_the_openai_client(
         assert found is not None, (name, adapter, metrics)
         return float(found.group(1))
 
+    assert series("pagoda_lora_requests_total", "every") == 2  # HTTP and gRPC
+    assert series("pagoda_lora_requests_total", "qv") == 1
+    assert done.usage is not None
     assert (
-        series("pagoda_lora_requests_total", "every") == 1 and series("pagoda_lora_requests_total", "qv") == 1
+        series("pagoda_lora_generation_tokens_total", "every") == done.usage.completion_tokens + grpc_tokens
     )
-    assert series("pagoda_lora_generation_tokens_total", "every") == done.usage.completion_tokens  # type: ignore[union-attr]
     assert series("pagoda_lora_loads_total", "qv") == 1 and series("pagoda_lora_load_seconds_total", "qv") > 0
     assert series("pagoda_lora_slot_loads_total", "qv") == 1
     assert re.search(
