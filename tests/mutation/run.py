@@ -78,6 +78,13 @@ TARGETS: dict[str, Target] = {
     "spec_verify": Target(
         "service/engine/runner/spec_verify.py", ("tests/test_speculative.py", "-k", "verif"), 120.0
     ),
+    # Multi-LoRA: the core's slot books (a unit test, then the engine's mixed batches against PEFT).
+    "lora_slots": Target(
+        "service/engine/core/lora_slots.py", ("tests/test_lora.py", "-k", "slots or mixed or run_time"), 120.0
+    ),
+    "model_lora": Target(
+        "service/model/lora.py", ("tests/test_lora.py", "-k", "mixed or refused or tensor"), 180.0
+    ),
     # The snapshot first: it kills most mutants in a fraction of a second, before the slower file runs.
     "manifests": Target(
         "operator/manifests.py",
