@@ -2,28 +2,39 @@
 - every profile the operator can choose, on every GPU it knows, `pagoda serve` accepts;
 - they really serve, here on the CPU with a tiny checkpoint: every precision at TP 1 and 2, and TP 4
   and 8 (gloo ranks);
-- a user's engine.extraArgs never override a flag the operator renders (spec parsing and the CRD).
+- a user's engine.extraArgs never override a flag the operator renders (spec parsing and the CRD);
+- spec.speculative and spec.adapters reach the server as the configs they mean, and what admission
+  refuses of them (the CRD's bounds and CEL rules) parsing refuses too.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import httpx
 import pytest
 import yaml
 
 from pagoda.operator import manifests
+from pagoda.operator import spec as spec_mod
 from pagoda.operator.catalogue import CATALOGUE
 from pagoda.operator.gpus import KNOWN_GPUS, GpuGroup
 from pagoda.operator.profile import PRECISIONS, TP_DEGREES, Decision, select_profile
-from pagoda.operator.spec import OPERATOR_FLAGS, OperatorConfig, ServiceSpec, operator_flag, parse_spec
+from pagoda.operator.spec import (
+    OPERATOR_FLAGS,
+    OperatorConfig,
+    ServiceSpec,
+    Speculative,
+    operator_flag,
+    parse_spec,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD = ROOT / "crds" / "serving.pagoda.dev_inferenceservices.yaml"
@@ -166,13 +177,22 @@ def test_operator_flags_are_one_list_with_the_crd_and_what_is_rendered() -> None
 
     assert _crd_flags() == list(OPERATOR_FLAGS)
     engine = {"maxModelLen": 4096, "maxNumSeqs": 8, "kvCacheDtype": "fp8", "apiServerCount": 2}
-    engine["prefixCaching"] = False
+    engine |= {"prefixCaching": False, "maxLoras": 1, "maxLoraRank": 8, "maxCpuLoras": 2}
     full = parse_spec(
-        _body({"model": {"name": "llama-3.1-8b", "source": {"imagePath": "/m"}}, "engine": engine})
+        _body(
+            {
+                "model": {"name": "llama-3.1-8b", "source": {"imagePath": "/m"}},
+                "engine": engine,
+                "speculative": {"method": "ngram"},
+                "adapters": [{"name": "sql", "source": {"imagePath": "/a"}}],
+            }
+        )
     )
     profiles = [(full, chosen_profiles()[0][1]), *chosen_profiles()]
     rendered = {a for s, d in profiles for a in manifests.server_args(s, d, CONFIG) if a.startswith("--")}
-    assert rendered == set(OPERATOR_FLAGS)
+    # --no-enable-lora is never rendered (no adapters: no LoRA flag at all), and refused all the same: it
+    # would switch off what spec.adapters turns on.
+    assert rendered | {"--no-enable-lora"} == set(OPERATOR_FLAGS)
     parser = argparse.ArgumentParser()
     serve_cli.add_arguments(parser)
     serve_flags = {o for action in parser._actions for o in action.option_strings if o.startswith("--")}
@@ -196,6 +216,15 @@ def test_operator_flags_are_one_list_with_the_crd_and_what_is_rendered() -> None
         ("--kv-cache-d=fp8", "--kv-cache-dtype"),
         ("--api-server-count=2", "--api-server-count"),
         ("--api-server", "--api-server-count"),
+        ("--speculative-config={}", "--speculative-config"),
+        ("--spec", "--speculative-config"),
+        ("--enable-lora", "--enable-lora"),
+        ("--no-enable-lora", "--no-enable-lora"),
+        ("--lora-modules", "--lora-modules"),
+        ("--lora=a=/b", "--lora-modules"),
+        ("--max-lora=4", "--max-loras"),  # ambiguous to argparse; refused all the same
+        ("--max-lora-r=64", "--max-lora-rank"),
+        ("--max-cpu", "--max-cpu-loras"),
         ("--kv-cache-memory-bytes=1073741824", None),
         ("--seed", None),
         ("--device=cpu", None),
@@ -323,6 +352,8 @@ WIDE_TP_PRECISION = {4: "bf16", 8: "fp8"}  # 70B bf16 on H100s, 405B fp8 on H100
 def _distinct_profiles() -> dict[tuple[str, int], tuple[ServiceSpec, Decision]]:
     out: dict[tuple[str, int], tuple[ServiceSpec, Decision]] = {}
     for spec, decision in chosen_profiles():
+        if spec.adapters or (spec.speculative and spec.speculative.draft_model):
+            continue  # their paths are the cluster's; the parser checks their args (below)
         precision, tp = str(decision.precision), int(decision.tensor_parallel_size or 0)
         if tp <= 2 or WIDE_TP_PRECISION.get(tp) == precision:
             out.setdefault((precision, tp), (spec, decision))
@@ -371,3 +402,241 @@ def test_the_model_uri_pattern_is_one_with_the_crd() -> None:
     crd = yaml.safe_load(CRD.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     uri = crd["properties"]["spec"]["properties"]["model"]["properties"]["source"]["properties"]["uri"]
     assert uri["pattern"] == URI_PATTERN.pattern
+
+
+# --- spec.speculative and spec.adapters --------------------------------------------------------------
+
+
+def _serve_configs(args: list[str]) -> Any:
+    """The EngineConfig `pagoda serve` builds from rendered args (the model replaced by one that exists)."""
+    from pagoda.service import cli as serve_cli
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    serve_cli.add_arguments(parser)
+    parsed = parser.parse_args(_with_values(args, model=str(ROOT / "examples"), precision="fp16"))
+    return serve_cli.build_configs(parsed)[1]
+
+
+IMAGE_MODEL = {"name": "llama-3.1-8b", "source": {"imagePath": "/models/llama"}}
+H100_GROUP = GpuGroup("NVIDIA-H100-80GB-HBM3", (9, 0), 81559, 8, labels=("NVIDIA-H100-80GB-HBM3",))
+
+
+def _rendered(spec: dict[str, Any]) -> list[str]:
+    parsed = parse_spec(_body(spec))
+    decision = select_profile(parsed.profile_request(), [H100_GROUP])
+    assert decision.is_selected, decision.reason
+    return manifests.server_args(parsed, decision, CONFIG)
+
+
+@pytest.mark.parametrize(
+    ("speculative", "expected"),
+    [
+        ({"method": "ngram"}, {"method": "ngram"}),
+        (
+            {"method": "ngram", "numSpeculativeTokens": 5, "promptLookupMax": 8, "promptLookupMin": 3,
+             "maxBatchTokens": 64, "adaptive": False},
+            {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 8, "prompt_lookup_min": 3,
+             "max_batch_tokens": 64, "adaptive": False},
+        ),
+        (
+            {"method": "draftModel", "draftModel": "/models/llama-3.2-1b", "numSpeculativeTokens": 4},
+            {"method": "draft_model", "model": "/models/llama-3.2-1b", "num_speculative_tokens": 4},
+        ),
+    ],
+)  # fmt: skip
+def test_speculative_reaches_the_server_as_the_config_it_means(
+    speculative: dict[str, Any], expected: dict[str, Any]
+) -> None:
+    """Rendered, parsed by the real `pagoda serve`: the SpeculativeConfig the server would build from the
+    same JSON written by hand (vLLM's keys; the fields the spec leaves out take the server's defaults)."""
+    from pagoda.service.engine.config import SpeculativeConfig
+
+    config = _serve_configs(_rendered({"model": IMAGE_MODEL, "speculative": speculative})).speculative
+    assert config == SpeculativeConfig.from_json(json.dumps(expected))
+
+
+def test_the_operators_speculative_defaults_are_the_servers() -> None:
+    """The operator writes every field out (and the CRD's rule compares promptLookupMin with an unset
+    promptLookupMax by them): a server default that moves must move here too."""
+    from pagoda.service.engine.config import MAX_PROMPT_LOOKUP, SpeculativeConfig
+
+    ours, theirs = Speculative("ngram"), SpeculativeConfig()
+    for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_batch_tokens"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    assert ours.adaptive is theirs.adaptive
+    assert spec_mod.MAX_PROMPT_LOOKUP == MAX_PROMPT_LOOKUP
+    rules = [r["rule"] for r in _spec_schema()["speculative"]["x-kubernetes-validations"]]
+    (order,) = [r for r in rules if "<=" in r]
+    assert order == (
+        f"(has(self.promptLookupMin) ? self.promptLookupMin : {theirs.prompt_lookup_min}) <= "
+        f"(has(self.promptLookupMax) ? self.promptLookupMax : {theirs.prompt_lookup_max})"
+    )
+
+
+def test_adapters_reach_the_server_from_every_source() -> None:
+    from pagoda.service.engine.config import LoRAConfig, LoRAModule
+
+    adapters = [
+        {"name": "sql", "source": {"uri": "hf://org/sql-lora@v1"}},
+        {"name": "ft:chat:acme::7", "source": {"pvc": {"claimName": "loras", "path": "chat"}}},
+        {"name": "tarot", "source": {"hostPath": "/mnt/loras/tarot"}},
+        {"name": "baked", "source": {"imagePath": "/opt/loras/baked"}},
+    ]
+    spec = {"model": IMAGE_MODEL, "adapters": adapters, "engine": {"maxLoraRank": 64, "maxCpuLoras": 6}}
+    lora = _serve_configs(_rendered(spec)).lora
+    assert lora == LoRAConfig(
+        modules=(
+            LoRAModule("sql", "/adapters/uri/sql"),
+            LoRAModule("ft:chat:acme::7", "/adapters/pvc/loras/chat"),
+            LoRAModule("tarot", "/adapters/host/tarot"),
+            LoRAModule("baked", "/opt/loras/baked"),
+        ),
+        max_loras=4,  # every adapter in a GPU slot
+        max_lora_rank=64,
+        max_cpu_loras=6,
+    )
+    # No adapters: no LoRA at all (the server's default, off).
+    assert _serve_configs(_rendered({"model": IMAGE_MODEL})).lora is None
+
+
+def test_the_default_max_loras_is_the_number_of_adapters_up_to_eight() -> None:
+    def max_loras(count: int, engine: dict[str, Any] | None = None) -> int:
+        adapters = [{"name": f"a{i}", "source": {"imagePath": f"/a/{i}"}} for i in range(count)]
+        args = _rendered({"model": IMAGE_MODEL, "adapters": adapters, "engine": engine or {}})
+        return int(args[args.index("--max-loras") + 1])
+
+    assert [max_loras(n) for n in (1, 3, 8, 9, 64)] == [1, 3, 8, 8, 8]
+    assert max_loras(64, {"maxLoras": 32}) == 32
+    rule = next(
+        v["rule"] for v in _spec_validations() if "maxCpuLoras >=" in v["rule"]
+    )  # the CRD's rule compares maxCpuLoras with the same default
+    cap = spec_mod.DEFAULT_MAX_LORAS_CAP
+    assert f"(size(self.adapters) < {cap} ? size(self.adapters) : {cap})" in " ".join(rule.split())
+
+
+def _crd_schema() -> dict[str, Any]:
+    return yaml.safe_load(CRD.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def _spec_schema() -> dict[str, Any]:
+    return _crd_schema()["properties"]["spec"]["properties"]
+
+
+def _spec_validations() -> list[dict[str, str]]:
+    return _crd_schema()["properties"]["spec"]["x-kubernetes-validations"]
+
+
+def _without_words(schema: Any) -> Any:
+    if isinstance(schema, dict):
+        return {k: _without_words(v) for k, v in schema.items() if k not in ("description", "message")}
+    if isinstance(schema, list):
+        return [_without_words(v) for v in schema]
+    return schema
+
+
+def test_an_adapters_source_is_shaped_as_the_models() -> None:
+    """The same kinds, patterns and rules: a source kind added to model.source alone would be one that
+    an adapter cannot come from."""
+    spec = _spec_schema()
+    adapter = spec["adapters"]["items"]["properties"]
+    assert _without_words(adapter["source"]) == _without_words(spec["model"]["properties"]["source"])
+
+
+def test_the_crds_bounds_are_the_parsers() -> None:
+    spec = _spec_schema()
+    adapters, engine = spec["adapters"], spec["engine"]["properties"]
+    assert adapters["maxItems"] == spec_mod.MAX_ADAPTERS
+    assert adapters["x-kubernetes-list-map-keys"] == ["name"]  # unique names
+    assert adapters["items"]["properties"]["name"]["pattern"] == spec_mod.ADAPTER_NAME.pattern
+    assert (engine["maxLoras"]["maximum"], engine["maxLoraRank"]["maximum"]) == (
+        spec_mod.MAX_ADAPTERS,
+        spec_mod.MAX_LORA_RANK,
+    )
+    assert engine["maxCpuLoras"]["maximum"] == spec_mod.MAX_CPU_LORAS
+    speculative = spec["speculative"]["properties"]
+    assert speculative["numSpeculativeTokens"]["maximum"] == spec_mod.MAX_SPECULATIVE_TOKENS
+    assert speculative["promptLookupMax"]["maximum"] == spec_mod.MAX_PROMPT_LOOKUP
+    assert speculative["method"]["enum"] == list(get_args(spec_mod.SpeculativeMethod))
+    uri = spec["model"]["properties"]["source"]["properties"]["uri"]
+    assert uri["maxLength"] == spec_mod.MAX_URI_LENGTH
+
+
+HF = {"uri": "hf://org/sql-lora"}
+NGRAM = {"method": "ngram"}
+
+
+# What admission refuses (the CRD's schema and CEL rules, each tried on a real API server when written),
+# and the words parsing refuses it with, for objects that never met one.
+REFUSED: list[tuple[dict[str, Any], str]] = [
+    ({"speculative": {}}, "speculative.method must be ngram or draftModel"),
+    ({"speculative": {"method": "eagle"}}, "speculative.method must be ngram or draftModel, got 'eagle'"),
+    ({"speculative": {"method": "draftModel"}}, "draftModel is required exactly when method is draftModel"),
+    ({"speculative": {"method": "ngram", "draftModel": "/d"}}, "required exactly when method is draftModel"),
+    ({"speculative": {"method": "draftModel", "draftModel": "d"}}, "a path the server pod sees"),
+    (
+        {"speculative": {"method": "draftModel", "draftModel": "/d", "promptLookupMin": 1}},
+        "speculative.promptLookupMin is prompt lookup's (method ngram)",
+    ),
+    ({"speculative": {"method": "ngram", "numSpeculativeTokens": 17}}, "from 1 to 16, got 17"),
+    ({"speculative": {"method": "ngram", "numSpeculativeTokens": 0}}, "from 1 to 16, got 0"),
+    ({"speculative": NGRAM | {"promptLookupMax": 65}}, "promptLookupMax must be an integer from 1 to 64"),
+    ({"speculative": NGRAM | {"promptLookupMin": 5}}, "Min (5) must be at most promptLookupMax (4)"),
+    ({"speculative": NGRAM | {"promptLookupMax": 1}}, "Min (2) must be at most promptLookupMax (1)"),
+    ({"speculative": {"method": "ngram", "maxBatchTokens": 0}}, "maxBatchTokens must be an integer from 1"),
+    ({"speculative": {"method": "ngram", "adaptive": "no"}}, "speculative.adaptive must be true or false"),
+    ({"adapters": [{"name": "sql", "source": HF}] * 2}, "adapters[1].name 'sql': another adapter has this"),
+    ({"adapters": [{"name": "llama-3.1-8b", "source": HF}]}, "is the served model's name (model.name)"),
+    ({"adapters": [{"name": "org/sql", "source": HF}]}, "adapters[0].name 'org/sql': 1-128 letters"),
+    ({"adapters": [{"name": "a=b", "source": HF}]}, "adapters[0].name 'a=b'"),
+    ({"adapters": [{"name": ".hidden", "source": HF}]}, "starting with a letter or digit"),
+    ({"adapters": [{"name": "x", "source": {"uri": "s3://bucket/x.GGUF"}}]}, "a PEFT folder"),
+    ({"adapters": [{"name": "x", "source": {"uri": "ftp://host/x"}}]}, "adapters[0].source.uri 'ftp://host/x'"),
+    (
+        {"adapters": [{"name": "x", "source": {"uri": "hf://a/b", "imagePath": "/a"}}]},
+        "adapters[0].source: give exactly one of pvc, hostPath, imagePath or uri",
+    ),
+    ({"adapters": [{"name": f"a{i}", "source": HF} for i in range(65)]}, "adapters: at most 64, got 65"),
+    ({"engine": {"maxLoras": 2}}, "engine.maxLoras: settings of spec.adapters, which has none"),
+    ({"adapters": [], "engine": {"maxLoraRank": 8}}, "engine.maxLoraRank: settings of spec.adapters"),
+    ({"adapters": [{"name": "x", "source": HF}], "engine": {"maxLoraRank": 513}}, "from 1 to 512, got 513"),
+    ({"adapters": [{"name": "x", "source": HF}], "engine": {"maxLoras": 65}}, "from 1 to 64, got 65"),
+    (
+        {"adapters": [{"name": "x", "source": HF}], "engine": {"maxLoras": 4, "maxCpuLoras": 2}},
+        "engine.maxCpuLoras (2) must be at least maxLoras (4)",
+    ),
+    (
+        {"adapters": [{"name": f"a{i}", "source": HF} for i in range(10)], "engine": {"maxCpuLoras": 7}},
+        "engine.maxCpuLoras (7) must be at least maxLoras (8)",
+    ),
+    ({"engine": {"extraArgs": ["--speculative-config={}"]}}, "would override --speculative-config"),
+    ({"engine": {"extraArgs": ["--no-enable-lora"]}}, "would override --no-enable-lora"),
+    ({"engine": {"extraArgs": ["--max-lora", "4"]}}, "would override --max-loras"),
+    ({"env": [{"name": "PAGODA_LORA_MODULES", "value": "a=/b"}]}, "would set --lora-modules"),
+    ({"env": [{"name": "PAGODA_SPECULATIVE_CONFIG", "value": "{}"}]}, "would set --speculative-config"),
+    ({"volumes": [{"name": "adapter-0", "emptyDir": {}}]}, "adapter-0 is a volume of the operator's"),
+    (
+        {"volumes": [{"name": "v"}], "volumeMounts": [{"name": "v", "mountPath": "/adapters/x"}]},
+        "/adapters/x overlaps a path the operator mounts",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fragment", "message"), REFUSED, ids=[m[:40] for _, m in REFUSED])
+def test_what_admission_refuses_parsing_refuses(fragment: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_spec(_body({"model": IMAGE_MODEL} | fragment))
+
+
+def test_what_admission_lets_through_parses() -> None:
+    """The edges of the same rules: a promptLookupMin raised to the default max, eight default slots
+    against eight host slots, a `:` in a name."""
+    ok = [
+        {"speculative": {"method": "ngram", "promptLookupMin": 4}},
+        {"speculative": {"method": "draftModel", "draftModel": "/d", "numSpeculativeTokens": 16}},
+        {"adapters": [{"name": f"a{i}", "source": HF} for i in range(10)], "engine": {"maxCpuLoras": 8}},
+        {"adapters": [{"name": "ft:gpt-x:org::1", "source": HF}], "engine": {"maxLoras": 64}},
+        {"adapters": [{"name": f"a{i}", "source": HF} for i in range(64)]},
+        {"adapters": []},
+    ]
+    for fragment in ok:
+        parse_spec(_body({"model": IMAGE_MODEL} | fragment))
