@@ -505,3 +505,104 @@ def test_an_ingress_when_the_spec_asks_for_one() -> None:
     assert bare is not None and "host" not in bare["spec"]["rules"][0] and "tls" not in bare["spec"]
     assert bare["spec"]["rules"][0]["http"]["paths"][0]["path"] == "/llm"
     assert manifests.children(spec, decision(), CONFIG)[-1]["kind"] == "Ingress"
+
+
+def test_speculation_is_off_unless_the_spec_asks() -> None:
+    """Off by default (docs/operator.md: no gain without repeated text, a loss at batch 64 before the
+    adaptive rule); asked for, every field is written out in vLLM's keys."""
+    plain = manifests.server_args(parse_spec(body()), decision(), CONFIG)
+    assert not any(a.startswith("--speculative") for a in plain)
+    args = manifests.server_args(parse_spec(body(speculative={"method": "ngram"})), decision(), CONFIG)
+    assert args[args.index("--speculative-config") + 1] == (
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2, '
+        '"max_batch_tokens": 128, "adaptive": true}'
+    )
+    draft = {"method": "draftModel", "draftModel": "/drafts/llama-3.2-1b", "adaptive": False}
+    args = manifests.server_args(parse_spec(body(speculative=draft)), decision(), CONFIG)
+    assert args[args.index("--speculative-config") + 1] == (
+        '{"method": "draft_model", "model": "/drafts/llama-3.2-1b", "num_speculative_tokens": 3, '
+        '"max_batch_tokens": 128, "adaptive": false}'
+    )
+
+
+def _adapter_pod(model: dict, adapters: list[dict], **spec: object) -> dict:
+    parsed = parse_spec(body(model=model, adapters=adapters, **spec))
+    return pod(manifests.deployment(parsed, decision(), CONFIG))
+
+
+def _lora_modules(pod_spec: dict) -> dict[str, str]:
+    args = pod_spec["containers"][0]["args"]
+    start = args.index("--lora-modules") + 1
+    modules = args[start : args.index("--max-loras")]
+    return dict(m.split("=", 1) for m in modules)
+
+
+def test_adapters_are_mounted_read_only_as_the_model_is() -> None:
+    model = {"name": "llama-3.1-8b", "source": {"pvc": {"claimName": "weights", "path": "llama"}}}
+    adapters = [
+        {"name": "in-model-claim", "source": {"pvc": {"claimName": "weights", "path": "loras/a"}}},
+        {"name": "b", "source": {"pvc": {"claimName": "loras", "path": "b"}}},
+        {"name": "c", "source": {"pvc": {"claimName": "loras", "path": "c"}}},
+        {"name": "tarot", "source": {"hostPath": "/mnt/loras/tarot"}},
+        {"name": "baked", "source": {"imagePath": "/opt/loras/baked"}},
+    ]
+    pod_spec = _adapter_pod(model, adapters)
+    assert _lora_modules(pod_spec) == {
+        "in-model-claim": "/models/loras/a",  # the model's claim, mounted once at /models
+        "b": "/adapters/pvc/loras/b",
+        "c": "/adapters/pvc/loras/c",
+        "tarot": "/adapters/host/tarot",
+        "baked": "/opt/loras/baked",
+    }
+    volumes = {v["name"]: v for v in pod_spec["volumes"]}
+    mounts = {m["mountPath"]: m for m in pod_spec["containers"][0]["volumeMounts"]}
+    # One volume per claim, however many adapters it holds (and none for the model's own).
+    claims = [v["persistentVolumeClaim"] for v in volumes.values() if "persistentVolumeClaim" in v]
+    assert claims == [{"claimName": "weights", "readOnly": True}, {"claimName": "loras", "readOnly": True}]
+    assert mounts["/adapters/pvc/loras"]["name"] == "adapter-1"
+    assert volumes["adapter-3"]["hostPath"] == {"path": "/mnt/loras/tarot"}
+    assert mounts["/adapters/host/tarot"]["name"] == "adapter-3"
+    adapter_mounts = [m for path, m in mounts.items() if path.startswith("/adapters")]
+    assert len(adapter_mounts) == 2 and all(m["readOnly"] is True for m in adapter_mounts)
+    assert "initContainers" not in pod_spec  # nothing to fetch
+    args = pod_spec["containers"][0]["args"]
+    assert args[args.index("--enable-lora") :][-4:] == ["--max-loras", "5", "--max-lora-rank", "16"]
+
+
+def test_uri_adapters_are_fetched_at_start_without_a_cache_each_with_its_own_credentials() -> None:
+    model = {"name": "llama-3.1-8b", "source": {"imagePath": "/models/llama"}}
+    adapters = [
+        {"name": "sql", "source": {"uri": "hf://org/sql-lora@v2", "tokenSecret": {"name": "hf", "key": "t"}}},
+        {"name": "chat", "source": {"uri": "s3://loras/chat/", "credentialsSecret": {"name": "s3"}}},
+    ]
+    mirror = [{"name": "HF_ENDPOINT", "value": "http://mirror"}]
+    pod_spec = _adapter_pod(model, adapters, env=mirror, engine={"maxLoraRank": 64})
+    assert _lora_modules(pod_spec) == {"sql": "/adapters/uri/sql", "chat": "/adapters/uri/chat"}
+    sql, chat = pod_spec["initContainers"]
+    assert (sql["name"], chat["name"]) == ("fetch-adapter-0", "fetch-adapter-1")
+    assert sql["command"] + sql["args"] == [
+        "pagoda", "download", "--repo", "org/sql-lora", "--revision", "v2", "--target", "/adapters/uri/sql"
+    ]  # fmt: skip
+    assert chat["command"] + chat["args"] == [
+        "pagoda", "download", "--uri", "s3://loras/chat/", "--target", "/adapters/uri/chat"
+    ]  # fmt: skip
+    sql_env = {e["name"]: e for e in sql["env"]}
+    assert sql_env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "t"}
+    assert sql_env["HF_ENDPOINT"]["value"] == "http://mirror"
+    assert "envFrom" not in sql and "HF_TOKEN" not in {e["name"] for e in chat["env"]}
+    assert chat["envFrom"] == [{"secretRef": {"name": "s3"}}]  # each its own secrets, no other's
+    assert {"name": "adapters", "mountPath": "/adapters/uri"} in chat["volumeMounts"]
+    volumes = {v["name"]: v for v in pod_spec["volumes"]}
+    # Room for A and B of rank 64 in fp32 (640 MiB for an 8B) + 10%, in whole GiB: 1 GiB each.
+    assert volumes["adapters"]["emptyDir"] == {"sizeLimit": "2Gi"}
+    server_mounts = pod_spec["containers"][0]["volumeMounts"]
+    assert {"name": "adapters", "mountPath": "/adapters/uri", "readOnly": True} in server_mounts
+
+
+def test_uri_adapters_of_a_cached_model_are_read_from_its_claim() -> None:
+    model = {"name": "llama-3.1-8b", "source": {"uri": "hf://org/llama"}, "cache": {"size": "40Gi"}}
+    adapters = [{"name": "sql", "source": {"uri": "hf://org/sql-lora"}}]
+    pod_spec = _adapter_pod(model, adapters)
+    assert _lora_modules(pod_spec) == {"sql": "/models/adapters/sql"}  # the cache Job fetched it there
+    assert "initContainers" not in pod_spec
+    assert [v["name"] for v in pod_spec["volumes"] if v["name"].startswith("adapter")] == []

@@ -82,6 +82,21 @@ CASES: dict[str, tuple[dict[str, Any], int, str, GpuGroup, OperatorConfig]] = {
                    "cache": {"size": "20Gi"}}},
         1, "bf16", L4, OperatorConfig(),
     ),
+    "LoRA adapters from the model's claim, another claim, a node path and the Hub; prompt lookup": (
+        {
+            "model": {"name": "llama-3.1-8b", "source": {"pvc": {"claimName": "weights", "path": "llama"}}},
+            "adapters": [
+                {"name": "sql", "source": {"pvc": {"claimName": "weights", "path": "loras/sql"}}},
+                {"name": "chat", "source": {"pvc": {"claimName": "loras", "path": "chat"}}},
+                {"name": "tarot", "source": {"hostPath": "/mnt/loras/tarot"}},
+                {"name": "ft:support:acme::2", "source": {"uri": "hf://acme/support-lora",
+                                                          "tokenSecret": {"name": "hf"}}},
+            ],
+            "engine": {"maxLoraRank": 32, "maxCpuLoras": 8},
+            "speculative": {"method": "ngram", "numSpeculativeTokens": 4},
+        },
+        1, "fp8", H100, OperatorConfig(),
+    ),
 }  # fmt: skip
 
 
@@ -115,6 +130,8 @@ def test_every_case_renders_every_kind_it_should() -> None:
         "Service", "ServiceAccount", "Role", "RoleBinding", "PodDisruptionBudget", "Deployment",
     ]  # fmt: skip
     assert kinds["a host path on a one-GPU node, fp16, three API servers"][-1] == "HTTPRoute"
+    lora = "LoRA adapters from the model's claim, another claim, a node path and the Hub; prompt lookup"
+    assert kinds[lora] == ["Service", "PodDisruptionBudget", "Deployment"]
 
 
 def test_the_pods_run_as_the_images_user() -> None:
@@ -135,6 +152,9 @@ def test_the_model_is_mounted_read_only_whatever_its_source() -> None:
         model = [m for m in mounts if m["name"] == "model"]
         assert case[0]["model"]["source"].get("imagePath") or model, case[0]
         assert all(m["readOnly"] is True for m in model)
+        adapters = [m for m in mounts if m["mountPath"].startswith("/adapters")]  # as the model is
+        assert bool(adapters) == bool(case[0].get("adapters")), case[0]
+        assert all(m["readOnly"] is True for m in adapters)
 
 
 def test_a_partial_node_rolls_with_a_surge_and_a_whole_node_without() -> None:
