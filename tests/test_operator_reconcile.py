@@ -654,3 +654,126 @@ def test_a_router_child_someone_else_owns_is_not_overwritten() -> None:
     result = run(kube, inference_service(router={"enabled": True}))
     assert any("Role llm-router exists and is not owned" in e.message for e in result.events)
     assert ("Deployment", "ns", "llm-router") not in kube.objects
+
+
+def test_uri_adapters_are_fetched_by_the_cache_job_into_the_models_claim() -> None:
+    """One Job: an init container per uri adapter (each with its own Secret), then the model; the
+    claim is the model's, so a changed adapter list gets a new Job on it and the model is not fetched
+    again (pagoda download finds its folder complete). The old Job goes once the new one is done."""
+    source = {"uri": "hf://org/m@v1", "tokenSecret": {"name": "hf"}}
+    adapters = [
+        {"name": "sql", "source": {"uri": "hf://org/sql-lora", "tokenSecret": {"name": "hf-sql"}}},
+        {"name": "baked", "source": {"imagePath": "/opt/loras/baked"}},
+        {"name": "chat", "source": {"uri": "s3://loras/chat", "credentialsSecret": {"name": "s3"}}},
+    ]
+    kube = FakeKube([H100])
+    model = {"name": "llama-3.1-8b", "source": source, "cache": {"size": "40Gi"}}
+    plain = FakeKube([H100])
+    run(plain, inference_service(model=model))
+    ((_, _, model_only),) = [key for key in plain.objects if key[0] == "Job"]
+    body = inference_service(model=model, adapters=adapters[:2])
+    result = run(kube, body)
+    ((_, _, claim),) = [key for key in kube.objects if key[0] == "PersistentVolumeClaim"]
+    ((_, _, first),) = [key for key in kube.objects if key[0] == "Job"]
+    assert claim == model_only  # the model's claim whatever the adapters: nothing fetched twice
+    assert first != claim  # the Job's name carries the adapters too
+    assert result.status["cache"] == {
+        "state": "Caching",
+        "message": f"downloading org/m@v1 and 1 adapter into PersistentVolumeClaim {claim}",
+        "claimName": claim,
+        "job": first,
+    }
+    pod_spec = kube.objects[("Job", "ns", first)]["spec"]["template"]["spec"]
+    (sql,) = pod_spec["initContainers"]  # the image-path adapter is not fetched
+    assert sql["name"] == "download-adapter-0"
+    assert sql["command"] == [
+        "pagoda", "download", "--repo", "org/sql-lora", "--revision", "main",
+        "--target", "/models/adapters/sql",
+    ]  # fmt: skip
+    token = {e["name"]: e for e in sql["env"]}["HF_TOKEN"]
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "hf-sql", "key": "token"}
+    assert sql["volumeMounts"] == pod_spec["containers"][0]["volumeMounts"]  # the same claim
+    _complete(kube, first)
+    result = run(kube, body)
+    assert result.status["cache"]["message"] == (
+        f"org/m@v1 and 1 adapter are in PersistentVolumeClaim {claim}"
+    )
+    args = kube.objects[("Deployment", "ns", "llm")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--lora-modules") + 1 : args.index("--max-loras")] == [
+        "sql=/models/adapters/sql",
+        "baked=/opt/loras/baked",
+    ]
+
+    body["spec"]["adapters"] = adapters
+    body["metadata"]["generation"] = 2
+    result = run(kube, body)
+    (second,) = [name for kind, _, name in kube.objects if kind == "Job" and name != first]
+    assert result.status["cache"]["state"] == "Caching"
+    second_pod = kube.objects[("Job", "ns", second)]["spec"]["template"]["spec"]
+    assert second_pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == claim
+    chat = second_pod["initContainers"][1]
+    assert (
+        chat["envFrom"] == [{"secretRef": {"name": "s3"}}] and chat["command"][-1] == "/models/adapters/chat"
+    )
+    args = kube.objects[("Deployment", "ns", "llm")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "chat=/models/adapters/chat" not in args  # the running pods serve on meanwhile
+    _complete(kube, second)
+    run(kube, body)
+    args = kube.objects[("Deployment", "ns", "llm")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "chat=/models/adapters/chat" in args
+    left = sorted((kind, name) for kind, _, name in kube.objects if kind in ("Job", "PersistentVolumeClaim"))
+    assert left == [("Job", second), ("PersistentVolumeClaim", claim)]
+
+
+def test_a_failed_adapter_download_quotes_its_init_container() -> None:
+    kube = FakeKube([H100])
+    model = {"name": "llama-3.1-8b", "source": {"uri": "hf://org/m"}, "cache": {"size": "40Gi"}}
+    body = inference_service(model=model, adapters=[{"name": "sql", "source": {"uri": "hf://org/sql"}}])
+    run(kube, body)
+    ((_, _, name),) = [key for key in kube.objects if key[0] == "Job"]
+    kube.objects[("Job", "ns", name)]["status"] = {"conditions": [{"type": "Failed", "status": "True"}]}
+    said = "download of org/sql@main from https://huggingface.co failed: HTTP Error 404: Not Found"
+    terminated = {"state": {"terminated": {"exitCode": 1, "message": said}}}
+    labels = {"batch.kubernetes.io/job-name": name}
+    status = {"initContainerStatuses": [terminated], "containerStatuses": [{"state": {"waiting": {}}}]}
+    kube.pods = [{"metadata": {"name": "dl", "labels": labels}, "status": status}]
+    result = run(kube, body)
+    assert said in result.status["cache"]["message"]
+
+
+def test_a_read_write_once_pod_cache_is_one_claim_per_adapter_list() -> None:
+    """A new Job could never mount a ReadWriteOncePod claim that the running pods hold."""
+    cache = {"size": "40Gi", "accessMode": "ReadWriteOncePod"}
+    model = {"name": "llama-3.1-8b", "source": {"uri": "hf://org/m"}, "cache": cache}
+    kube = FakeKube([H100])
+    run(kube, inference_service(model=model, adapters=[{"name": "a", "source": {"uri": "hf://org/a"}}]))
+    ((_, _, claim),) = [key for key in kube.objects if key[0] == "PersistentVolumeClaim"]
+    ((_, _, job),) = [key for key in kube.objects if key[0] == "Job"]
+    assert claim == job
+
+
+def test_status_lists_the_adapters() -> None:
+    adapters = [
+        {"name": "sql", "source": {"uri": "hf://org/sql-lora@v1"}},
+        {"name": "chat", "source": {"pvc": {"claimName": "loras", "path": "chat"}}},
+        {"name": "tarot", "source": {"hostPath": "/mnt/tarot"}},
+    ]
+    kube = FakeKube([H100])
+    body = inference_service(adapters=adapters)
+    result = run(kube, body)
+    assert result.status["adapters"] == [
+        {"name": "sql", "source": "hf://org/sql-lora@v1", "path": "/adapters/uri/sql"},
+        {"name": "chat", "source": "pvc:loras/chat", "path": "/adapters/pvc/loras/chat"},
+        {"name": "tarot", "source": "hostPath:/mnt/tarot", "path": "/adapters/host/tarot"},
+    ]
+    crd = yaml.safe_load((ROOT / "crds" / "serving.pagoda.dev_inferenceservices.yaml").read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    assert _value_keys(result.status) <= _schema_keys(schema)  # not pruned by the API server
+    del body["spec"]["adapters"]
+    body["metadata"]["generation"] = 2
+    assert run(kube, body).status["adapters"] is None  # None: the merge patch removes the list
+    body["spec"]["adapters"] = [{"name": "llama-3.1-8b", "source": {"imagePath": "/a"}}]
+    body["metadata"]["generation"] = 3
+    result = run(kube, body)
+    assert result.status["adapters"] is None
+    assert conditions(result)[status_mod.READY] == ("False", "InvalidSpec")
