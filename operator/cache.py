@@ -6,7 +6,8 @@ start-up) that fills it; the server pods mount the claim read-only once the Job 
 carry a digest of repo@revision, so a new revision gets a new claim and Job. LoRA adapters with a `uri`
 source are fetched by the same Job into the same claim (one init container each, before the model):
 the Job's name also carries their digest, so a changed adapter list gets a new Job on the same claim,
-which finds the model already there (`pagoda download` skips a finished folder). Pure builders and the
+which finds the model already there (`pagoda download` skips a finished folder); one Job writes the
+claim at a time (superseded_jobs, writing_pod). Pure builders and the
 state read from the Job; reconcile.py applies them.
 """
 
@@ -24,6 +25,7 @@ from pagoda.operator.spec import Adapter, OperatorConfig, ServiceSpec
 CacheState = Literal["Caching", "Cached", "Failed"]
 MOUNT = "/models"
 BACKOFF_LIMIT = 3  # network hiccups retry; a wrong token or repo fails after 4 pods
+DONE = ("Succeeded", "Failed")  # pod phases
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +80,39 @@ def stale(spec: ServiceSpec, kind: str, objects: Iterable[Mapping[str, Any]]) ->
     one is cached)."""
     keep = job_name(spec) if kind == "Job" else cache_name(spec)
     return sorted({o["metadata"]["name"] for o in objects} - {keep})
+
+
+def _finished(job_obj: Mapping[str, Any]) -> bool:
+    conditions = (job_obj.get("status") or {}).get("conditions") or ()
+    return any(c.get("type") in ("Complete", "Failed") and c.get("status") == "True" for c in conditions)
+
+
+def _writes_claim(spec: ServiceSpec, pod_spec: Mapping[str, Any]) -> bool:
+    volumes = pod_spec.get("volumes") or ()
+    return any((v.get("persistentVolumeClaim") or {}).get("claimName") == cache_name(spec) for v in volumes)
+
+
+def superseded_jobs(spec: ServiceSpec, jobs: Iterable[Mapping[str, Any]]) -> list[str]:
+    """Unfinished Jobs of other adapter lists writing this claim: no longer wanted, and in the way of
+    this list's Job (two Jobs fetching the model into one folder would mix their partial files)."""
+    return sorted(
+        j["metadata"]["name"]
+        for j in jobs
+        if j["metadata"]["name"] != job_name(spec)
+        and _writes_claim(spec, j["spec"]["template"]["spec"])
+        and not _finished(j)
+    )
+
+
+def writing_pod(spec: ServiceSpec, pods: Iterable[Mapping[str, Any]]) -> str | None:
+    """`pod P of download Job J`: a pod of another cache Job that may still write this claim (a deleted
+    Job's pods stop after it is gone), or None."""
+    for pod in pods:
+        job = (pod["metadata"].get("labels") or {}).get("batch.kubernetes.io/job-name")
+        phase = (pod.get("status") or {}).get("phase")
+        if job != job_name(spec) and _writes_claim(spec, pod.get("spec") or {}) and phase not in DONE:
+            return f"pod {pod['metadata']['name']} of download Job {job}"
+    return None
 
 
 def last_words(pods: Iterable[Mapping[str, Any]]) -> str | None:
@@ -199,9 +234,15 @@ def pod_selector(job_name: str) -> str:
     return f"batch.kubernetes.io/job-name={job_name}"
 
 
-def state(spec: ServiceSpec, job_obj: Mapping[str, Any] | None, detail: str | None = None) -> CacheStatus:
+def state(
+    spec: ServiceSpec,
+    job_obj: Mapping[str, Any] | None,
+    detail: str | None = None,
+    waiting_for: str | None = None,
+) -> CacheStatus:
     """Caching until the Job completes, Cached after, Failed with the Job's message (and detail: the
-    download pod's last words)."""
+    download pod's last words); `waiting_for`: what this Job waits for before it is created
+    (writing_pod)."""
     what = sources.label(spec.source.location)
     if num_adapters := len(uri_adapters(spec)):
         what += f" and {num_adapters} adapter{'s' if num_adapters > 1 else ''}"
@@ -216,4 +257,7 @@ def state(spec: ServiceSpec, job_obj: Mapping[str, Any] | None, detail: str | No
             why = cond.get("message") or cond.get("reason") or "failed"
             why += f"; the download said: {detail}" if detail else ""
             return CacheStatus("Failed", f"download Job {job} of {what} failed: {why}", name, job)
+    if waiting_for is not None:
+        message = f"waiting for {waiting_for} to stop writing PersistentVolumeClaim {name}"
+        return CacheStatus("Caching", f"{message} before fetching {what}", name, job)
     return CacheStatus("Caching", f"downloading {what} into PersistentVolumeClaim {name}", name, job)

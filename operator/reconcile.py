@@ -305,7 +305,16 @@ def _ensure_cache(
         kopf.adopt(obj, owner=owner)
     events: list[Event] = []
     existing = kube.get("batch/v1", "Job", spec.namespace, job["metadata"]["name"])
-    for obj in (claim, job) if existing is None else (claim,):
+    busy = None
+    if existing is None:  # one Job writes the claim at a time: an unfinished one of another list goes
+        jobs = kube.list_objects("batch/v1", "Job", spec.namespace, cache.selector(spec))
+        for name in cache.superseded_jobs(spec, jobs):
+            kube.delete("batch/v1", "Job", spec.namespace, name)
+            events.append(
+                Event("Normal", "Deleted", f"deleted Job {name}: its adapter list is no longer wanted")
+            )
+        busy = cache.writing_pod(spec, kube.list_objects("v1", "Pod", spec.namespace, cache.selector(spec)))
+    for obj in (claim, job) if existing is None and busy is None else (claim,):
         try:
             applied = kube.apply(obj)
         except KubeError as err:
@@ -314,7 +323,7 @@ def _ensure_cache(
             existing = applied
             name = job["metadata"]["name"]
             events.append(Event("Normal", "Caching", f"created PVC and download Job {name}"))
-    now = cache.state(spec, existing)
+    now = cache.state(spec, existing, waiting_for=busy)
     if now.state == "Failed":
         pods = kube.list_objects("v1", "Pod", spec.namespace, cache.pod_selector(now.job_name))
         now = cache.state(spec, existing, cache.last_words(pods))

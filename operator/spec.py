@@ -3,8 +3,8 @@
 The API server has already checked the object against the CRD schema and CEL rules; parsing here
 only fills defaults and turns a few shapes (TP `auto`, the model source) into Python values. What
 the schema cannot know (a model name outside the catalogue without a size) raises ValueError, and so
-does the CRD's extraArgs rule, repeated here for objects that never met the API server (unit tests,
-a CRD installed before the rule).
+do the CRD's rules on extraArgs, env, speculative and adapters, repeated here for objects that never
+met the API server (unit tests, a CRD installed before the rule).
 """
 
 from __future__ import annotations
@@ -506,9 +506,9 @@ def _speculative(raw: Mapping[str, Any] | None) -> Speculative | None:
         raise ValueError(f"{where}.draftModel is required exactly when method is draftModel")
     if draft is not None and not str(draft).startswith("/"):
         raise ValueError(f"{where}.draftModel {draft!r}: a path the server pod sees, starting with /")
-    is_lookup = {"promptLookupMax", "promptLookupMin"} & raw.keys()
-    if method == "draftModel" and is_lookup:
-        raise ValueError(f"{where}.{min(is_lookup)} is prompt lookup's (method ngram), not a draft model's")
+    lookup_keys = sorted({"promptLookupMax", "promptLookupMin"} & raw.keys())
+    if method == "draftModel" and lookup_keys:
+        raise ValueError(f"{where}.{lookup_keys[-1]} is prompt lookup's (method ngram), not a draft model's")
     lookup_min = _int(raw, "promptLookupMin", Speculative.prompt_lookup_min, 1, MAX_PROMPT_LOOKUP, where)
     lookup_max = _int(raw, "promptLookupMax", Speculative.prompt_lookup_max, 1, MAX_PROMPT_LOOKUP, where)
     if lookup_min > lookup_max:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -777,3 +778,30 @@ def test_status_lists_the_adapters() -> None:
     result = run(kube, body)
     assert result.status["adapters"] is None
     assert conditions(result)[status_mod.READY] == ("False", "InvalidSpec")
+
+
+def test_a_job_of_an_adapter_list_no_longer_wanted_is_stopped_before_the_next_one_starts() -> None:
+    """Two Jobs fetching the model into one folder would write the same partial files: a Job of an
+    earlier list that has not finished is deleted, and the next starts once its pod is gone."""
+    model = {"name": "llama-3.1-8b", "source": {"uri": "hf://org/m"}, "cache": {"size": "40Gi"}}
+    body = inference_service(model=model, adapters=[{"name": "a", "source": {"uri": "hf://org/a"}}])
+    kube = FakeKube([H100])
+    run(kube, body)
+    ((_, _, first),) = [key for key in kube.objects if key[0] == "Job"]
+    job_pod = copy.deepcopy(kube.objects[("Job", "ns", first)]["spec"]["template"])
+    job_pod["metadata"] = {"name": "dl-1", "labels": {**job_pod["metadata"]["labels"],
+                                                      "batch.kubernetes.io/job-name": first}}  # fmt: skip
+    job_pod["status"] = {"phase": "Running"}
+    kube.pods = [job_pod]
+    body["spec"]["adapters"] = [{"name": "b", "source": {"uri": "hf://org/b"}}]
+    body["metadata"]["generation"] = 2
+    result = run(kube, body)
+    assert [key for key in kube.objects if key[0] == "Job"] == []  # the first deleted, the next waits
+    assert f"deleted Job {first}: its adapter list is no longer wanted" in [e.message for e in result.events]
+    assert result.status["cache"]["state"] == "Caching"
+    assert result.status["cache"]["message"].startswith(f"waiting for pod dl-1 of download Job {first}")
+    assert conditions(result)[status_mod.DEGRADED] == ("False", "Caching")
+    job_pod["status"] = {"phase": "Failed"}  # killed: it writes no more
+    result = run(kube, body)
+    ((_, _, second),) = [key for key in kube.objects if key[0] == "Job"]
+    assert second != first and result.status["cache"]["message"].startswith("downloading org/m@main")
