@@ -110,6 +110,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         int,
     )
     flag(
+        "--pipeline-parallel-size",
+        "Stages to split the model's layers over, each of --tensor-parallel-size ranks: P x T GPUs (or CPU "
+        "processes) in all. Steps run in micro-batches that overlap across stages, eagerly (no CUDA "
+        "graphs); not with a draft model or LoRA (docs/parallelism.md).",
+        1,
+        int,
+    )
+    flag(
         "--max-model-len",
         "Longest prompt + output in tokens; unset: the model's own limit.",
         None,
@@ -303,6 +311,8 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         raise ValueError(f"--precision must be one of {', '.join(PRECISIONS)}, got {args.precision!r}")
     if args.tensor_parallel_size < 1:
         raise ValueError(f"--tensor-parallel-size must be at least 1, got {args.tensor_parallel_size}")
+    if args.pipeline_parallel_size < 1:
+        raise ValueError(f"--pipeline-parallel-size must be at least 1, got {args.pipeline_parallel_size}")
     if args.model and not os.path.exists(args.model):
         raise ValueError(f"--model {args.model}: no such checkpoint folder or .gguf file")
     for name in ("port", "grpc_port"):
@@ -361,6 +371,7 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         enable_prefix_caching=args.enable_prefix_caching,
         seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         async_scheduling=None if args.async_scheduling else False,
         executor_class=args.executor_class,
         kv_events=args.kv_events_config,

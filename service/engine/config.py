@@ -191,6 +191,9 @@ class EngineConfig:
     # 0: decode-only steps alone (cuda_graphs.py).
     cuda_graph_max_tokens: int = 2048
     tensor_parallel_size: int = 1  # ranks the model is sharded over: GPUs (NCCL), or CPU processes (gloo)
+    # Stages the layers are split over, each of tensor_parallel_size ranks: P x T ranks in all
+    # (docs/parallelism.md).
+    pipeline_parallel_size: int = 1
     # Queue step N+1 on the device before reading step N's tokens, so the host's work of a step (outputs,
     # scheduling, inputs) runs while the GPUs compute. None: on with GPUs, off on the CPU (nothing to
     # overlap there; True runs the same code, for tests).
@@ -221,6 +224,7 @@ class EngineConfig:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "block_size": self.block_size,
             "tensor_parallel_size": self.tensor_parallel_size,
+            "pipeline_parallel_size": self.pipeline_parallel_size,
         }
         for name, value in positive.items():
             if value < 1:
@@ -238,5 +242,22 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        if self.pipeline_parallel_size > 1:
+            self._check_pipeline()
         if self.executor_class is not None and not re.fullmatch(r"[\w.]+:\w+", self.executor_class):
             raise ValueError(f"executor_class must be module:Class, got {self.executor_class!r}")
+
+    def _check_pipeline(self) -> None:
+        """What pipeline parallelism does not run yet is refused here, before any process starts."""
+        size = self.pipeline_parallel_size
+        if self.speculative is not None and self.speculative.model is not None:
+            raise ValueError(
+                f"pipeline_parallel_size {size}: speculative decoding with a draft model is not supported "
+                "under pipeline parallelism (the draft runs whole on rank 0 beside the target's first "
+                'stage); use {"method": "ngram"} or pipeline_parallel_size 1'
+            )
+        if self.lora is not None:
+            raise ValueError(
+                f"pipeline_parallel_size {size}: LoRA adapters (--enable-lora) are not supported under "
+                "pipeline parallelism yet; use pipeline_parallel_size 1"
+            )

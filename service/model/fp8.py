@@ -198,7 +198,8 @@ def quantize_model_fp8(model: nn.Module, device: torch.device) -> int:
     """Swap every decoder projection for an `Fp8Linear` on `device`, one layer at a time (peak memory:
     one layer in the model dtype). The rest of the model moves to `device` as it is. Returns the count."""
     count = 0
-    for layer in model.model.layers:  # type: ignore[union-attr, attr-defined]
+    layers = model.decoder_layers()  # type: ignore[operator]  # this pipeline stage's
+    for layer in layers:
         for path in TARGETS:
             parent_name, name = path.split(".")
             parent = getattr(layer, parent_name)
@@ -208,6 +209,10 @@ def quantize_model_fp8(model: nn.Module, device: torch.device) -> int:
             setattr(parent, name, Fp8Linear(linear.weight.data.to(device), bias, reduce))
             count += 1
         fuse_input_quantization(layer)
+    if not model.pp.is_last:  # type: ignore[union-attr]
+        # The stage's last down_proj hands its output to the next stage, not to a norm here: a plain
+        # tensor, its scales applied (a ScaledProduct cannot cross the boundary).
+        layers[-1].mlp.defer_down_scales = False
     model.to(device)
     return count
 

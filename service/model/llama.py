@@ -4,7 +4,8 @@ All sequences' new tokens are concatenated into one `[num_tokens]` row; `Attenti
 where each sequence starts and where its K/V go in the paged cache. q/k/v share one matmul
 (`qkv_proj`) and gate/up another (`gate_up_proj`); the loader merges Hugging Face's separate
 weights. Nothing in `forward` reads a tensor back to the host, so a CUDA graph can capture it.
-Under tensor parallelism (`tp`) each rank holds its heads and slices (see `parallel`).
+Under tensor parallelism (`tp`) each rank holds its heads and slices (see `parallel`); under pipeline
+parallelism (`pp`) each stage its run of layers (see `pipeline`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pagoda.service.model.parallel import (
     VocabParallelEmbedding,
     check_tp_size,
 )
+from pagoda.service.model.pipeline import SINGLE_STAGE, PPGroup
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:  # [head_dim // 2] float32
@@ -169,32 +171,53 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class MissingLayer(nn.Module):
+    """A decoder layer another pipeline stage holds: no parameters, no KV cache. It keeps its place in
+    `layers`, so the local layers keep their global index in parameter names (the loader reads only
+    theirs from the checkpoint)."""
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup, pp: PPGroup) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, tp) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        local = pp.layers(config.num_hidden_layers)
+        # Stage 0's alone; None elsewhere (a tied LM head on the last stage is a copy: `LlamaForCausalLM`).
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp) if pp.is_first else None
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, tp) if i in local else MissingLayer()
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last else None
 
 
 class LlamaForCausalLM(nn.Module):
     """Parameter names follow Hugging Face's, except the merged `qkv_proj` and `gate_up_proj`.
 
     Build it under `torch.device("meta")` and let the loader assign the weights; the rope cache is
-    computed here, on the CPU, and moved with `.to(device)`.
+    computed here, on the CPU, and moved with `.to(device)`. Under pipeline parallelism (`pp`) it holds
+    its stage's layers, the embedding on stage 0, the final norm and the LM head on the last stage (with
+    tied embeddings that stage loads the embedding's weights into its own LM head).
     """
 
-    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE_RANK) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE_RANK, pp: PPGroup = SINGLE_STAGE) -> None:
         super().__init__()
         check_tp_size(config, tp.size)
         self.config = config
         self.tp = tp
-        self.model = LlamaModel(config, tp)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+        self.pp = pp
+        self.local_layers = pp.layers(config.num_hidden_layers)
+        self.model = LlamaModel(config, tp, pp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp) if pp.is_last else None
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(config), persistent=False)
 
+    def decoder_layers(self) -> list[LlamaDecoderLayer]:
+        """This stage's decoder layers (all of them with one stage)."""
+        return [self.model.layers[i] for i in self.local_layers]  # type: ignore[misc]
+
     def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.model.layers]  # type: ignore[union-attr]
+        return [layer.self_attn.attn for layer in self.decoder_layers()]
 
     def forward(
         self,
@@ -202,13 +225,35 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens] int64
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        hidden = self.model.embed_tokens(input_ids)
-        residual = None
-        for layer in self.model.layers:
-            hidden, residual = layer(positions, hidden, residual, meta, self.cos_sin_cache)
-        hidden, _ = self.model.norm(hidden, residual)
-        return hidden
+        """The whole model (one pipeline stage)."""
+        hidden, residual = self.run_layers(positions, self.embed(input_ids), None, meta)
+        return self.final_norm(hidden, residual)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
+        assert self.model.embed_tokens is not None, "the embedding is pipeline stage 0's"
+        return self.model.embed_tokens(input_ids)
+
+    def run_layers(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,  # [num_tokens, hidden]: the embeddings, or the stage before's output
+        residual: torch.Tensor | None,  # None: `hidden` is the embeddings
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor | ScaledProduct, torch.Tensor]:
+        """This stage's decoder layers. The last one's output is a `ScaledProduct` only where it goes to
+        the final norm (fp8 defers no scales across a stage boundary: `quantize_model_fp8`)."""
+        out: torch.Tensor | ScaledProduct = hidden
+        for layer in self.decoder_layers():
+            out, residual = layer(positions, out, residual, meta, self.cos_sin_cache)
+        assert residual is not None
+        return out, residual
+
+    def final_norm(self, hidden: torch.Tensor | ScaledProduct, residual: torch.Tensor) -> torch.Tensor:
+        assert self.model.norm is not None, "the final norm is the last pipeline stage's"
+        normed, _ = self.model.norm(hidden, residual)
+        return normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
         """Under tensor parallelism a collective: every rank calls it on the same rows, in the same order."""
+        assert self.lm_head is not None, "the LM head is the last pipeline stage's"
         return self.lm_head(hidden).float()

@@ -24,6 +24,7 @@ from torch import nn
 from pagoda.service.model.config import ModelConfig
 from pagoda.service.model.llama import LlamaForCausalLM
 from pagoda.service.model.parallel import SINGLE_RANK, Shard, TPGroup
+from pagoda.service.model.pipeline import SINGLE_STAGE, PPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -38,21 +39,30 @@ _MERGED = {
 
 
 def load_model(
-    path: str | Path, dtype: DType = "auto", device: str | torch.device = "cpu", tp: TPGroup = SINGLE_RANK
+    path: str | Path,
+    dtype: DType = "auto",
+    device: str | torch.device = "cpu",
+    tp: TPGroup = SINGLE_RANK,
+    pp: PPGroup = SINGLE_STAGE,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """`(model, config)` from a checkpoint folder or a `.gguf` file; under `tp`, this rank's shard."""
+    """`(model, config)` from a checkpoint folder or a `.gguf` file; under `tp`, this rank's shard, and
+    under `pp`, this stage's layers."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path}")
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"a model file must be a .gguf file, got {path}")
-        return load_gguf(path, dtype, device, tp)
-    return load_hf_folder(path, dtype, device, tp)
+        return load_gguf(path, dtype, device, tp, pp)
+    return load_hf_folder(path, dtype, device, tp, pp)
 
 
 def load_hf_folder(
-    folder: Path, dtype: DType = "auto", device: str | torch.device = "cpu", tp: TPGroup = SINGLE_RANK
+    folder: Path,
+    dtype: DType = "auto",
+    device: str | torch.device = "cpu",
+    tp: TPGroup = SINGLE_RANK,
+    pp: PPGroup = SINGLE_STAGE,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     from safetensors import safe_open
 
@@ -87,12 +97,16 @@ def load_hf_folder(
             view = handles[file_name].get_slice(name)
             return view[shard.start : shard.stop] if shard.dim == 0 else view[:, shard.start : shard.stop]
 
-        model = build_model(config, get, _resolve_dtype(dtype, config), device, str(folder), tp)
+        model = build_model(config, get, _resolve_dtype(dtype, config), device, str(folder), tp, pp)
     return model, config
 
 
 def load_gguf(
-    path: Path, dtype: DType = "auto", device: str | torch.device = "cpu", tp: TPGroup = SINGLE_RANK
+    path: Path,
+    dtype: DType = "auto",
+    device: str | torch.device = "cpu",
+    tp: TPGroup = SINGLE_RANK,
+    pp: PPGroup = SINGLE_STAGE,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Dequantize each tensor on load, one at a time; undo llama.cpp's q/k row permutation as
     transformers does (per head, so before a rank takes its heads)."""
@@ -125,7 +139,7 @@ def load_gguf(
         stop = min(shard.stop, weights.shape[shard.dim])  # short of the shard: the shape check says so
         return weights.narrow(shard.dim, shard.start, stop - shard.start).clone()  # frees the rest
 
-    model = build_model(config, get, _resolve_dtype(dtype, config), device, str(path), tp)
+    model = build_model(config, get, _resolve_dtype(dtype, config), device, str(path), tp, pp)
     return model, config
 
 
@@ -136,33 +150,43 @@ def build_model(
     device: str | torch.device,
     source: str,
     tp: TPGroup = SINGLE_RANK,
+    pp: PPGroup = SINGLE_STAGE,
 ) -> LlamaForCausalLM:
+    """The model's parameters (this stage's: the others' layers have none) from `get`."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, tp)
+        model = LlamaForCausalLM(config, tp, pp)
     model.cos_sin_cache = model.cos_sin_cache.to(device)
+    has_embedding = model.model.embed_tokens is not None
     for name, _ in list(model.named_parameters()):
+        checkpoint_name = name
         if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
+            if has_embedding:
+                continue  # the embedding's own tensor, tied below
+            checkpoint_name = "model.embed_tokens.weight"  # a last stage without it: its own copy
         owner_name, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_name)
         shards: tuple[Shard, ...] | None = getattr(owner, "param_shards", {}).get(attr)
-        weight = _assemble(name, get, shards, source)
+        weight = _assemble(checkpoint_name, get, shards, source)
         expected = tuple(getattr(owner, attr).shape)
         if tuple(weight.shape) != expected:
             raise ValueError(
                 f"{source}: tensor for {name} has shape {tuple(weight.shape)}, expected {expected}"
             )
         setattr(owner, attr, nn.Parameter(weight.to(device=device, dtype=dtype), requires_grad=False))
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    if config.tie_word_embeddings and has_embedding and model.lm_head is not None:
+        model.lm_head.weight = model.model.embed_tokens.weight  # type: ignore[union-attr]
+    layers = model.local_layers
     logger.info(
-        "loaded %s: %d layers, hidden %d, %s on %s%s",
+        "loaded %s: %d layers, hidden %d, %s on %s%s%s",
         source,
         config.num_hidden_layers,
         config.hidden_size,
         dtype,
         device,
         f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1 else "",
+        f", pipeline stage {pp.stage} of {pp.size} (layers {layers.start}..{layers.stop - 1})"
+        if pp.size > 1
+        else "",
     )
     return model.eval()
 

@@ -13,7 +13,6 @@ loader reads only that slice. With one rank every layer is the plain one: no col
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -35,8 +34,8 @@ class TPGroup:
         dist.all_reduce(x, group=self.group)
         return x
 
-    def broadcast(self, x: torch.Tensor) -> torch.Tensor:  # in place, rank 0's values
-        dist.broadcast(x, src=0, group=self.group)
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:  # in place, the group's rank 0's values
+        dist.broadcast(x, group=self.group, group_src=0)
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:  # [n, d] -> [n, size * d], rank order
@@ -48,22 +47,6 @@ class TPGroup:
 
 
 SINGLE_RANK = TPGroup()
-
-
-def init_tp_group(
-    rank: int, size: int, store: dist.Store, backend: str, device: torch.device, timeout_s: float
-) -> TPGroup:
-    """Join the group through `store` (rank 0 hosts it). The timeout bounds every collective: a rank
-    that dies mid-step fails its peers' collectives after `timeout_s` at worst, never hangs them."""
-    dist.init_process_group(
-        backend,
-        store=store,
-        rank=rank,
-        world_size=size,
-        timeout=timedelta(seconds=timeout_s),
-        device_id=device if device.type == "cuda" else None,  # NCCL: create the communicator now
-    )
-    return TPGroup(rank, size, dist.group.WORLD)
 
 
 def check_tp_size(config: ModelConfig, size: int) -> None:

@@ -1,10 +1,11 @@
-"""The model side of the engine over all tensor-parallel ranks.
+"""The model side of the engine over all ranks: P pipeline stages of T tensor-parallel ranks.
 
-Rank 0 is this process: it runs its `ModelRunner` in place, prepares each step and samples. Ranks
-1..N-1 are worker processes (`worker.py`; spawned, non-daemonic because this process may itself be
-a daemonic child, and managed here) that run the identical forward pass; torch.distributed carries
-the collectives inside it (NCCL on GPUs, one GPU per rank; gloo on the CPU). With one rank there is
-no worker and no process group: `execute` is the runner's, at no extra cost.
+Rank 0 (stage 0, tp rank 0) is this process: it runs its `ModelRunner` in place, prepares each step
+and samples. Ranks 1..P x T - 1 are worker processes (`worker.py`; spawned, non-daemonic because this
+process may itself be a daemonic child, and managed here) that run their part of the forward pass;
+torch.distributed carries the collectives and the stage-to-stage transfers (NCCL on GPUs, rank r on
+cuda:r; gloo on the CPU). With one rank there is no worker and no process group: `execute` is the
+runner's, at no extra cost.
 
 Transport: each step rank 0 pickles the `StepInput` (host arrays and a few row lists, never the
 requests) once and writes it to one pipe per worker; workers never answer a step. Measured on the
@@ -55,7 +56,7 @@ from pagoda.service.engine.runner.model_runner import (
 from pagoda.service.engine.runner.worker import WorkerArgs, worker_main
 from pagoda.service.model.config import ModelConfig
 from pagoda.service.model.llama import LlamaForCausalLM
-from pagoda.service.model.parallel import init_tp_group
+from pagoda.service.model.pipeline import init_groups, log_split, split_layers
 
 logger = logging.getLogger(__name__)
 
@@ -70,15 +71,26 @@ class _Worker:
     rank: int
     process: BaseProcess
     conn: Connection
+    name: str  # in messages: "tensor-parallel worker rank 1", "worker rank 3 (pipeline stage 1, tp rank 1)"
 
 
 class Executor:
     """`execute(scheduler_output) -> StepResult`, `kv`, `max_model_len`, `model_config` over every rank."""
 
     def __init__(
-        self, config: EngineConfig, model_path: str, eos_token_ids: set[int], relay_stop_signals: bool = False
+        self,
+        config: EngineConfig,
+        model_path: str,
+        eos_token_ids: set[int],
+        relay_stop_signals: bool = False,
+        rendezvous_host: str = "127.0.0.1",
     ) -> None:
-        self.size = config.tensor_parallel_size
+        """`rendezvous_host`: where the other ranks reach rank 0's store (this machine, until ranks span
+        pods: docs/parallelism.md)."""
+        self.tp_size = config.tensor_parallel_size
+        self.pp_size = config.pipeline_parallel_size
+        self.size = self.tp_size * self.pp_size
+        self._rendezvous_host = rendezvous_host
         self._relay_stop_signals = relay_stop_signals
         self._workers: list[_Worker] = []
         self._failure: str | None = None
@@ -137,26 +149,33 @@ class Executor:
         if device.type == "cuda":
             num_gpus = torch.cuda.device_count()
             if num_gpus < self.size:
+                ranks = f"tensor_parallel_size {self.tp_size}"
+                if self.pp_size > 1:
+                    ranks = f"pipeline_parallel_size {self.pp_size} x {ranks}"
                 raise ValueError(
-                    f"tensor_parallel_size {self.size} needs {self.size} GPUs (one per rank); "
-                    f"this machine has {num_gpus}"
+                    f"{ranks} needs {self.size} GPUs (one per rank); this machine has {num_gpus}"
                 )
             if device.index not in (None, 0):
-                raise ValueError(
-                    f"with tensor parallelism rank r runs on cuda:r; got device {config.device!r}"
-                )
+                raise ValueError(f"with several ranks rank r runs on cuda:r; got device {config.device!r}")
             device = torch.device("cuda", 0)
             torch.cuda.set_device(device)
         backend = "nccl" if device.type == "cuda" else "gloo"
         # Port 0: the store binds a free port itself, so there is no window for another process to take it.
         self._store = dist.TCPStore(
-            "127.0.0.1", 0, self.size, True, timedelta(seconds=COLLECTIVE_TIMEOUT_S), wait_for_workers=False
+            self._rendezvous_host,
+            0,
+            self.size,
+            True,
+            timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+            wait_for_workers=False,
         )
         context = mp.get_context("spawn")
         for rank in range(1, self.size):
             args = WorkerArgs(
                 rank=rank,
-                size=self.size,
+                tp_size=self.tp_size,
+                pp_size=self.pp_size,
+                store_host=self._rendezvous_host,
                 store_port=self._store.port,  # type: ignore[attr-defined]
                 backend=backend,
                 config=config,
@@ -169,12 +188,18 @@ class Executor:
                 log_level=logging.getLogger().getEffectiveLevel(),
             )
             ours, theirs = context.Pipe()
+            stage, tp_rank = divmod(rank, self.tp_size)
+            if self.pp_size == 1:
+                process_name, name = f"pagoda-tp-rank{rank}", f"tensor-parallel worker rank {rank}"
+            else:
+                process_name = f"pagoda-pp-stage{stage}-tp-rank{tp_rank}"
+                name = f"worker rank {rank} (pipeline stage {stage}, tensor-parallel rank {tp_rank})"
             process = context.Process(
-                target=worker_main, args=(args, theirs), name=f"pagoda-tp-rank{rank}", daemon=False
+                target=worker_main, args=(args, theirs), name=process_name, daemon=False
             )
             process.start()
             theirs.close()
-            self._workers.append(_Worker(rank, process, ours))
+            self._workers.append(_Worker(rank, process, ours, name))
             self._poller.register(process.sentinel, select.POLLIN)
         # Registered after multiprocessing's own exit hook, so it runs first: that hook joins
         # non-daemonic children, which would wait forever for workers still waiting for steps.
@@ -182,22 +207,33 @@ class Executor:
         atexit.register(self._finalizer)
         for worker in self._workers:
             self._expect(worker, "hello")
-        tp = init_tp_group(0, self.size, self._store, backend, device, COLLECTIVE_TIMEOUT_S)
+        tp, pp = init_groups(
+            0, self.tp_size, self.pp_size, self._store, backend, device, COLLECTIVE_TIMEOUT_S
+        )
         self._has_group = True
-        runner = ModelRunner(config, model_path, eos_token_ids, tp, self._agree_num_blocks)
+        runner = ModelRunner(config, model_path, eos_token_ids, tp, self._agree_num_blocks, pp)
+        if self.pp_size > 1:
+            log_split(split_layers(runner.model_config.num_hidden_layers, self.pp_size))
         for worker in self._workers:
             self._expect(worker, "ready")
-        logger.info(
-            "tensor parallel over %d ranks (%s), rank 0 in process %d", self.size, backend, os.getpid()
-        )
+        if self.pp_size == 1:
+            logger.info(
+                "tensor parallel over %d ranks (%s), rank 0 in process %d", self.size, backend, os.getpid()
+            )
+        else:
+            logger.info(
+                "pipeline parallel over %d stages of %d tensor-parallel ranks (%s), rank 0 in process %d",
+                self.pp_size,
+                self.tp_size,
+                backend,
+                os.getpid(),
+            )
         return runner
 
     def _expect(self, worker: _Worker, kind: str) -> Any:
         """The worker's next start-up message, which must be `kind`; its traceback if it failed."""
         if not wait([worker.conn, worker.process.sentinel], START_TIMEOUT_S):
-            raise RuntimeError(
-                f"tensor-parallel worker rank {worker.rank} sent nothing in {START_TIMEOUT_S} s"
-            )
+            raise RuntimeError(f"{worker.name} sent nothing in {START_TIMEOUT_S} s")
         if not worker.conn.poll():
             raise self._death(worker)
         try:
@@ -205,9 +241,9 @@ class Executor:
         except EOFError:
             raise self._death(worker) from None
         if got == "error":
-            raise RuntimeError(f"tensor-parallel worker rank {worker.rank} failed to start:\n{value}")
+            raise RuntimeError(f"{worker.name} failed to start:\n{value}")
         if got != kind:
-            raise RuntimeError(f"tensor-parallel worker rank {worker.rank} sent {got!r}, expected {kind!r}")
+            raise RuntimeError(f"{worker.name} sent {got!r}, expected {kind!r}")
         return value
 
     def _agree_num_blocks(self, num_blocks: int) -> int:
@@ -272,7 +308,7 @@ class Executor:
 
     def _step_failed(self, exc: Exception) -> RuntimeError:
         dead = self._dead_worker(DEATH_GRACE_S)
-        self._failure = str(dead) if dead else f"tensor-parallel step failed on rank 0: {exc!r}"
+        self._failure = str(dead) if dead else f"a step over {self.size} ranks failed on rank 0: {exc!r}"
         return RuntimeError(self._failure)
 
     def _wait_for_device(self, done: torch.cuda.Event | None) -> None:
@@ -311,9 +347,7 @@ class Executor:
     @staticmethod
     def _death(worker: _Worker) -> RuntimeError:
         worker.process.join(JOIN_TIMEOUT_S)
-        return RuntimeError(
-            f"tensor-parallel worker rank {worker.rank} died (exit code {worker.process.exitcode})"
-        )
+        return RuntimeError(f"{worker.name} died (exit code {worker.process.exitcode})")
 
     # ---- shutdown ------------------------------------------------------------------------------
 
@@ -364,7 +398,7 @@ def _stop_workers(workers: list[_Worker]) -> None:
     for worker in workers:
         worker.process.join(JOIN_TIMEOUT_S)
         if worker.process.is_alive():
-            logger.warning("tensor-parallel worker rank %d did not stop; killing it", worker.rank)
+            logger.warning("%s did not stop; killing it", worker.name)
             worker.process.kill()
             worker.process.join()
         worker.conn.close()

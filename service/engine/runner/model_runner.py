@@ -26,12 +26,18 @@ from pagoda.service.engine.runner.block_tables import BlockTables
 from pagoda.service.engine.runner.cuda_graphs import StepGraphs
 from pagoda.service.engine.runner.draft_model import DraftModel
 from pagoda.service.engine.runner.lora import LoRARunner
+from pagoda.service.engine.runner.pipeline import (
+    attention_metadata,
+    run_stage,
+    split_micro_batches,
+    warm_up_stage,
+)
 from pagoda.service.engine.runner.sampler import SampledBatch, Sampler, SampleResult, to_device
 from pagoda.service.engine.runner.spec_verify import verify_drafts
-from pagoda.service.model.attention import AttentionMetadata
 from pagoda.service.model.fp8 import quantize_model_fp8, run_cublaslt_without_workspace, supports_fp8_matmul
 from pagoda.service.model.loader import load_model
 from pagoda.service.model.parallel import SINGLE_RANK, TPGroup
+from pagoda.service.model.pipeline import SINGLE_STAGE, PPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -152,8 +158,9 @@ class KVCacheLayout:
 
 
 class ModelRunner:
-    """One rank's model and KV cache. `agree_num_blocks`: under tensor parallelism, turns this rank's
-    KV block count into the one all ranks use (their minimum)."""
+    """One rank's model and KV cache. `agree_num_blocks`: with several ranks, turns this rank's KV block
+    count into the one all ranks use (their minimum). `pp`: this rank's pipeline stage, whose layers
+    alone it holds and caches."""
 
     def __init__(
         self,
@@ -162,12 +169,14 @@ class ModelRunner:
         eos_token_ids: set[int],
         tp: TPGroup = SINGLE_RANK,
         agree_num_blocks: Callable[[int], int] | None = None,
+        pp: PPGroup = SINGLE_STAGE,
     ) -> None:
         self.config = config
         self.tp = tp
+        self.pp = pp
         self.device = resolve_device(config.device)
-        if self.device.type == "cuda" and tp.size > 1:
-            self.device = torch.device("cuda", tp.rank)
+        if self.device.type == "cuda" and tp.size * pp.size > 1:
+            self.device = torch.device("cuda", pp.stage * tp.size + tp.rank)  # rank r on cuda:r
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         if config.quantization == "fp8":
@@ -175,12 +184,12 @@ class ModelRunner:
             # never holds more than one layer in 16 bits.
             if self.device.type == "cuda":
                 run_cublaslt_without_workspace()
-            self.model, self.model_config = load_model(model_path, self.dtype, "cpu", tp)
+            self.model, self.model_config = load_model(model_path, self.dtype, "cpu", tp, pp)
             count = quantize_model_fp8(self.model, self.device)
             path = "Triton + torch._scaled_mm" if supports_fp8_matmul(self.device) else "float32 emulation"
             logger.info("fp8: %d projections quantized (W8A8, per-row and per-token scales; %s)", count, path)
         else:
-            self.model, self.model_config = load_model(model_path, self.dtype, self.device, tp)
+            self.model, self.model_config = load_model(model_path, self.dtype, self.device, tp, pp)
         mc = self.model_config
         # LoRA slots before the KV cache, whose budget is what they leave of the GPU's memory.
         self.lora = (
@@ -189,6 +198,7 @@ class ModelRunner:
             else None
         )
         self.num_kv_heads = self.model.attention_layers()[0].num_kv_heads  # this rank's
+        self.num_layers = len(self.model.attention_layers())  # this stage's: the KV cache holds no others
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         self.draft: DraftModel | None = None  # speculative decoding's draft model, on rank 0
         spec = config.speculative
@@ -199,7 +209,7 @@ class ModelRunner:
         # [K/V, layer, block, slot x head x dim]; each layer's K and V seen by `cache_view`.
         block_elems = config.block_size * self.num_kv_heads * mc.head_dim
         self.kv_cache = torch.empty(
-            2, mc.num_hidden_layers, self.kv.num_blocks, block_elems, dtype=self.kv_dtype, device=self.device
+            2, self.num_layers, self.kv.num_blocks, block_elems, dtype=self.kv_dtype, device=self.device
         )
         v_token_major = v_cache_token_major(self.kv_dtype)
         shape = (config.block_size, self.num_kv_heads, mc.head_dim)
@@ -215,7 +225,11 @@ class ModelRunner:
         self.graphs: StepGraphs | None = None
         if self.device.type == "cuda":
             self._warm_up()
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager and pp.size > 1:
+            # A graph would hold one stage's part of one micro-batch, its sends and receives included: not
+            # built yet. Eager steps here cost the host's launches (~15 ms a step of an 8B model).
+            logger.info("pipeline parallelism: CUDA graphs off, every step runs eagerly")
+        elif self.device.type == "cuda" and not config.enforce_eager:
             self.graphs = StepGraphs(
                 self.model,
                 self.device,
@@ -258,7 +272,7 @@ class ModelRunner:
     def _kv_cache_layout(self, agree_num_blocks: Callable[[int], int] | None) -> KVCacheLayout:
         mc, cfg = self.model_config, self.config
         element_size = self.dtype.itemsize
-        bytes_per_block = 2 * mc.num_hidden_layers * cfg.block_size * self.num_kv_heads * mc.head_dim
+        bytes_per_block = 2 * self.num_layers * cfg.block_size * self.num_kv_heads * mc.head_dim
         bytes_per_block *= self.kv_dtype.itemsize
         if cfg.kv_cache_memory_bytes is not None:
             budget = cfg.kv_cache_memory_bytes
@@ -368,6 +382,9 @@ class ModelRunner:
                 "max_query_len": lens.max(),
             }
             with torch.inference_mode():
+                if self.pp.size > 1:
+                    warm_up_stage(self.model, self.pp, batch, self.device, self.dtype)
+                    continue
                 hidden = self._forward_eager(batch)
                 self.model.compute_logits(hidden[self._last_rows(batch, list(range(len(lens))))])
         torch.cuda.synchronize(self.device)
@@ -375,21 +392,15 @@ class ModelRunner:
     def _forward_eager(
         self, batch: dict[str, np.ndarray], fill_inputs: InputFill | None = None
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        def dev(name: str, dtype: torch.dtype) -> torch.Tensor:
-            return to_device(batch[name], dtype, self.device)
+        meta = attention_metadata(batch, self.device)
+        input_ids = self._input_ids(batch, fill_inputs)
+        return self.model(input_ids, to_device(batch["positions"], torch.int64, self.device), meta)
 
-        meta = AttentionMetadata(
-            slot_mapping=dev("slot_mapping", torch.int64),
-            block_tables=dev("block_tables", torch.int32),
-            seq_lens=dev("seq_lens", torch.int32),
-            query_start_loc=dev("query_start_loc", torch.int32),
-            max_query_len=int(batch["max_query_len"]),
-            max_seq_len=int(batch["seq_lens"].max()),
-        )
-        input_ids = dev("input_ids", torch.int64)
+    def _input_ids(self, batch: dict[str, np.ndarray], fill_inputs: InputFill | None) -> torch.Tensor:
+        input_ids = to_device(batch["input_ids"], torch.int64, self.device)
         if fill_inputs is not None:
             fill_inputs(input_ids)
-        return self.model(input_ids, dev("positions", torch.int64), meta)
+        return input_ids
 
     def _last_rows(self, batch: dict[str, np.ndarray], rows: list[int]) -> torch.Tensor:
         return to_device(batch["query_start_loc"][1:][rows] - 1, torch.int64, self.device)
@@ -423,11 +434,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, step: StepInput, prev_tokens: torch.Tensor | None = None) -> StepLogits:
-        """The step's logits; under tensor parallelism every rank calls this with the same `step`.
-        `prev_tokens` (rank 0): the previous step's sampled tokens, which fill this one's placeholders.
-        A draft model runs the same batch after the target, for its KV cache."""
+        """The step's logits; with several ranks every rank calls this with the same `step` (only rank
+        0's logits are real). `prev_tokens` (rank 0): the previous step's sampled tokens, which fill
+        this one's placeholders. A draft model runs the same batch after the target, for its KV cache."""
         for src, dst in step.copy_ops:
             self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
+        if self.pp.size > 1:
+            return self._forward_stage(step, prev_tokens)
         fill_inputs = self._placeholder_fill(step, prev_tokens)
         if self.lora is not None:
             self.lora.load(step.lora_loads)
@@ -480,6 +493,15 @@ class ModelRunner:
             return StepLogits(None, prompt)
         rows = to_device(step.logit_rows, torch.int64, self.device)
         return StepLogits(self.model.compute_logits(hidden[rows]), prompt)
+
+    def _forward_stage(self, step: StepInput, prev_tokens: torch.Tensor | None) -> StepLogits:
+        """This rank's part of a pipelined step (`pipeline.run_stage`): the step's logits on rank 0."""
+        micro = split_micro_batches(step.batch, step.logit_rows, step.prompt_chunks, self.pp.size)
+        input_ids = None
+        if self.pp.is_first:  # only stage 0 reads token ids, so only it takes the placeholders' tokens
+            input_ids = self._input_ids(step.batch, self._placeholder_fill(step, prev_tokens))
+        got = run_stage(self.model, self.pp, micro, input_ids, self.device, self.dtype)
+        return StepLogits(got.sample, got.prompt) if got is not None else StepLogits(None, [])
 
     def _placeholder_fill(self, step: StepInput, prev_tokens: torch.Tensor | None) -> InputFill | None:
         """What writes the previous step's sampled tokens into this step's input ids, on the device.

@@ -1,9 +1,11 @@
-"""A tensor-parallel worker process: ranks 1..N-1 of the model side, started by `Executor`.
+"""A worker process: ranks 1..P x T - 1 of the model side (tensor-parallel ranks, pipeline stages),
+started by `Executor`.
 
-It joins the process group, loads its shard, agrees on the KV block count with rank 0, warms up and
-captures its CUDA graphs, then runs every `StepInput` rank 0 sends until told to stop. It never
-samples and never answers a step: rank 0 learns of trouble from the process's exit. It dies with
-its parent (PR_SET_PDEATHSIG, even when the parent is SIGKILLed) and leaves Ctrl-C to the parent.
+It joins the process groups, loads its shard of its stage's layers, agrees on the KV block count with
+rank 0, warms up and captures its CUDA graphs, then runs its part of every `StepInput` rank 0 sends
+until told to stop. It never samples and never answers a step over the pipe (a last stage sends its
+logits to rank 0 through torch.distributed): rank 0 learns of trouble from the process's exit. It dies
+with its parent (PR_SET_PDEATHSIG, even when the parent is SIGKILLed) and leaves Ctrl-C to the parent.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class WorkerArgs:
-    rank: int
-    size: int
-    store_port: int  # rank 0's TCPStore on 127.0.0.1
+    rank: int  # stage * tp_size + tp rank
+    tp_size: int
+    pp_size: int
+    store_host: str  # where rank 0's TCPStore listens
+    store_port: int
     backend: str  # "nccl" or "gloo"
     config: EngineConfig
     model_path: str
@@ -56,7 +60,7 @@ def worker_main(args: WorkerArgs, conn: Connection) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         level=args.log_level,
-        format=f"%(asctime)s %(levelname)s %(name)s [tp rank {args.rank}]: %(message)s",
+        format=f"%(asctime)s %(levelname)s %(name)s [{_rank_name(args)}]: %(message)s",
         stream=sys.stderr,
     )
     try:
@@ -71,12 +75,19 @@ def worker_main(args: WorkerArgs, conn: Connection) -> None:
     _serve(runner, conn)
 
 
+def _rank_name(args: WorkerArgs) -> str:
+    if args.pp_size == 1:
+        return f"tp rank {args.rank}"
+    stage, tp_rank = divmod(args.rank, args.tp_size)
+    return f"rank {args.rank}: pp stage {stage}, tp rank {tp_rank}"
+
+
 def _start(args: WorkerArgs, conn: Connection) -> ModelRunner:
     import torch
     import torch.distributed as dist
 
     from pagoda.service.engine.runner.model_runner import ModelRunner
-    from pagoda.service.model.parallel import init_tp_group
+    from pagoda.service.model.pipeline import init_groups
 
     torch.set_num_threads(args.num_threads)
     conn.send(("hello", None))
@@ -84,8 +95,11 @@ def _start(args: WorkerArgs, conn: Connection) -> ModelRunner:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=args.collective_timeout_s)
-    store = dist.TCPStore("127.0.0.1", args.store_port, args.size, is_master=False, timeout=timeout)
-    tp = init_tp_group(args.rank, args.size, store, args.backend, device, args.collective_timeout_s)
+    size = args.tp_size * args.pp_size
+    store = dist.TCPStore(args.store_host, args.store_port, size, is_master=False, timeout=timeout)
+    tp, pp = init_groups(
+        args.rank, args.tp_size, args.pp_size, store, args.backend, device, args.collective_timeout_s
+    )
 
     def agree_num_blocks(num_blocks: int) -> int:
         conn.send(("num_blocks", num_blocks))
@@ -94,7 +108,7 @@ def _start(args: WorkerArgs, conn: Connection) -> ModelRunner:
             raise _Stopped
         return int(agreed)
 
-    return ModelRunner(args.config, args.model_path, set(args.eos_token_ids), tp, agree_num_blocks)
+    return ModelRunner(args.config, args.model_path, set(args.eos_token_ids), tp, agree_num_blocks, pp)
 
 
 def _serve(runner: ModelRunner, conn: Connection) -> None:
