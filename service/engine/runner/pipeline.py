@@ -64,8 +64,11 @@ def split_micro_batches(
     num = min(max_num, num_reqs)
     cuts = [0]
     for k in range(1, num):
-        cut = int(np.searchsorted(starts, total * k / num))  # the first request starting at or past it
-        cuts.append(min(max(cut, cuts[-1] + 1), num_reqs - (num - k)))
+        share = total * k / num
+        cut = int(np.searchsorted(starts, share))  # the first request boundary at or past the share
+        if share - starts[cut - 1] < starts[cut] - share:  # or the one before it, if nearer
+            cut -= 1
+        cuts.append(min(max(cut, cuts[-1] + 1), num_reqs - (num - k)))  # each keeps one request at least
     cuts.append(num_reqs)
     micro = []
     for a, b in itertools.pairwise(cuts):
