@@ -213,11 +213,16 @@ def hf_llama3(llama3_ckpt: Path) -> Any:
 
 
 def test_pp2_matches_transformers_in_micro_batches_with_logprobs_forks_and_the_prefix_cache(
-    llama3_ckpt: Path, hf_llama3: Any, hf_greedy: Any, monkeypatch: pytest.MonkeyPatch
+    llama3_ckpt: Path,
+    hf_llama3: Any,
+    hf_greedy: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Two stages (layers 0..1 and 2), async scheduling on: prompts of 1 to 70 tokens in a 32-token
     budget (chunked prefill beside decodes, so steps split into two micro-batches), a request scoring its
-    prompt, and n = 2 seeded sampling; then the same prompts again, served from the prefix cache."""
+    prompt, and n = 2 seeded sampling; then the same prompts again, served from the prefix cache. Each
+    stage's KV cache holds its own layers: 4 MiB is 512 blocks of stage 0's two, 1024 of stage 1's one."""
     splits: list[int] = []
     split = model_runner.split_micro_batches
 
@@ -233,11 +238,15 @@ def test_pp2_matches_transformers_in_micro_batches_with_logprobs_forks_and_the_p
     scored = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2)
     forked = SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=6, ignore_eos=True)
     batch, params = [*prompts, prompts[4], prompts[2]], [greedy] * len(prompts) + [scored, forked]
-    with LLM(str(llama3_ckpt), pipeline_parallel_size=2, async_scheduling=True, **ENGINE) as llm:
+    with caplog.at_level(logging.INFO, logger="pagoda.service.engine.runner.executor"):
+        llm = LLM(str(llama3_ckpt), pipeline_parallel_size=2, async_scheduling=True, **ENGINE)
+    with llm:
         got = llm.generate(batch, params)
         again = llm.generate(prompts, greedy)
     with LLM(str(llama3_ckpt), **ENGINE) as one:
         ref = one.generate(batch, params)
+    assert "KV blocks per rank [512, 1024]: all use 512" in caplog.messages
+    assert llm.engine.runner.kv.bytes_per_block * 3 == one.engine.runner.kv.bytes_per_block * 2
     assert [t[0] for t in tokens(got[: len(prompts)])] == expected
     assert tokens(got) == tokens(ref)  # the scored request and both seeded forks too
     scores, want = engine_prompt_logprobs(got[5]), hf_prompt_logprobs(hf_llama3, prompts[4])
