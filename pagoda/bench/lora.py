@@ -37,8 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", default=None, help="append the Markdown result to this file")
 
 
-def write_random_adapter(model_config: Any, folder: Path, rank: int, seed: int) -> Path:
-    """A PEFT LoRA folder for `model_config` with random A and B on every decoder projection."""
+def write_random_adapter(model_config: Any, folder: Path, rank: int, seed: int, b_std: float = 0.01) -> Path:
+    """A PEFT LoRA folder for `model_config` with random A and B on every decoder projection (B's
+    standard deviation `b_std`: small, the output barely moves; large, it changes)."""
     import torch
     from safetensors.torch import save_file
 
@@ -51,7 +52,7 @@ def write_random_adapter(model_config: Any, folder: Path, rank: int, seed: int) 
             part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             prefix = f"base_model.model.model.layers.{layer}.{part}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) / fan_in**0.5
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * 0.01
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * b_std
     folder.mkdir(parents=True, exist_ok=True)
     save_file(
         {k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()},
