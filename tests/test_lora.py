@@ -169,6 +169,12 @@ def test_slots_go_to_the_least_recently_used_adapter_no_running_request_holds() 
     assert slots.place("c", set()) == 0 and slots.take_loads() == [(0, "c", "/elsewhere")]
     slots.unregister("b")
     assert slots.place("a", {"c"}) == 1 and slots.take_loads() == [(1, "a", "/a")]
+    assert slots.slot_loads_total == {"a": 2, "b": 1, "c": 2}
+    slots.register("b", "/b")
+    assert slots.place("b", {"a"}) == 0  # c is not in use
+    slots.unregister("b")  # before the step took its load: the load goes too, and the slot is free
+    assert slots.take_loads() == [] and slots.place("c", {"a"}) == 0
+    assert slots.take_loads() == [(0, "c", "/elsewhere")]
 
 
 def test_tensor_parallel_adapters_give_the_single_rank_output(

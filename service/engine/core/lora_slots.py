@@ -40,8 +40,6 @@ class LoRASlots:
         if slot is not None:
             self._slot_of.move_to_end(name)
             return slot
-        if len(in_use - {name}) >= self.max_loras:
-            return None
         if self._free:
             slot = self._free.pop(0)
         else:
