@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -17,7 +18,9 @@ from pagoda.operator.profile import (
     select_profile,
 )
 
-HELP = "Show which precision and tensor-parallel degree a model gets on a GPU (offline, no cluster)."
+HELP = (
+    "Show which precision, tensor- and pipeline-parallel degree a model gets on a GPU (offline, no cluster)."
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"nvidia.com/gpu.product value or a token of it (H100, L4); known: {', '.join(KNOWN_GPUS)}",
     )
     parser.add_argument("--count", type=int, default=1, help="GPUs per node")
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="nodes of this GPU: a model no node holds may run over several (pipeline parallelism)",
+    )
     parser.add_argument("--compute-capability", help="for GPUs outside the table, e.g. 8.9")
     parser.add_argument("--memory-mib", type=int, help="per-GPU memory for GPUs outside the table")
     parser.add_argument("--precision", choices=PRECISIONS, default="auto")
@@ -56,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _group(args: argparse.Namespace) -> GpuGroup:
     if args.count < 1:
         raise ValueError(f"--count {args.count}: must be at least 1")
+    if args.nodes < 1:
+        raise ValueError(f"--nodes {args.nodes}: must be at least 1")
+    nodes = tuple(f"node-{i}" for i in range(args.nodes))
     if args.compute_capability or args.memory_mib:
         if not (args.compute_capability and args.memory_mib):
             raise ValueError("--compute-capability and --memory-mib go together")
@@ -63,8 +75,9 @@ def _group(args: argparse.Namespace) -> GpuGroup:
         if not (major.isdigit() and minor.isdigit()):
             cc = args.compute_capability
             raise ValueError(f"--compute-capability {cc!r}: expected MAJOR.MINOR, e.g. 8.9")
-        return GpuGroup(args.gpu, (int(major), int(minor)), args.memory_mib, args.count, labels=(args.gpu,))
-    return known_group(args.gpu, args.count)
+        cc = (int(major), int(minor))
+        return GpuGroup(args.gpu, cc, args.memory_mib, args.count, labels=(args.gpu,), node_names=nodes)
+    return dataclasses.replace(known_group(args.gpu, args.count), node_names=nodes)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
         if decision.is_selected:
             print(f"precision  {decision.precision} (KV cache {decision.kv_cache_dtype})")
             print(f"tp         {decision.tensor_parallel_size}")
+            if decision.is_multi_node:
+                print(f"pp         {decision.pipeline_parallel_size} (pods of one replica)")
         print(f"{'reason':<10} {decision.reason}")
         for rejection in decision.rejected:
             print(f"rejected   {rejection.candidate}: {rejection.reason}")

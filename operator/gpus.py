@@ -61,6 +61,13 @@ class GpuGroup:
         """The most GPUs one replica can get on one node of the group (all of them when unknown)."""
         return max(self.free_gpus) if self.free_gpus else self.num_gpus
 
+    def room_for(self, gpus_per_pod: int, is_free: bool = False) -> int | None:
+        """How many pods of `gpus_per_pod` GPUs the group's nodes hold (is_free: in the GPUs no other pod
+        holds); None where unknown (no free counts, or a group named offline, without nodes)."""
+        if is_free:
+            return None if self.free_gpus is None else sum(f // gpus_per_pod for f in self.free_gpus)
+        return len(self.node_names) * (self.num_gpus // gpus_per_pod) if self.node_names else None
+
     @property
     def cc(self) -> str:
         return f"{self.compute_capability[0]}.{self.compute_capability[1]}"

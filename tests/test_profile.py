@@ -255,7 +255,11 @@ def test_an_fp8_kv_cache_is_reported_and_sized_at_one_byte(capsys: pytest.Captur
 
 def test_nothing_fits_explains_the_preferred_gpus() -> None:
     d = decide("llama-3.1-8b", ALL, preferences=(GpuPreference("T4"),))
-    assert d.reason == "8B fp16 needs 2 x 15 GiB; largest node has 1 x 15 GiB (Tesla-T4)"
+    assert d.reason == (
+        "8B fp16 needs 2 x 15 GiB; largest node has 1 x 15 GiB (Tesla-T4); over several nodes: "
+        "1 x Tesla-T4 (15 GiB, cc 7.5): 8B fp16 TP 1 x PP 2 needs 2 pods of 1 GPU; 1 node of 1 x Tesla-T4 "
+        "has room for 1"
+    )
     d = decide("llama-3.1-8b", ALL, preferences=(GpuPreference("B200"), GpuPreference("GB200")))
     assert d.reason == "no schedulable node has a preferred GPU (B200, GB200)"
 
@@ -495,3 +499,110 @@ def test_the_spec_asks_the_profile_for_its_adapters_slots() -> None:
     assert (request(adapters=adapters).lora_slots, request(adapters=adapters).max_lora_rank) == (8, 16)
     asked = request(adapters=adapters, engine={"maxLoras": 12, "maxLoraRank": 128})
     assert (asked.lora_slots, asked.max_lora_rank) == (12, 128)
+
+
+# Over several nodes: (model, {kind: number of nodes}, request fields, want). want is (product, precision,
+# TP, PP) or the words of the reason. PP > 1 is a LeaderWorkerSet group of PP pods of TP GPUs each.
+MULTI_NODE = [
+    # 405B bf16 (756 GiB) fits no 8 x 80 GiB node: TP 8 inside each of two H100 nodes, PP 2 across them.
+    ("llama-3.1-405b", {"H100": 2}, {"precision": "bf16"}, ("NVIDIA-H100-80GB-HBM3", "bf16", 8, 2)),
+    # ... three nodes are no better than two: the fewest nodes that hold it.
+    ("llama-3.1-405b", {"H100": 3}, {"precision": "bf16"}, ("NVIDIA-H100-80GB-HBM3", "bf16", 8, 2)),
+    # ... one node is not enough, and says how many pods the group needs.
+    ("llama-3.1-405b", {"H100": 1}, {"precision": "bf16"},
+     "405B bf16 TP 8 x PP 2 needs 2 pods of 8 GPUs; 1 node of 8 x NVIDIA-H100-80GB-HBM3 has room for 1"),
+    # Where one node holds it, one node it is: fp8 fits eight H100s; an H200 node holds even bf16.
+    ("llama-3.1-405b", {"H100": 2}, {}, ("NVIDIA-H100-80GB-HBM3", "fp8", 8, 1)),
+    ("llama-3.1-405b", {"H100": 2, "H200": 1}, {"precision": "bf16"}, ("NVIDIA-H200", "bf16", 8, 1)),
+    # Four-GPU nodes: TP 4, and three of them.
+    ("llama-3.1-405b", {"A100-80": 4}, {"precision": "bf16"}, ("NVIDIA-A100-SXM4-80GB", "bf16", 4, 3)),
+    # One-GPU nodes: TP 1 over four L4 nodes for a 70B in fp8.
+    ("llama-3.1-70b", {"L4": 4}, {}, ("NVIDIA-L4", "fp8", 1, 4)),
+    # No deeper than MAX_AUTO_NODES by itself: 405B fp8 would take 22 L4 nodes.
+    ("llama-3.1-405b", {"L4": 30}, {}, "405B fp8 needs 416 GiB, more than 8 x 22 GiB"),
+    # Asked for: PP 2 of the smallest TP that fits, two pods on one node where it has the GPUs.
+    ("llama-3.1-8b", {"H100": 1}, {"pipeline_parallel_size": 2}, ("NVIDIA-H100-80GB-HBM3", "fp8", 1, 2)),
+    ("llama-3.1-70b", {"H100": 2}, {"pipeline_parallel_size": 2, "precision": "bf16"},
+     ("NVIDIA-H100-80GB-HBM3", "bf16", 2, 2)),
+    ("llama-3.1-70b", {"H100": 2}, {"pipeline_parallel_size": 2, "tensor_parallel_size": 8},
+     ("NVIDIA-H100-80GB-HBM3", "fp8", 8, 2)),
+    # PP 1 asked for: one node or nothing.
+    ("llama-3.1-405b", {"H100": 2}, {"pipeline_parallel_size": 1, "precision": "bf16"},
+     "405B bf16 needs 832 GiB, more than 8 x 80 GiB"),
+    ("smollm2-135m", {"L4": 1}, {"pipeline_parallel_size": 31},
+     "PP 31 needs a layer per stage; the model has 30"),
+    # The engine serves no LoRA and no draft model under pipeline parallelism: never chosen for them.
+    ("llama-3.1-8b", {"H100": 1}, {"pipeline_parallel_size": 2, "lora_slots": 1, "max_lora_rank": 8},
+     "PP 2: LoRA adapters are not served under pipeline parallelism"),
+    ("llama-3.1-405b", {"H100": 2}, {"precision": "bf16", "lora_slots": 1, "max_lora_rank": 8},
+     "LoRA adapters are not served under pipeline parallelism"),
+    ("llama-3.1-405b", {"H100": 2}, {"precision": "bf16", "has_draft_model": True},
+     "a draft model is not served under pipeline parallelism"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("model", "kinds", "kwargs", "want"), MULTI_NODE)
+def test_multi_node_table(model: str, kinds: dict[str, int], kwargs: dict, want: tuple | str) -> None:
+    nodes = [node(kind, f"{kind.lower()}-{i}") for kind, count in kinds.items() for i in range(count)]
+    d = decide(model, nodes, **kwargs)
+    if isinstance(want, str):
+        assert not d.is_selected and want in d.reason, d.reason
+        return
+    assert d.is_selected and d.gpu is not None, d.reason
+    got = (d.gpu.product, d.precision, d.tensor_parallel_size, d.pipeline_parallel_size)
+    assert got == want, d.reason
+    assert d.to_dict()["pipelineParallelSize"] == want[3] and d.num_nodes == want[3]
+
+
+def test_a_multi_node_reason_says_why_one_node_is_not_enough() -> None:
+    from pagoda.operator.profile import GIB
+
+    d = decide("llama-3.1-405b", [node("H100", "a"), node("H100", "b")], precision="bf16")
+    weights = resolve("llama-3.1-405b").num_params * 2
+    assert d.reason == (
+        f"405B bf16 (requested), TP 8 x PP 2: {weights / GIB:.1f} GiB weights + "
+        f"{0.1 * weights / GIB:.1f} GiB KV reserve does not fit one node of 8 x NVIDIA-H100-80GB-HBM3; "
+        "fits 2 x 8 x NVIDIA-H100-80GB-HBM3 (80 GiB), one pipeline stage per pod"
+    )
+    asked = decide("llama-3.1-8b", [node("H100")], pipeline_parallel_size=2)
+    assert "8B fp8 (auto: compute capability 9.0), TP 1 x PP 2 (requested): " in asked.reason
+
+
+def test_a_group_needs_free_gpus_for_every_pod() -> None:
+    """Two H100 nodes, one with a GPU taken: the two 8-GPU pods of a 405B bf16 group do not fit now."""
+    nodes = [node("H100", "a"), node("H100", "b")]
+    groups = gpu_groups(nodes, used={"a": 1, "b": 0})
+    d = select_profile(ProfileRequest(resolve("llama-3.1-405b"), precision="bf16"), groups)
+    assert not d.is_selected and d.cause == "Capacity", d.reason
+    assert "needs 2 pods of 8 GPUs; the free GPUs have room for 1" in d.reason
+
+
+def test_a_running_group_keeps_its_profile() -> None:
+    from pagoda.operator.profile import CurrentProfile
+
+    nodes = [node("H100", "a"), node("H100", "b"), node("H200", "c")]
+    groups = gpu_groups(nodes, used={})
+    request = ProfileRequest(resolve("llama-3.1-405b"), precision="bf16")
+    assert select_profile(request, groups).gpu.product == "NVIDIA-H200"  # type: ignore[union-attr]
+    d = select_profile(request, groups, CurrentProfile("NVIDIA-H100-80GB-HBM3", "bf16", 8, 2))
+    assert (d.tensor_parallel_size, d.pipeline_parallel_size) == (8, 2), d.reason
+    assert d.reason.endswith("kept: the current profile still fits")
+
+
+def test_cli_nodes(capsys: pytest.CaptureFixture[str]) -> None:
+    args = [
+        "profile",
+        "--model",
+        "llama-3.1-405b",
+        "--gpu",
+        "H100-80GB",
+        "--count",
+        "8",
+        "--precision",
+        "bf16",
+    ]
+    assert main(args) == 1
+    capsys.readouterr()
+    assert main([*args, "--nodes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "tp         8" in out and "pp         2 (pods of one replica)" in out
