@@ -108,7 +108,8 @@ def replacement(desired: Mapping[str, Any], live: Mapping[str, Any]) -> dict[str
     for key in ALLOCATED.get(str(body.get("kind")), ()):
         if key in live_spec and key not in spec:
             spec[key] = copy.deepcopy(live_spec[key])
-    if "replicas" in live_spec and "replicas" not in spec and "template" in spec:
+    is_workload = "template" in spec or "leaderWorkerTemplate" in spec  # a Deployment, a LeaderWorkerSet
+    if "replicas" in live_spec and "replicas" not in spec and is_workload:
         spec["replicas"] = live_spec["replicas"]
     return body
 

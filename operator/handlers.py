@@ -35,6 +35,9 @@ SERVER_PODS = MANAGED | {"app.kubernetes.io/component": "inference-server"}
 CHILD_RESOURCES = (
     ("", "v1", "services"),
     ("apps", "v1", "deployments"),
+    # Where LeaderWorkerSet is not installed at start, kopf logs that it cannot watch these (as for
+    # httproutes); its pods are watched below, and the resync converges the rest.
+    ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets"),
     ("autoscaling", "v2", "horizontalpodautoscalers"),
     ("policy", "v1", "poddisruptionbudgets"),
     ("networking.k8s.io", "v1", "ingresses"),

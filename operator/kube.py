@@ -17,7 +17,7 @@ FIELD_MANAGER = "pagoda-operator"
 # (apiVersion, kind) -> plural, for every kind the operator writes or reads.
 # Read only: Node, Pod (capacity, why pods wait). PVCs and Jobs: the model cache writes them. Secrets are
 # never read: the pods reference them, and a missing one is in the pods' status (operator/pods.py).
-READ_ONLY = ("Node", "Pod", "InferenceService")
+READ_ONLY = ("Node", "Pod", "InferenceService", "Event")
 PLURALS = {
     ("v1", "Service"): "services",
     ("v1", "Node"): "nodes",
@@ -25,6 +25,8 @@ PLURALS = {
     ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
     ("batch/v1", "Job"): "jobs",
     ("apps/v1", "Deployment"): "deployments",
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): "leaderworkersets",
+    ("v1", "Event"): "events",  # read: LeaderWorkerSet's RecreateGroup (operator/groups.py)
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("networking.k8s.io/v1", "Ingress"): "ingresses",
@@ -175,6 +177,13 @@ class Kube:
         if selector:
             query.append(("labelSelector", selector))
         return self.request("GET", path, query=query)["items"]
+
+    def list_events(self, namespace: str, kind: str, name: str, reason: str) -> list[dict[str, Any]]:
+        """The events of one object with one reason (core/v1: events.k8s.io's are served there too)."""
+        fields = f"involvedObject.kind={kind},involvedObject.name={name},reason={reason}"
+        return self.request("GET", object_path("v1", "Event", namespace), query=[("fieldSelector", fields)])[
+            "items"
+        ]
 
     def get_inference_service(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self.get(f"{GROUP}/{VERSION}", "InferenceService", namespace, name)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import posixpath
-from typing import Any
+from typing import Any, Literal
 
 from pagoda.operator import router, sources
 from pagoda.operator.cache import cache_name
@@ -41,6 +41,15 @@ SHUTDOWN_MARGIN_SECONDS = 15  # closing the servers after the drain
 # endpoint update land first, as Kubernetes' own docs recommend.
 PRESTOP_SLEEP_SECONDS = 5
 ANNOTATION_PROFILE = "serving.pagoda.dev/profile"
+# LeaderWorkerSet (sigs.k8s.io/lws): a model over several pods. LWS labels every pod of a group with its
+# index in the group (the leader's is 0) and gives each container its leader's DNS name and its own index.
+LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
+WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+LEADER_ADDRESS_ENV = "LWS_LEADER_ADDRESS"
+WORKER_INDEX_ENV = "LWS_WORKER_INDEX"
+# Rank 0's rendezvous on the leader (torch's TCPStore): one port every pod of a group agrees on. A pod has
+# its own network namespace, so a fixed port collides with nothing (29500 is torch.distributed's default).
+MASTER_PORT = 29500
 
 
 def selector_labels(spec: ServiceSpec) -> dict[str, str]:
@@ -64,14 +73,32 @@ def _quantity(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else f"{round(value * 1000)}m"
 
 
-def server_args(spec: ServiceSpec, decision: Decision, config: OperatorConfig) -> list[str]:
-    """The profile and engine settings as `pagoda serve` flags: spec.OPERATOR_FLAGS, then extraArgs."""
+def server_args(
+    spec: ServiceSpec, decision: Decision, config: OperatorConfig, role: Role = "server"
+) -> list[str]:
+    """The profile and engine settings as `pagoda serve` flags: spec.OPERATOR_FLAGS, then extraArgs.
+
+    A group's pods (role leader or worker) also get their place in it: the pipeline's depth, the number
+    of pods, the pod's rank (the leader 0, a worker its LWS index, which the kubelet expands from the
+    environment LWS gives it), rank 0's address and port; a worker runs headless (no API).
+    """
     engine = spec.engine
     args = [
         "--model", model_path(spec),
         "--served-model-name", spec.model_name,
         "--precision", str(decision.precision),
         "--tensor-parallel-size", str(decision.tensor_parallel_size),
+    ]  # fmt: skip
+    if role != "server":
+        rank = "0" if role == "leader" else f"$({WORKER_INDEX_ENV})"
+        args += [
+            "--pipeline-parallel-size", str(decision.pipeline_parallel_size),
+            "--nnodes", str(decision.num_nodes),
+            "--node-rank", rank,
+            "--master-addr", f"$({LEADER_ADDRESS_ENV})",
+            "--master-port", str(MASTER_PORT),
+        ]  # fmt: skip
+    args += [
         "--gpu-memory-utilization", str(engine.kv_cache_fraction),
         "--enable-prefix-caching" if engine.is_prefix_caching else "--no-enable-prefix-caching",
         "--host", "0.0.0.0",
@@ -95,6 +122,8 @@ def server_args(spec: ServiceSpec, decision: Decision, config: OperatorConfig) -
         args += ["--max-loras", str(engine.max_loras), "--max-lora-rank", str(engine.max_lora_rank)]
         if engine.max_cpu_loras is not None:
             args += ["--max-cpu-loras", str(engine.max_cpu_loras)]
+    if role == "worker":
+        args.append("--headless")
     return args + list(engine.extra_args)
 
 
@@ -283,7 +312,9 @@ def default_requests(spec: ServiceSpec, decision: Decision) -> dict[str, str]:
     overrides either.
     """
     tp = decision.tensor_parallel_size or 1
+    # A pod of a group over several pods holds one pipeline stage: its share of the layers.
     weights = spec.model.num_params * _WEIGHT_BYTES.get(str(decision.precision), 2)
+    weights //= decision.pipeline_parallel_size
     memory_gib = 2 * tp + -(-weights // (2 * GIB))
     api_servers = spec.engine.api_server_count or 1
     cpu = max(tp, api_servers + 1) if api_servers > 1 else tp
@@ -300,9 +331,9 @@ def _resources(spec: ServiceSpec, decision: Decision) -> dict[str, Any]:
     return resources
 
 
-def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+def _probe(path: str, period: int, failures: int, port: str = "http") -> dict[str, Any]:
     return {
-        "httpGet": {"path": path, "port": "http"},
+        "httpGet": {"path": path, "port": port},
         "periodSeconds": period,
         "timeoutSeconds": 5,
         "failureThreshold": failures,
@@ -317,10 +348,17 @@ def _api_key_env(spec: ServiceSpec) -> list[dict[str, Any]]:
     return [{"name": "PAGODA_API_KEY", "valueFrom": {"secretKeyRef": {"name": name, "key": key}}}]
 
 
-def deployment(spec: ServiceSpec, decision: Decision, config: OperatorConfig) -> dict[str, Any]:
+Role = Literal["server", "leader", "worker"]  # a Deployment's pod; a LeaderWorkerSet group's pods
+
+
+def _pod_template(
+    spec: ServiceSpec, decision: Decision, config: OperatorConfig, role: Role
+) -> dict[str, Any]:
+    """The pod of a Deployment (`server`), or of a LeaderWorkerSet group: its `leader` (rank 0, the API,
+    behind the Service) or a `worker` (the other stages, headless: only /health on the http port)."""
     gpu, tp = decision.gpu, decision.tensor_parallel_size
     if gpu is None or tp is None:
-        raise ValueError("a Deployment needs a selected profile")
+        raise ValueError("a workload needs a selected profile")
     arch = f"sm{gpu.compute_capability[0]}{gpu.compute_capability[1]}"
     volumes, mounts, init_containers = _model_volumes(spec, config)
     for got, more in zip((volumes, mounts, init_containers), _adapter_volumes(spec, config), strict=True):
@@ -346,11 +384,12 @@ def deployment(spec: ServiceSpec, decision: Decision, config: OperatorConfig) ->
         # as they are used (vLLM's docs likewise give TP containers a few GiB of shm).
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{2 * tp}Gi"}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
-    container = {
+    is_worker = role == "worker"
+    container: dict[str, Any] = {
         "name": "server",
         "image": spec.image or config.server_image,
         "command": ["pagoda", "serve"],
-        "args": server_args(spec, decision, config),
+        "args": server_args(spec, decision, config, role),
         "env": [
             {"name": "TRITON_CACHE_DIR", "value": cache_dir},
             {"name": "XDG_CACHE_HOME", "value": HOME_CACHE_DIR},
@@ -374,6 +413,17 @@ def deployment(spec: ServiceSpec, decision: Decision, config: OperatorConfig) ->
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": _container_security(),
     }
+    if is_worker:
+        # A worker serves no API: only /health on the same port, which its probes read. The port is named
+        # `health`, not `http`, so that the servers' PodMonitor (port http, /metrics) leaves it out; no
+        # Service selects it, so it has no endpoint to leave before SIGTERM either.
+        container["ports"] = [{"name": "health", "containerPort": HTTP_PORT, "protocol": "TCP"}]
+        container["startupProbe"] = _probe(
+            "/health", 10, max(1, config.startup_timeout_seconds // 10), "health"
+        )
+        container["readinessProbe"] = _probe("/health", 5, 3, "health")
+        container["livenessProbe"] = _probe("/health", 10, 6, "health")
+        del container["lifecycle"]
     if spec.image_pull_policy:
         container["imagePullPolicy"] = spec.image_pull_policy
     pod_spec: dict[str, Any] = {
@@ -396,32 +446,47 @@ def deployment(spec: ServiceSpec, decision: Decision, config: OperatorConfig) ->
         "imagePullSecrets": [{"name": s} for s in spec.image_pull_secrets] or None,
     }
     pod_spec |= {k: v for k, v in optional.items() if v is not None}
+    annotations = {**spec.pod_annotations, ANNOTATION_PROFILE: profile_annotation(decision)}
+    if not is_worker:
+        annotations |= {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": str(HTTP_PORT),
+            "prometheus.io/path": "/metrics",
+        }
+    return {
+        "metadata": {"labels": {**spec.pod_labels, **labels(spec)}, "annotations": annotations},
+        "spec": pod_spec,
+    }
+
+
+def profile_annotation(decision: Decision) -> str:
+    """`NVIDIA-H200/fp8/tp1`, or `NVIDIA-H100-80GB-HBM3/bf16/tp8/pp2` for a group over several pods: the
+    running profile, read back by placement.current_profile."""
+    assert decision.gpu is not None
+    profile = f"{decision.gpu.product}/{decision.precision}/tp{decision.tensor_parallel_size}"
+    return profile + (f"/pp{decision.pipeline_parallel_size}" if decision.is_multi_node else "")
+
+
+def _rolling(decision: Decision) -> dict[str, int]:
     # A replica that takes every GPU of a node can rarely surge: replace it in place instead.
-    whole_node = tp >= gpu.num_gpus
-    rolling = {"maxSurge": 0, "maxUnavailable": 1} if whole_node else {"maxSurge": 1, "maxUnavailable": 0}
-    profile = f"{gpu.product}/{decision.precision}/tp{tp}"
+    assert decision.gpu is not None and decision.tensor_parallel_size is not None
+    if decision.tensor_parallel_size >= decision.gpu.num_gpus:
+        return {"maxSurge": 0, "maxUnavailable": 1}
+    return {"maxSurge": 1, "maxUnavailable": 0}
+
+
+def deployment(spec: ServiceSpec, decision: Decision, config: OperatorConfig) -> dict[str, Any]:
+    template = _pod_template(spec, decision, config, "server")
     body: dict[str, Any] = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(spec) | {"annotations": {ANNOTATION_PROFILE: profile}},
+        "metadata": _meta(spec) | {"annotations": {ANNOTATION_PROFILE: profile_annotation(decision)}},
         "spec": {
             "selector": {"matchLabels": selector_labels(spec)},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": _rolling(decision)},
             "revisionHistoryLimit": 3,
             "progressDeadlineSeconds": config.startup_timeout_seconds + 600,
-            "template": {
-                "metadata": {
-                    "labels": {**spec.pod_labels, **labels(spec)},
-                    "annotations": {
-                        **spec.pod_annotations,
-                        ANNOTATION_PROFILE: profile,
-                        "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(HTTP_PORT),
-                        "prometheus.io/path": "/metrics",
-                    },
-                },
-                "spec": pod_spec,
-            },
+            "template": template,
         },
     }
     if spec.autoscaling is None:  # with autoscaling the HPA owns the Deployment's replicas
@@ -429,10 +494,58 @@ def deployment(spec: ServiceSpec, decision: Decision, config: OperatorConfig) ->
     return body
 
 
-def service(spec: ServiceSpec, router_ready: bool = True) -> dict[str, Any]:
+def leader_worker_set(spec: ServiceSpec, decision: Decision, config: OperatorConfig) -> dict[str, Any]:
+    """A model over several pods (decision.is_multi_node): a LeaderWorkerSet (leaderworkerset.x-k8s.io/v1)
+    whose replicas are groups of num_nodes pods, one pipeline stage each.
+
+    - startupPolicy LeaderCreated: the workers start with the leader. LeaderReady would wait for a leader
+      that is never ready without them (its engine needs every stage before it serves).
+    - restartPolicy RecreateGroupOnPodRestart: a stage that dies (a restarted container, a deleted or
+      evicted pod) leaves the others waiting on a dead peer; the whole group starts again, as one.
+    - rolloutStrategy: one group at a time, with a surge group only where a pod does not take a whole
+      node (as the Deployment's), and the same subdomain for every group (the leaders' DNS names, which
+      LWS_LEADER_ADDRESS carries).
+    """
+    gpu = decision.gpu
+    assert gpu is not None
+    body: dict[str, Any] = {
+        "apiVersion": LWS_API_VERSION,
+        "kind": "LeaderWorkerSet",
+        "metadata": _meta(spec) | {"annotations": {ANNOTATION_PROFILE: profile_annotation(decision)}},
+        "spec": {
+            "startupPolicy": "LeaderCreated",
+            "rolloutStrategy": {"type": "RollingUpdate", "rollingUpdateConfiguration": _rolling(decision)},
+            "networkConfig": {"subdomainPolicy": "Shared"},
+            "leaderWorkerTemplate": {
+                "size": decision.num_nodes,
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": _pod_template(spec, decision, config, "leader"),
+                "workerTemplate": _pod_template(spec, decision, config, "worker"),
+            },
+        },
+    }
+    if spec.autoscaling is None:  # with autoscaling the HPA owns the groups (the scale subresource)
+        body["spec"]["replicas"] = spec.replicas
+    return body
+
+
+def workload(spec: ServiceSpec, decision: Decision, config: OperatorConfig) -> dict[str, Any]:
+    """The pods' owner: a Deployment, or a LeaderWorkerSet where one replica spans several pods."""
+    if decision.is_multi_node:
+        return leader_worker_set(spec, decision, config)
+    return deployment(spec, decision, config)
+
+
+def server_selector(spec: ServiceSpec, is_group: bool = False) -> dict[str, str]:
+    """The pods that serve the API: every server pod, or of LeaderWorkerSet groups (is_group) the leaders
+    only (a worker runs no API)."""
+    return selector_labels(spec) | ({WORKER_INDEX_LABEL: "0"} if is_group else {})
+
+
+def service(spec: ServiceSpec, router_ready: bool = True, is_group: bool = False) -> dict[str, Any]:
     """The InferenceService's Service: the router's pods when there is one and one of them is Ready,
-    else the servers'. A router being added (or with no Ready pod) leaves the clients on the servers
-    rather than on a selector with no endpoints."""
+    else the servers' (the groups' leaders, is_group). A router being added (or with no Ready pod)
+    leaves the clients on the servers rather than on a selector with no endpoints."""
     meta = _meta(spec) | ({"annotations": dict(spec.service_annotations)} if spec.service_annotations else {})
     if spec.router.enabled and router_ready:
         return {
@@ -448,13 +561,13 @@ def service(spec: ServiceSpec, router_ready: bool = True) -> dict[str, Any]:
                 ],
             },
         }
-    body = servers_service(spec)
+    body = servers_service(spec, is_group)
     body["metadata"] = meta
     body["spec"]["type"] = spec.service_type
     return body
 
 
-def servers_service(spec: ServiceSpec) -> dict[str, Any]:
+def servers_service(spec: ServiceSpec, is_group: bool = False) -> dict[str, Any]:
     """The server pods' own Service (`<name>-servers` beside a router; the main one without)."""
     name = f"{spec.name}-servers" if spec.router.enabled else spec.name
     return {
@@ -463,7 +576,7 @@ def servers_service(spec: ServiceSpec) -> dict[str, Any]:
         "metadata": {"name": name, "namespace": spec.namespace, "labels": labels(spec)},
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(spec),
+            "selector": server_selector(spec, is_group),
             "ports": [
                 {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
                 {
@@ -489,7 +602,9 @@ def _pods_metric(name: str, target: float) -> dict[str, Any]:
     }
 
 
-def hpa(spec: ServiceSpec) -> dict[str, Any] | None:
+def hpa(spec: ServiceSpec, is_group: bool = False) -> dict[str, Any] | None:
+    """is_group: the HPA scales the LeaderWorkerSet (its scale subresource: whole groups; the pods it
+    averages the metrics over are the leaders, LWS's status.hpaPodSelector)."""
     scaling = spec.autoscaling
     if scaling is None:
         return None
@@ -504,7 +619,11 @@ def hpa(spec: ServiceSpec) -> dict[str, Any] | None:
         "kind": "HorizontalPodAutoscaler",
         "metadata": _meta(spec),
         "spec": {
-            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": spec.name},
+            "scaleTargetRef": (
+                {"apiVersion": LWS_API_VERSION, "kind": "LeaderWorkerSet", "name": spec.name}
+                if is_group
+                else {"apiVersion": "apps/v1", "kind": "Deployment", "name": spec.name}
+            ),
             "minReplicas": scaling.min_replicas,
             "maxReplicas": scaling.max_replicas,
             "metrics": metrics,
@@ -516,7 +635,10 @@ def hpa(spec: ServiceSpec) -> dict[str, Any] | None:
 
 
 def pdb(spec: ServiceSpec) -> dict[str, Any]:
-    # maxUnavailable, not minAvailable: a single replica must not block node drains forever.
+    # maxUnavailable, not minAvailable: a single replica must not block node drains forever. Over the pods
+    # of LeaderWorkerSet groups (leaders and workers alike) the same budget means one group at a time: an
+    # evicted pod takes its whole group down (RecreateGroupOnPodRestart), whose pods are then not ready,
+    # so no pod of any group is evicted until that group is whole and ready again.
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
@@ -575,11 +697,12 @@ def children(
 ) -> list[dict[str, Any]]:
     """Every object this InferenceService should own, in apply order. `router_ready`: whether the
     router Deployment has a Ready pod (the Service moves to it only then)."""
+    is_group = decision.is_multi_node
     objects = [
-        service(spec, router_ready),
+        service(spec, router_ready, is_group),
         pdb(spec),
-        deployment(spec, decision, config),
-        hpa(spec),
+        workload(spec, decision, config),
+        hpa(spec, is_group),
         ingress(spec),
     ]
     objects += [http_route(spec)]
@@ -589,13 +712,13 @@ def children(
             "tolerations": list(spec.tolerations) or None,
             "imagePullSecrets": [{"name": s} for s in spec.image_pull_secrets] or None,
         }
-        objects += [servers_service(spec)]
+        objects += [servers_service(spec, is_group)]
         objects += router.children(
             spec.name,
             spec.namespace,
             image=spec.image or config.server_image,
             image_pull_policy=spec.image_pull_policy,
-            server_selector=selector_labels(spec),
+            server_selector=server_selector(spec, is_group),
             server_port=HTTP_PORT,
             policy=spec.router.policy,
             replicas=spec.router.replicas,

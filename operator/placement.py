@@ -2,7 +2,8 @@
 
 Capacity is allocatable `nvidia.com/gpu` minus what bound, unfinished pods request; the service's own
 pods are not counted against it (their GPUs are its to reuse). The current profile is read from the
-Deployment the operator rendered (its profile annotation), so it survives operator restarts.
+Deployment or LeaderWorkerSet the operator rendered (its profile annotation), so it survives operator
+restarts.
 """
 
 from __future__ import annotations
@@ -16,15 +17,19 @@ from pagoda.operator.profile import CurrentProfile, Decision, select_profile
 from pagoda.operator.spec import ServiceSpec
 
 
-def current_profile(deployment: Mapping[str, Any] | None) -> CurrentProfile | None:
-    """`NVIDIA-H200/fp8/tp1` from the Deployment's annotation, or None."""
-    annotations = ((deployment or {}).get("metadata") or {}).get("annotations") or {}
+def current_profile(workload: Mapping[str, Any] | None) -> CurrentProfile | None:
+    """`NVIDIA-H200/fp8/tp1` from the Deployment's annotation (`.../tp8/pp2` from a LeaderWorkerSet's), or
+    None."""
+    annotations = ((workload or {}).get("metadata") or {}).get("annotations") or {}
     value = annotations.get(manifests.ANNOTATION_PROFILE, "")
     product, _, rest = value.partition("/")
-    precision, _, tp = rest.partition("/")
+    precision, _, rest = rest.partition("/")
+    tp, _, pp = rest.partition("/")
     if not (product and precision and tp.startswith("tp") and tp[2:].isdigit()):
         return None
-    return CurrentProfile(product, precision, int(tp[2:]))
+    if pp and not (pp.startswith("pp") and pp[2:].isdigit()):
+        return None
+    return CurrentProfile(product, precision, int(tp[2:]), int(pp[2:]) if pp else 1)
 
 
 def is_own_pod(pod: Mapping[str, Any], spec: ServiceSpec) -> bool:
@@ -55,6 +60,6 @@ def is_same(decision: Decision, current: CurrentProfile | None) -> bool:
     return (
         current is not None
         and gpu is not None
-        and (gpu.product, decision.precision, decision.tensor_parallel_size)
-        == (current.product, current.precision, current.tensor_parallel_size)
+        and (gpu.product, decision.precision, decision.tensor_parallel_size, decision.pipeline_parallel_size)
+        == (current.product, current.precision, current.tensor_parallel_size, current.pipeline_parallel_size)
     )

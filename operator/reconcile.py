@@ -16,6 +16,7 @@ from typing import Any, Literal, cast
 import kopf
 
 from pagoda.operator import cache, drift, manifests, placement, router
+from pagoda.operator import groups as lws_groups
 from pagoda.operator import status as status_mod
 from pagoda.operator.kube import FIELD_MANAGER, Kube, KubeError
 from pagoda.operator.pods import PodIssue, diagnose
@@ -28,6 +29,7 @@ CHILD_SLOTS = (
     ("v1", "Service", ""),
     ("policy/v1", "PodDisruptionBudget", ""),
     ("apps/v1", "Deployment", ""),
+    (manifests.LWS_API_VERSION, "LeaderWorkerSet", ""),  # instead of the Deployment: over several pods
     ("autoscaling/v2", "HorizontalPodAutoscaler", ""),
     ("networking.k8s.io/v1", "Ingress", ""),
     ("gateway.networking.k8s.io/v1", "HTTPRoute", ""),
@@ -38,7 +40,7 @@ CHILD_SLOTS = (
     ("policy/v1", "PodDisruptionBudget", "-router"),
     ("apps/v1", "Deployment", "-router"),
 )
-WORKLOAD_KINDS = {"Deployment", "HorizontalPodAutoscaler"}  # the model's: keys, not the router's
+WORKLOAD_KINDS = {"Deployment", "LeaderWorkerSet", "HorizontalPodAutoscaler"}  # the model's, not the router's
 # Removed as soon as the spec stops asking for them (the rest only with the workload or the profile).
 OPTIONAL_KINDS = {"Ingress", "HTTPRoute"} | {kind + suffix for _, kind, suffix in CHILD_SLOTS if suffix}
 
@@ -47,7 +49,7 @@ def child_key(obj: Mapping[str, Any], service_name: str) -> str:
     return obj["kind"] + obj["metadata"]["name"].removeprefix(service_name)
 
 
-_RUNNING = ("gpu", "precision", "tensorParallelSize", "kvCacheDtype")  # status.profile of a workload
+_RUNNING = ("gpu", "precision", "tensorParallelSize", "pipelineParallelSize", "kvCacheDtype")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,16 +71,26 @@ class Result:
 class ApplyFailure:
     """Why the desired children were not (all) applied: the API server's own words."""
 
-    reason: Literal["InvalidSpec", "ApplyFailed"]
+    reason: Literal["InvalidSpec", "ApplyFailed", "LeaderWorkerSetNotInstalled"]
     message: str
 
 
 APPLY_RETRY_SECONDS = 30.0
+LWS_NOT_INSTALLED = (
+    "the profile runs each replica over several pods as a LeaderWorkerSet ({api}), and this cluster does "
+    "not serve that API: install LeaderWorkerSet (docs/operator.md, Multi-node), or fit the model on one "
+    "node (pipelineParallelSize 1 with larger GPUs, or fp8); the next resync creates it once installed"
+)
+
+
+def workload_of(owned: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The pods' owner among the children: the LeaderWorkerSet, or the Deployment."""
+    return owned.get("LeaderWorkerSet") or owned.get("Deployment")
 
 
 def _failure(obj: Mapping[str, Any], err: KubeError, is_dry_run: bool) -> ApplyFailure:
     # 400/422: the object itself is wrong (validation, admission); anything else may pass on a retry.
-    reason: Literal["InvalidSpec", "ApplyFailed"] = (
+    reason: Literal["InvalidSpec", "ApplyFailed", "LeaderWorkerSetNotInstalled"] = (
         "InvalidSpec" if err.status in (400, 422) else "ApplyFailed"
     )
     stage = "refused by the API server" if is_dry_run else "failed to apply"
@@ -90,6 +102,9 @@ def _failure(obj: Mapping[str, Any], err: KubeError, is_dry_run: bool) -> ApplyF
             f"spec.httpRoute: this cluster does not serve {obj['apiVersion']} {obj['kind']} (install the "
             "Gateway API CRDs and a Gateway controller, or remove spec.httpRoute)"
         )
+    if err.status == 404 and obj["apiVersion"] == manifests.LWS_API_VERSION:
+        # Not a fault of the spec, nor one a retry mends: a cluster-wide controller is missing.
+        reason, message = "LeaderWorkerSetNotInstalled", LWS_NOT_INSTALLED.format(api=obj["apiVersion"])
     return ApplyFailure(reason, message)
 
 
@@ -177,15 +192,15 @@ def reconcile(body: Mapping[str, Any], kube: Kube, config: OperatorConfig, now: 
               if (obj := existing[kind + suffix]) is not None and not is_owned(obj, uid)]  # fmt: skip
     owned = {kind: obj for kind, obj in existing.items() if obj is not None and is_owned(obj, uid)}
     spec_changed = old_status.get("observedGeneration") != generation
-    current = None if spec_changed else placement.current_profile(owned.get("Deployment"))
+    current = None if spec_changed else placement.current_profile(workload_of(owned))
     decision = placement.decide(spec, kube.list_nodes(), kube.list_pods(), current)
     # The spec did not change and the workload runs, but its profile cannot be chosen now (its nodes
     # cordoned or gone, or nothing fits): keep serving what runs rather than reload weights elsewhere.
-    running = status_mod.rollout(owned.get("Deployment"))
+    running = status_mod.rollout(workload_of(owned))
     is_running = running is not None and running.desired > 0 and running.ready >= running.desired
     is_kept = (
         not spec_changed
-        and "Deployment" in owned
+        and workload_of(owned) is not None
         and (
             not decision.is_selected
             or (current is not None and is_running and not placement.is_same(decision, current))
@@ -193,7 +208,6 @@ def reconcile(body: Mapping[str, Any], kube: Kube, config: OperatorConfig, now: 
     )
     events = [] if is_kept and decision.is_selected else _profile_events(old_status.get("profile"), decision)
 
-    deployment = owned.get("Deployment")
     failure: ApplyFailure | None = None
     cached: cache.CacheStatus | None = None
     if theirs:
@@ -213,7 +227,6 @@ def reconcile(body: Mapping[str, Any], kube: Kube, config: OperatorConfig, now: 
             _apply(kube, desired, owned, spec.name) if failure is None else ({}, failure, [])
         )
         events += apply_events
-        deployment = applied.get("Deployment", deployment)
         owned |= applied
         if failure is None:
             # While a new revision is cached, the running Deployment serves on.
@@ -229,14 +242,17 @@ def reconcile(body: Mapping[str, Any], kube: Kube, config: OperatorConfig, now: 
                     kube.delete(api, kind, spec.namespace, name)
                     events.append(Event("Normal", "Deleted", f"deleted {kind} {name}: no longer wanted"))
                     owned.pop(key)
-                    if key == "Deployment":
-                        deployment = None
     if failure is not None:
         events += _warn_once(old_status, failure.reason, failure.message)
 
-    selector = ",".join(f"{k}={v}" for k, v in manifests.selector_labels(spec).items())
+    workload = workload_of(owned)
+    is_group = workload is not None and workload["kind"] == "LeaderWorkerSet"
+    pods_selector = ",".join(f"{k}={v}" for k, v in manifests.selector_labels(spec).items())
+    # What the scale subresource counts: a replica is a pod, or a group (its leader).
+    selector = ",".join(f"{k}={v}" for k, v in manifests.server_selector(spec, is_group).items())
+    pods: list[dict[str, Any]] | None = None
     issue = None  # why replicas are not (yet) ready: a missing reference, the cache, then the pods
-    if failure is None and not theirs and (deployment is not None or cached is not None):
+    if failure is None and not theirs and (workload is not None or cached is not None):
         issue = missing_reference(kube, spec)
         if issue is None and cached_pending(cached):
             assert cached is not None
@@ -247,14 +263,23 @@ def reconcile(body: Mapping[str, Any], kube: Kube, config: OperatorConfig, now: 
                 stuck = diagnose(job_pods)
                 if stuck is not None and stuck.is_failure:
                     issue = PodIssue(stuck.reason, f"download Job {cached.job_name}: {stuck.message}", True)
-        if issue is None and deployment is not None:
-            issue = diagnose(kube.list_pods(spec.namespace, selector))
+        if workload is not None:
+            pods = kube.list_pods(spec.namespace, pods_selector)
+        if issue is None and pods is not None:
+            issue = diagnose(pods)
         if issue is not None and issue.is_failure:
             events += _warn_once(old_status, issue.reason, issue.message, status_mod.DEGRADED)
+    groups = None
+    if is_group and workload is not None and pods is not None:
+        recreations = kube.list_events(
+            spec.namespace, "LeaderWorkerSet", spec.name, lws_groups.RECREATE_REASON
+        )
+        groups = lws_groups.groups_status(workload, pods, recreations, old_status.get("groups") or ())
+        events += [Event("Warning", "GroupRecreated", said) for said in lws_groups.news(old_status, groups)]
     result = status_mod.status(
         old=old_status,
         decision=decision,
-        state=status_mod.rollout(deployment),
+        state=status_mod.rollout(workload),
         generation=generation,
         now=now,
         urls=manifests.urls(spec, config) if "Service" in owned else {"url": None, "grpcAddress": None},
@@ -274,6 +299,7 @@ def reconcile(body: Mapping[str, Any], kube: Kube, config: OperatorConfig, now: 
             for a in spec.adapters
         ]
         or None,
+        groups=groups,
     )
     if is_kept:  # what runs is still the old profile: show it, with why it could not be chosen now
         old_profile = old_status.get("profile") or {}

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pagoda.operator.catalogue import ModelShape, resolve
 from pagoda.operator.profile import (
     DEFAULT_KV_CACHE_FRACTION,
+    MAX_PIPELINE_PARALLEL,
     PRECISIONS,
     GpuPreference,
     KvCacheDtype,
@@ -30,6 +31,18 @@ GROUP = "serving.pagoda.dev"
 VERSION = "v1alpha1"
 PLURAL = "inferenceservices"
 KIND = "InferenceService"
+
+# What a group over several pods runs with (manifests.py, the LeaderWorkerSet's leader and workers; vLLM's
+# names): the pipeline's depth, the pods of the group, each pod's rank, rank 0's address and port, and a
+# worker's lack of an API.
+MULTI_NODE_FLAGS: tuple[str, ...] = (
+    "--pipeline-parallel-size",
+    "--nnodes",
+    "--node-rank",
+    "--master-addr",
+    "--master-port",
+    "--headless",
+)
 
 # The `pagoda serve` flags the operator renders from the spec and the profile (manifests.server_args).
 # engine.extraArgs may not set them: not exactly, not as `--flag=value`, and not abbreviated (argparse
@@ -58,6 +71,7 @@ OPERATOR_FLAGS: tuple[str, ...] = (
     "--max-loras",
     "--max-lora-rank",
     "--max-cpu-loras",
+    *MULTI_NODE_FLAGS,
 )
 
 
@@ -224,6 +238,7 @@ class ServiceSpec:
     source: ModelSource
     precision: str = "auto"
     tensor_parallel_size: int | None = None
+    pipeline_parallel_size: int | None = None  # None: auto (profile.py)
     preferences: tuple[GpuPreference, ...] = ()
     replicas: int = 1
     autoscaling: Autoscaling | None = None
@@ -264,6 +279,8 @@ class ServiceSpec:
             kv_cache_dtype=self.engine.kv_cache_dtype or "auto",
             lora_slots=self.engine.max_loras,
             max_lora_rank=self.engine.max_lora_rank if self.engine.max_loras else 0,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            has_draft_model=self.speculative is not None and self.speculative.draft_model is not None,
         )
 
 
@@ -589,6 +606,27 @@ def _engine(raw: Mapping[str, Any], num_adapters: int = 0) -> EngineSettings:
     )
 
 
+def _pipeline_parallel_size(
+    raw: Any, adapters: tuple[Adapter, ...], speculative: Speculative | None
+) -> int | None:
+    """spec.pipelineParallelSize: None for auto; the CRD's bounds and rules, repeated."""
+    if raw in (None, "auto"):
+        return None
+    if type(raw) is not int or not 1 <= raw <= MAX_PIPELINE_PARALLEL:
+        raise ValueError(f"pipelineParallelSize must be auto or 1 to {MAX_PIPELINE_PARALLEL}, got {raw!r}")
+    if raw > 1 and adapters:
+        raise ValueError(
+            "pipelineParallelSize above 1 cannot serve spec.adapters: pagoda serve refuses LoRA under "
+            "pipeline parallelism"
+        )
+    if raw > 1 and speculative is not None and speculative.draft_model is not None:
+        raise ValueError(
+            "pipelineParallelSize above 1 cannot run speculative.method draftModel: pagoda serve refuses a "
+            "draft model under pipeline parallelism"
+        )
+    return raw
+
+
 def parse_spec(body: Mapping[str, Any]) -> ServiceSpec:
     """An InferenceService object (as the API returns it) -> ServiceSpec; ValueError on what cannot work."""
     meta, spec = body["metadata"], body.get("spec") or {}
@@ -605,6 +643,7 @@ def parse_spec(body: Mapping[str, Any]) -> ServiceSpec:
     source = _source(model.get("source") or {})
     volumes, volume_mounts = _volumes(spec)
     adapters = _adapters(spec.get("adapters"), model["name"])
+    speculative = _speculative(spec.get("speculative"))
     return ServiceSpec(
         name=meta["name"],
         namespace=meta.get("namespace", "default"),
@@ -614,6 +653,9 @@ def parse_spec(body: Mapping[str, Any]) -> ServiceSpec:
         cache=_cache(model.get("cache"), source),
         precision=_precision(spec.get("precision", "auto"), "precision") or "auto",
         tensor_parallel_size=None if tp in (None, "auto") else int(tp),
+        pipeline_parallel_size=_pipeline_parallel_size(
+            spec.get("pipelineParallelSize"), adapters, speculative
+        ),
         preferences=preferences,
         replicas=int(spec.get("replicas", 1)),
         autoscaling=_autoscaling(spec.get("autoscaling")),
@@ -641,7 +683,7 @@ def parse_spec(body: Mapping[str, Any]) -> ServiceSpec:
         ingress=_ingress(spec.get("ingress")),
         http_route=_http_route(spec.get("httpRoute")),
         router=_router(spec.get("router"), _several_replicas(spec)),
-        speculative=_speculative(spec.get("speculative")),
+        speculative=speculative,
         adapters=adapters,
     )
 

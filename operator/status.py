@@ -49,12 +49,15 @@ class Rollout:
 
 
 def rollout(deployment: Mapping[str, Any] | None) -> Rollout | None:
+    """A Deployment's, or a LeaderWorkerSet's, whose replicas are groups (a group is ready when each of its
+    pods is; LWS counts no separate availability)."""
     if deployment is None:
         return None
     spec, status = deployment.get("spec") or {}, deployment.get("status") or {}
     desired = int(spec.get("replicas", 1))
     updated = int(status.get("updatedReplicas", 0))
-    available = int(status.get("availableReplicas", 0))
+    ready_key = "readyReplicas" if deployment.get("kind") == "LeaderWorkerSet" else "availableReplicas"
+    available = int(status.get(ready_key, 0))
     total = int(status.get("replicas", 0))
     observed = int(status.get("observedGeneration", 0)) >= int(deployment["metadata"].get("generation", 0))
     failure = None
@@ -206,9 +209,11 @@ def status(
     cache: Mapping[str, Any] | None = None,
     router: Mapping[str, Any] | None = None,
     adapters: Sequence[Mapping[str, Any]] | None = None,
+    groups: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """status; `adapters`: status.adapters, the LoRA adapters the pods are told to serve (None: none, or
-    a spec that could not be parsed)."""
+    a spec that could not be parsed); `groups`: status.groups, the LeaderWorkerSet groups (groups.py;
+    None: the workload is a Deployment)."""
     conds = conditions(decision, state, conflicts, is_kept, failure, issue)
     return {
         "observedGeneration": generation,
@@ -220,5 +225,6 @@ def status(
         "cache": cache,  # None removes it (merge patch)
         "router": router,
         "adapters": None if adapters is None else [dict(a) for a in adapters],
+        "groups": None if groups is None else [dict(g) for g in groups],
         **urls,
     }

@@ -606,3 +606,102 @@ def test_uri_adapters_of_a_cached_model_are_read_from_its_claim() -> None:
     assert _lora_modules(pod_spec) == {"sql": "/models/adapters/sql"}  # the cache Job fetched it there
     assert "initContainers" not in pod_spec
     assert [v["name"] for v in pod_spec["volumes"] if v["name"].startswith("adapter")] == []
+
+
+def group_decision(tp: int = 8, pp: int = 2, precision: str = "bf16") -> Decision:
+    return Decision(
+        True,
+        "fits",
+        gpu=H100,
+        precision=precision,
+        tensor_parallel_size=tp,
+        kv_cache_dtype=precision,
+        pipeline_parallel_size=pp,
+    )
+
+
+def test_a_model_over_several_pods_is_a_leader_worker_set() -> None:
+    """Each replica a group of PP pods (one pipeline stage of TP GPUs each): started together, recreated
+    together, the leader rank 0 behind the Service, the workers headless with a /health probe."""
+    spec = parse_spec(body(model={"name": "llama-3.1-405b", "source": {"imagePath": "/m"}}, replicas=2))
+    objs = manifests.children(spec, group_decision(), CONFIG)
+    assert [o["kind"] for o in objs] == [
+        "Service", "PodDisruptionBudget", "LeaderWorkerSet",
+        "Service", "ServiceAccount", "Role", "RoleBinding", "PodDisruptionBudget", "Deployment",
+    ]  # two replicas: a router in front  # fmt: skip
+    lws = next(o for o in objs if o["kind"] == "LeaderWorkerSet")
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    assert lws["metadata"]["annotations"] == {
+        "serving.pagoda.dev/profile": "NVIDIA-H100-80GB-HBM3/bf16/tp8/pp2"
+    }
+    assert lws["spec"]["replicas"] == 2
+    assert (
+        lws["spec"]["startupPolicy"] == "LeaderCreated"
+    )  # LeaderReady would wait forever: see the docstring
+    assert lws["spec"]["rolloutStrategy"]["rollingUpdateConfiguration"] == {
+        "maxSurge": 0,
+        "maxUnavailable": 1,
+    }
+    template = lws["spec"]["leaderWorkerTemplate"]
+    assert (template["size"], template["restartPolicy"]) == (2, "RecreateGroupOnPodRestart")
+    leader = template["leaderTemplate"]["spec"]["containers"][0]
+    worker = template["workerTemplate"]["spec"]["containers"][0]
+    group = ["--tensor-parallel-size", "8", "--pipeline-parallel-size", "2", "--nnodes", "2", "--node-rank"]
+    at = leader["args"].index("--tensor-parallel-size")
+    assert leader["args"][at : at + 12] == [*group, "0", "--master-addr", "$(LWS_LEADER_ADDRESS)",
+                                            "--master-port", "29500"]  # fmt: skip
+    assert worker["args"][at : at + 12] == [*group, "$(LWS_WORKER_INDEX)", "--master-addr",
+                                            "$(LWS_LEADER_ADDRESS)", "--master-port", "29500"]  # fmt: skip
+    assert "--headless" not in leader["args"] and worker["args"][-1] == "--headless"
+    others = [a for a in leader["args"] if a not in ("0", "$(LWS_WORKER_INDEX)")]
+    assert others == [a for a in worker["args"] if a not in ("0", "$(LWS_WORKER_INDEX)", "--headless")]
+    for container in (leader, worker):  # every pod holds a stage: the node's GPUs
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
+        assert container["resources"]["requests"]["nvidia.com/gpu"] == "8"
+    assert leader["readinessProbe"]["httpGet"] == {"path": "/v1/health/ready", "port": "http"}
+    assert [p["name"] for p in leader["ports"]] == ["http", "grpc"]
+    # A worker serves only /health on the same port, named so that no PodMonitor (port http) scrapes it.
+    assert worker["ports"] == [{"name": "health", "containerPort": 8000, "protocol": "TCP"}]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert worker[probe]["httpGet"] == {"path": "/health", "port": "health"}
+    assert "lifecycle" not in worker  # behind no Service: nothing to leave before SIGTERM
+    leader_meta, worker_meta = template["leaderTemplate"]["metadata"], template["workerTemplate"]["metadata"]
+    assert leader_meta["annotations"]["prometheus.io/scrape"] == "true"
+    assert "prometheus.io/scrape" not in worker_meta["annotations"]
+    assert leader_meta["labels"] == worker_meta["labels"] == manifests.labels(spec)
+
+
+def test_only_the_leaders_serve_and_the_hpa_scales_whole_groups() -> None:
+    spec = parse_spec(body(model={"name": "llama-3.1-405b", "source": {"imagePath": "/m"}},
+                           autoscaling={"maxReplicas": 3}, router={"enabled": False}))  # fmt: skip
+    objs = {o["kind"] + o["metadata"]["name"]: o for o in manifests.children(spec, group_decision(), CONFIG)}
+    leaders = manifests.selector_labels(spec) | {"leaderworkerset.sigs.k8s.io/worker-index": "0"}
+    assert objs["Servicellm"]["spec"]["selector"] == leaders
+    assert objs["HorizontalPodAutoscalerllm"]["spec"]["scaleTargetRef"] == {
+        "apiVersion": "leaderworkerset.x-k8s.io/v1",
+        "kind": "LeaderWorkerSet",
+        "name": "llm",
+    }
+    assert "replicas" not in objs["LeaderWorkerSetllm"]["spec"]  # the HPA owns the groups
+    # The budget covers every pod of every group: one pod evicted takes its group down, and no other pod
+    # goes until that group is whole and ready again.
+    assert objs["PodDisruptionBudgetllm"]["spec"] == {
+        "maxUnavailable": 1,
+        "selector": {"matchLabels": manifests.selector_labels(spec)},
+    }
+    routed = parse_spec(body(model={"name": "llama-3.1-405b", "source": {"imagePath": "/m"}}, replicas=2))
+    router_dep = next(
+        o for o in manifests.children(routed, group_decision(), CONFIG) if o["kind"] == "Deployment"
+    )
+    args = " ".join(router_dep["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert "leaderworkerset.sigs.k8s.io/worker-index=0" in args  # the router finds the leaders only
+    servers = manifests.servers_service(routed, is_group=True)
+    assert servers["spec"]["selector"] == leaders
+
+
+def test_a_pod_of_a_group_reserves_memory_for_its_stage() -> None:
+    spec = parse_spec(body(model={"name": "llama-3.1-405b", "source": {"imagePath": "/m"}}))
+    one_stage = manifests.default_requests(spec, group_decision(8, 2))
+    whole = manifests.default_requests(spec, group_decision(8, 1))
+    # 2 GiB a GPU + half the weights a pod reads: 811.8 GB of bf16 over two stages, 405.9 GB each.
+    assert one_stage == {"cpu": "8", "memory": f"{16 + 190}Gi"} and whole["memory"] == f"{16 + 379}Gi"

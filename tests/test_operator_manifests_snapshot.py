@@ -38,14 +38,20 @@ def _body(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _decision(tp: int, precision: str, gpu: GpuGroup) -> Decision:
+def _decision(tp: int, precision: str, gpu: GpuGroup, pp: int = 1) -> Decision:
     return Decision(
-        True, "fits", gpu=gpu, precision=precision, tensor_parallel_size=tp, kv_cache_dtype=precision
+        True,
+        "fits",
+        gpu=gpu,
+        precision=precision,
+        tensor_parallel_size=tp,
+        kv_cache_dtype=precision,
+        pipeline_parallel_size=pp,
     )
 
 
-# name -> (spec, tp, precision, GPU group, operator config)
-CASES: dict[str, tuple[dict[str, Any], int, str, GpuGroup, OperatorConfig]] = {
+# name -> (spec, tp, precision, GPU group, operator config[, pp: pods of a LeaderWorkerSet group])
+CASES: dict[str, tuple[Any, ...]] = {
     "one GPU of eight, fp8, an image path, two API servers": (
         {"model": {"name": "llama-3.1-8b", "source": {"imagePath": "/models/llama"}},
          "engine": {"apiServerCount": 2}},
@@ -97,12 +103,33 @@ CASES: dict[str, tuple[dict[str, Any], int, str, GpuGroup, OperatorConfig]] = {
         },
         1, "fp8", H100, OperatorConfig(),
     ),
+    "405B bf16 over two whole nodes (a LeaderWorkerSet), an hf:// model in a cache volume, autoscaled": (
+        {
+            "model": {"name": "meta-llama/Llama-3.1-405B-Instruct", "source": {"uri": "hf://meta-llama/Llama-3.1-405B-Instruct"},
+                      "cache": {"size": "900Gi"}},
+            "precision": "bf16",
+            "autoscaling": {"minReplicas": 1, "maxReplicas": 2},
+            "router": {"enabled": False},
+        },
+        8, "bf16", H100, OperatorConfig(), 2,
+    ),
 }  # fmt: skip
 
 
-def _render(spec: dict[str, Any], tp: int, precision: str, gpu: GpuGroup, config: OperatorConfig) -> Any:
+def _render(
+    spec: dict[str, Any], tp: int, precision: str, gpu: GpuGroup, config: OperatorConfig, pp: int = 1
+) -> Any:
     parsed = parse_spec(_body(spec))
-    return manifests.children(parsed, _decision(tp, precision, gpu), config)
+    return manifests.children(parsed, _decision(tp, precision, gpu, pp), config)
+
+
+def _server_pods(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The server pod specs: the Deployment's template, or a LeaderWorkerSet's leader's and workers'."""
+    workload = next(o for o in objects if o["kind"] in ("Deployment", "LeaderWorkerSet"))
+    if workload["kind"] == "Deployment":
+        return [workload["spec"]["template"]["spec"]]
+    template = workload["spec"]["leaderWorkerTemplate"]
+    return [template["leaderTemplate"]["spec"], template["workerTemplate"]["spec"]]
 
 
 def test_the_rendered_objects_are_the_reviewed_ones() -> None:
@@ -132,6 +159,8 @@ def test_every_case_renders_every_kind_it_should() -> None:
     assert kinds["a host path on a one-GPU node, fp16, three API servers"][-1] == "HTTPRoute"
     lora = "LoRA adapters from the model's claim, another claim, a node path and the Hub; prompt lookup"
     assert kinds[lora] == ["Service", "PodDisruptionBudget", "Deployment"]
+    group = "405B bf16 over two whole nodes (a LeaderWorkerSet), an hf:// model in a cache volume, autoscaled"
+    assert kinds[group] == ["Service", "PodDisruptionBudget", "LeaderWorkerSet", "HorizontalPodAutoscaler"]
 
 
 def test_the_pods_run_as_the_images_user() -> None:
@@ -139,22 +168,22 @@ def test_the_pods_run_as_the_images_user() -> None:
     user = re.search(r"^USER (\d+):(\d+)$", dockerfile, re.MULTILINE)
     assert user is not None
     for case in CASES.values():
-        deployment = next(o for o in _render(*case) if o["kind"] == "Deployment")
-        security = deployment["spec"]["template"]["spec"]["securityContext"]
-        assert (security["runAsUser"], security["runAsGroup"]) == (int(user[1]), int(user[2]))
-        assert security["runAsNonRoot"] is True
+        for pod in _server_pods(_render(*case)):
+            security = pod["securityContext"]
+            assert (security["runAsUser"], security["runAsGroup"]) == (int(user[1]), int(user[2]))
+            assert security["runAsNonRoot"] is True
 
 
 def test_the_model_is_mounted_read_only_whatever_its_source() -> None:
     for case in CASES.values():
-        deployment = next(o for o in _render(*case) if o["kind"] == "Deployment")
-        mounts = deployment["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
-        model = [m for m in mounts if m["name"] == "model"]
-        assert case[0]["model"]["source"].get("imagePath") or model, case[0]
-        assert all(m["readOnly"] is True for m in model)
-        adapters = [m for m in mounts if m["mountPath"].startswith("/adapters")]  # as the model is
-        assert bool(adapters) == bool(case[0].get("adapters")), case[0]
-        assert all(m["readOnly"] is True for m in adapters)
+        for pod in _server_pods(_render(*case)):
+            mounts = pod["containers"][0]["volumeMounts"]
+            model = [m for m in mounts if m["name"] == "model"]
+            assert case[0]["model"]["source"].get("imagePath") or model, case[0]
+            assert all(m["readOnly"] is True for m in model)
+            adapters = [m for m in mounts if m["mountPath"].startswith("/adapters")]  # as the model is
+            assert bool(adapters) == bool(case[0].get("adapters")), case[0]
+            assert all(m["readOnly"] is True for m in adapters)
 
 
 def test_a_partial_node_rolls_with_a_surge_and_a_whole_node_without() -> None:
@@ -165,6 +194,7 @@ def test_a_partial_node_rolls_with_a_surge_and_a_whole_node_without() -> None:
             "rollingUpdate"
         ]
         for name, case in CASES.items()
+        if len(case) == 5  # a Deployment's
     }
     partial = strategies["one GPU of eight, fp8, an image path, two API servers"]
     assert partial == {"maxSurge": 1, "maxUnavailable": 0}

@@ -1,8 +1,8 @@
 """FakeKube: an in-memory test double of operator/kube.py's `Kube`, for the operator's unit tests.
 
 It stands in for the calls reconcile() and handlers.Reconciler make: `get`, `apply` (dry run too),
-`delete`, `exists`, `list_nodes`, `list_pods`, `list_objects` and `patch_status`. A fake is enough
-here because these tests check reconcile logic (which children, which status, which events), not the
+`delete`, `exists`, `list_nodes`, `list_pods`, `list_objects`, `list_events` and `patch_status`. A fake
+is enough here because these tests check reconcile logic (which children, which status, which events), not the
 API server; e2e/test_operator.py runs the real `Kube` against a real one. On sys.path through
 pyproject's `pythonpath` (not a plugin: nothing registers it).
 """
@@ -28,6 +28,7 @@ class FakeKube:
         self.nodes = nodes
         self.objects: dict[tuple[str, str, str], dict] = {}
         self.pods: list[dict] = []
+        self.events: list[dict] = []  # listed by list_events, filtered as the field selector does
         self.present: set[tuple[str, str]] = set()
         self.refuse: dict[tuple[str, bool], KubeError] = {}
         self.fail: dict[str, Exception] = {}
@@ -58,6 +59,14 @@ class FakeKube:
             copy.deepcopy(p)
             for p in self.pods
             if kind == "Pod" and wanted.items() <= p["metadata"].get("labels", {}).items()
+        ]
+
+    def list_events(self, namespace: str, kind: str, name: str, reason: str) -> list[dict]:
+        self._call("list_events")
+        return [
+            copy.deepcopy(e)
+            for e in self.events
+            if (e["involvedObject"]["kind"], e["involvedObject"]["name"], e["reason"]) == (kind, name, reason)
         ]
 
     def exists(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
