@@ -7,6 +7,10 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+# The port of rank 0's rendezvous store on the leader node when ranks span nodes (torch.distributed's
+# customary MASTER_PORT; vLLM's --master-port defaults to 29501).
+DEFAULT_MASTER_PORT = 29500
+
 # Longer than any legitimate step: the longest measured while serving on the H200 is 0.22 s, Triton's
 # compiles and CUDA-graph capture end before the server is ready (docs/processes.md, BENCHMARKS.md); a
 # compile at first use of a shape takes seconds. vLLM waits 60 s (VLLM_ENGINE_ITERATION_TIMEOUT_S).
@@ -205,6 +209,30 @@ class EngineConfig:
     kv_events: KVEventsConfig | None = None  # vLLM's --kv-events-config (core/kv_events.py)
     speculative: SpeculativeConfig | None = None  # vLLM's --speculative-config (core/speculation.py)
     lora: LoRAConfig | None = None  # vLLM's --enable-lora and its flags; None: no adapters
+    # Ranks over several nodes (vLLM's --nnodes, --node-rank, --master-addr, --master-port): node k runs
+    # global ranks [k * R, (k + 1) * R), R = P x T / nnodes; node 0, the leader, serves the API and holds
+    # rank 0, whose store listens on master_port; the others are `pagoda serve --headless`
+    # (docs/parallelism.md, "Across nodes").
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None  # where the other nodes reach the leader; needed with nnodes > 1
+    master_port: int = DEFAULT_MASTER_PORT
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the model over all nodes: pipeline stages x tensor-parallel ranks."""
+        return self.pipeline_parallel_size * self.tensor_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        """R: node k runs global ranks [k * R, (k + 1) * R), rank r on its cuda:(r - k * R)."""
+        return self.world_size // self.nnodes
+
+    def rank_settings(self) -> dict[str, Any]:
+        """The settings every node's ranks must share (a headless node's hello carries them and the
+        leader compares them with its own), as JSON values."""
+        shared = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in NODE_LOCAL_FIELDS}
+        return json.loads(json.dumps(shared, default=lambda value: value.__dict__))
 
     @property
     def model_path(self) -> str:
@@ -244,6 +272,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
         if self.pipeline_parallel_size > 1:
             self._check_pipeline()
+        if self.nnodes != 1 or self.node_rank != 0:
+            self._check_nodes()
         if self.executor_class is not None and not re.fullmatch(r"[\w.]+:\w+", self.executor_class):
             raise ValueError(f"executor_class must be module:Class, got {self.executor_class!r}")
 
@@ -261,3 +291,58 @@ class EngineConfig:
                 f"pipeline_parallel_size {size}: LoRA adapters (--enable-lora) are not supported under "
                 "pipeline parallelism yet; use pipeline_parallel_size 1"
             )
+
+    def _check_nodes(self) -> None:
+        """What cannot run across nodes is refused here, before any process starts."""
+        nnodes, node_rank, size = self.nnodes, self.node_rank, self.world_size
+        ranks = f"the {size} ranks of --pipeline-parallel-size {self.pipeline_parallel_size} x " \
+                f"--tensor-parallel-size {self.tensor_parallel_size}"  # fmt: skip
+        if nnodes < 1:
+            raise ValueError(f"--nnodes must be at least 1, got {nnodes}")
+        if not 0 <= node_rank < nnodes:
+            raise ValueError(
+                f"--node-rank must be in [0, {nnodes - 1}] with --nnodes {nnodes}, got {node_rank}"
+            )
+        if size % nnodes:
+            raise ValueError(
+                f"--nnodes {nnodes} does not divide {ranks}: every node runs as many ranks (one per GPU)"
+            )
+        per_node, tp = size // nnodes, self.tensor_parallel_size
+        if self.pipeline_parallel_size > 1 and per_node % tp:
+            raise ValueError(
+                f"--nnodes {nnodes} would put {per_node} of {ranks} on each node, which splits a pipeline "
+                f"stage's {tp} tensor-parallel ranks over nodes: a stage all-reduces twice a layer, so it "
+                f"stays on one node and only the stage-to-stage hops cross; use an --nnodes that leaves a "
+                f"multiple of {tp} ranks per node"
+            )
+        if not self.master_addr:
+            raise ValueError(f"--nnodes {nnodes} needs --master-addr: where the other nodes reach node 0")
+        if not 1 <= self.master_port <= 65535:
+            raise ValueError(f"--master-port must be in [1, 65535], got {self.master_port}")
+        if self.executor_class is not None:
+            raise ValueError(f"--executor-class {self.executor_class} runs on one node; not with --nnodes")
+        if self.lora is not None:
+            raise ValueError(
+                f"--nnodes {nnodes}: LoRA adapters (--enable-lora) are not supported across nodes yet (each "
+                "node's ranks would read the adapter files from their own file system); use one node"
+            )
+
+
+# What may differ between the nodes of one engine: where each reaches the leader, which node it is, the
+# memory it offers the KV cache (all ranks use the smallest block count), and what only the leader's
+# engine core and API read.
+NODE_LOCAL_FIELDS = frozenset(
+    {
+        "node_rank",
+        "master_addr",
+        "device",
+        "gpu_memory_utilization",
+        "kv_cache_memory_bytes",
+        "served_model_name",
+        "max_mixed_prefill_tokens",
+        "enable_prefix_caching",
+        "async_scheduling",
+        "executor_class",
+        "kv_events",
+    }
+)

@@ -5,15 +5,19 @@ and samples. Ranks 1..P x T - 1 are worker processes (`worker.py`; spawned, non-
 process may itself be a daemonic child, and managed here) that run their part of the forward pass;
 torch.distributed carries the collectives and the stage-to-stage transfers (NCCL on GPUs, rank r on
 cuda:r; gloo on the CPU). With one rank there is no worker and no process group: `execute` is the
-runner's, at no extra cost.
+runner's, at no extra cost. Over N nodes (`EngineConfig.nnodes`) this process spawns only the leader's
+ranks 1..R - 1; the ranks of the other nodes are started there (`pagoda serve --headless`) and connect
+to this one (`nodes.py`): from then on a remote rank is a worker whose pipe is a TCP connection.
 
 Transport: each step rank 0 pickles the `StepInput` (host arrays and a few row lists, never the
 requests) once and writes it to one pipe per worker; workers never answer a step. Measured on the
 CPU (2 cores, 36 KB for a 64-row decode step with 128-block tables, 54 KB for a 2048-token prefill):
 ~16 µs of pickling on rank 0, ~50 µs for a round trip to a worker and back (so ~25 µs until the
-worker starts its forward), against the H200's ~5 ms decode step.
+worker starts its forward), against the H200's ~5 ms decode step. A rank on another node gets the same
+bytes over its own TCP connection (TRANSPORT_COST below).
 
-Death: a worker's exit is seen on its process sentinel (one poll() before every step, ~1 µs, and a
+Death: a worker's exit is seen on its process sentinel, a remote rank's on its connection (closed, or
+broken within `nodes.DEAD_PEER_S` when its node vanished) (one poll() before every step, ~1 µs, and a
 poll loop while the GPU finishes a step, so a peer that died inside an NCCL collective is noticed at
 once instead of when the collective times out). A gloo collective with a dead peer fails at once or
 after `COLLECTIVE_TIMEOUT_S`. Either way `execute` raises RuntimeError naming the rank and its exit
@@ -53,15 +57,14 @@ from pagoda.service.engine.runner.model_runner import (
     StepResult,
     resolve_device,
 )
-from pagoda.service.engine.runner.worker import WorkerArgs, worker_main
+from pagoda.service.engine.runner.nodes import STEP_PORT_KEY, StepListener, compare_settings, heard
+from pagoda.service.engine.runner.worker import COLLECTIVE_TIMEOUT_S, START_TIMEOUT_S, WorkerArgs, worker_main
 from pagoda.service.model.config import ModelConfig
 from pagoda.service.model.llama import LlamaForCausalLM
 from pagoda.service.model.pipeline import init_groups, log_split, split_layers
 
 logger = logging.getLogger(__name__)
 
-START_TIMEOUT_S = 900.0  # one worker's load + warm-up + CUDA graph capture of a large model
-COLLECTIVE_TIMEOUT_S = 60.0
 JOIN_TIMEOUT_S = 5.0
 DEATH_GRACE_S = 5.0  # after a failed collective, how long a dying peer may take to show as exited
 
@@ -69,9 +72,14 @@ DEATH_GRACE_S = 5.0  # after a failed collective, how long a dying peer may take
 @dataclass
 class _Worker:
     rank: int
-    process: BaseProcess
+    process: BaseProcess | None  # None: a rank of another node, known by its connection alone
     conn: Connection
     name: str  # in messages: "tensor-parallel worker rank 1", "worker rank 3 (pipeline stage 1, tp rank 1)"
+
+    @property
+    def fd(self) -> int:
+        """What turns readable when the rank is gone: its process's sentinel, or its connection."""
+        return self.process.sentinel if self.process is not None else self.conn.fileno()
 
 
 class Executor:
@@ -83,19 +91,18 @@ class Executor:
         model_path: str,
         eos_token_ids: set[int],
         relay_stop_signals: bool = False,
-        rendezvous_host: str = "127.0.0.1",
     ) -> None:
-        """`rendezvous_host`: where the other ranks reach rank 0's store (this machine, until ranks span
-        pods: docs/parallelism.md)."""
         self.tp_size = config.tensor_parallel_size
         self.pp_size = config.pipeline_parallel_size
         self.size = self.tp_size * self.pp_size
-        self._rendezvous_host = rendezvous_host
+        self.nnodes = config.nnodes
+        self.ranks_per_node = config.ranks_per_node
         self._relay_stop_signals = relay_stop_signals
         self._workers: list[_Worker] = []
         self._failure: str | None = None
         self._is_stopped = False
         self._store: dist.Store | None = None
+        self._listener: StepListener | None = None  # over nodes, until the other nodes' ranks joined
         self._has_group = False
         self._poller = select.poll()
         self._finalizer: weakref.finalize[Any, Executor] | None = None
@@ -148,34 +155,32 @@ class Executor:
         device = resolve_device(config.device)
         if device.type == "cuda":
             num_gpus = torch.cuda.device_count()
-            if num_gpus < self.size:
+            if num_gpus < self.ranks_per_node:
                 ranks = f"tensor_parallel_size {self.tp_size}"
                 if self.pp_size > 1:
                     ranks = f"pipeline_parallel_size {self.pp_size} x {ranks}"
+                if self.nnodes > 1:
+                    ranks = f"{ranks} over {self.nnodes} nodes"
                 raise ValueError(
-                    f"{ranks} needs {self.size} GPUs (one per rank); this machine has {num_gpus}"
+                    f"{ranks} needs {self.ranks_per_node} GPUs (one per rank) on each node; this machine "
+                    f"has {num_gpus}"
                 )
             if device.index not in (None, 0):
                 raise ValueError(f"with several ranks rank r runs on cuda:r; got device {config.device!r}")
             device = torch.device("cuda", 0)
             torch.cuda.set_device(device)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        # Port 0: the store binds a free port itself, so there is no window for another process to take it.
-        self._store = dist.TCPStore(
-            self._rendezvous_host,
-            0,
-            self.size,
-            True,
-            timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-            wait_for_workers=False,
-        )
+        self._store = self._start_store(config)
+        if self.nnodes > 1:  # the other nodes' ranks find its port in the store
+            self._listener = StepListener(send_timeout_s=COLLECTIVE_TIMEOUT_S)
+            self._store.set(STEP_PORT_KEY, str(self._listener.port))
         context = mp.get_context("spawn")
-        for rank in range(1, self.size):
+        for rank in range(1, self.ranks_per_node):
             args = WorkerArgs(
                 rank=rank,
                 tp_size=self.tp_size,
                 pp_size=self.pp_size,
-                store_host=self._rendezvous_host,
+                store_host="127.0.0.1",
                 store_port=self._store.port,  # type: ignore[attr-defined]
                 backend=backend,
                 config=config,
@@ -188,25 +193,23 @@ class Executor:
                 log_level=logging.getLogger().getEffectiveLevel(),
             )
             ours, theirs = context.Pipe()
-            stage, tp_rank = divmod(rank, self.tp_size)
-            if self.pp_size == 1:
-                process_name, name = f"pagoda-tp-rank{rank}", f"tensor-parallel worker rank {rank}"
-            else:
-                process_name = f"pagoda-pp-stage{stage}-tp-rank{tp_rank}"
-                name = f"worker rank {rank} (pipeline stage {stage}, tensor-parallel rank {tp_rank})"
-            process = context.Process(
-                target=worker_main, args=(args, theirs), name=process_name, daemon=False
-            )
+            name = _process_name(rank, self.tp_size, self.pp_size)
+            process = context.Process(target=worker_main, args=(args, theirs), name=name, daemon=False)
             process.start()
             theirs.close()
-            self._workers.append(_Worker(rank, process, ours, name))
-            self._poller.register(process.sentinel, select.POLLIN)
+            self._add(_Worker(rank, process, ours, self._rank_name(rank)))
         # Registered after multiprocessing's own exit hook, so it runs first: that hook joins
-        # non-daemonic children, which would wait forever for workers still waiting for steps.
-        self._finalizer = weakref.finalize(self, _stop_workers, list(self._workers))
+        # non-daemonic children, which would wait forever for workers still waiting for steps. It holds
+        # the list itself: the other nodes' ranks join it below.
+        self._finalizer = weakref.finalize(self, _stop_workers, self._workers)
         atexit.register(self._finalizer)
         for worker in self._workers:
             self._expect(worker, "hello")
+        if self._listener is not None:
+            self._accept_remote_ranks(self._listener, config, backend)
+            self._listener.close()
+        for worker in self._workers:  # every rank is in: the process groups can form
+            worker.conn.send("start")
         tp, pp = init_groups(
             0, self.tp_size, self.pp_size, self._store, backend, device, COLLECTIVE_TIMEOUT_S
         )
@@ -216,29 +219,89 @@ class Executor:
             log_split(split_layers(runner.model_config.num_hidden_layers, self.pp_size))
         for worker in self._workers:
             self._expect(worker, "ready")
+        nodes = ""
+        if self.nnodes > 1:
+            nodes = f", over {self.nnodes} nodes of {self.ranks_per_node} ranks"
         if self.pp_size == 1:
             logger.info(
-                "tensor parallel over %d ranks (%s), rank 0 in process %d", self.size, backend, os.getpid()
+                "tensor parallel over %d ranks (%s%s), rank 0 in process %d",
+                self.size,
+                backend,
+                nodes,
+                os.getpid(),
             )
         else:
             logger.info(
-                "pipeline parallel over %d stages of %d tensor-parallel ranks (%s), rank 0 in process %d",
+                "pipeline parallel over %d stages of %d tensor-parallel ranks (%s%s), rank 0 in process %d",
                 self.pp_size,
                 self.tp_size,
                 backend,
+                nodes,
                 os.getpid(),
             )
         return runner
 
+    def _start_store(self, config: EngineConfig) -> dist.TCPStore:
+        """Rank 0's rendezvous store: on one node a free port of 127.0.0.1 (the store binds port 0
+        itself, so no other process can take it meanwhile); over nodes --master-port on every interface
+        (this process reaches it over the loopback, the other nodes at --master-addr)."""
+        timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        if self.nnodes == 1:
+            return dist.TCPStore("127.0.0.1", 0, self.size, True, timeout, wait_for_workers=False)
+        try:
+            return dist.TCPStore(
+                "127.0.0.1", config.master_port, self.size, True, timeout, wait_for_workers=False
+            )
+        except RuntimeError as exc:  # DistNetworkError: the port is taken
+            raise RuntimeError(
+                f"rank 0 cannot listen on --master-port {config.master_port} for the other nodes: {exc}"
+            ) from None
+
+    def _rank_name(self, rank: int) -> str:
+        stage, tp_rank = divmod(rank, self.tp_size)
+        if self.pp_size == 1:
+            name = f"tensor-parallel worker rank {rank}"
+        else:
+            name = f"worker rank {rank} (pipeline stage {stage}, tensor-parallel rank {tp_rank})"
+        node = rank // self.ranks_per_node
+        return name if node == 0 else f"{name} on node {node}"
+
+    def _add(self, worker: _Worker) -> None:
+        self._workers.append(worker)
+        self._poller.register(worker.fd, select.POLLIN)
+
+    def _accept_remote_ranks(self, listener: StepListener, config: EngineConfig, backend: str) -> None:
+        """Wait for the ranks of nodes 1..N-1 to connect and say hello with this node's settings."""
+        ours = config.rank_settings()
+
+        def check(rank: int, hello: dict[str, Any]) -> str | None:
+            if hello.get("backend") != backend:
+                return (
+                    f"its node runs {hello.get('backend')} collectives, the leader {backend}: every node "
+                    "needs GPUs, or every node --device cpu"
+                )
+            return compare_settings(ours, hello.get("settings") or {})
+
+        where = f"{config.master_addr}:{config.master_port}"
+        conns = listener.accept_ranks(
+            range(self.ranks_per_node, self.size), check, START_TIMEOUT_S, where, self.ranks_per_node
+        )
+        for rank in sorted(conns):
+            self._add(_Worker(rank, None, conns[rank], self._rank_name(rank)))
+        logger.info("ranks %d..%d of nodes 1..%d joined", self.ranks_per_node, self.size - 1, self.nnodes - 1)
+
     def _expect(self, worker: _Worker, kind: str) -> Any:
         """The worker's next start-up message, which must be `kind`; its traceback if it failed."""
-        if not wait([worker.conn, worker.process.sentinel], START_TIMEOUT_S):
+        watched: list[Any] = (
+            [worker.conn] if worker.process is None else [worker.conn, worker.process.sentinel]
+        )
+        if not wait(watched, START_TIMEOUT_S):
             raise RuntimeError(f"{worker.name} sent nothing in {START_TIMEOUT_S} s")
         if not worker.conn.poll():
             raise self._death(worker)
         try:
-            got, value = worker.conn.recv()
-        except EOFError:
+            got, value = heard(worker.conn)
+        except (EOFError, OSError):
             raise self._death(worker) from None
         if got == "error":
             raise RuntimeError(f"{worker.name} failed to start:\n{value}")
@@ -342,12 +405,20 @@ class Executor:
         if not ready:
             return None
         fd = ready[0][0]
-        return next(self._death(w) for w in self._workers if w.process.sentinel == fd)
+        return next(self._death(w) for w in self._workers if w.fd == fd)
 
     @staticmethod
     def _death(worker: _Worker) -> RuntimeError:
+        """Why `worker` is gone: its exit code (or, from another node, its closed connection), and the
+        traceback it sent last if it failed."""
+        last = _last_words(worker.conn)
+        if worker.process is None:
+            if last is None:
+                return RuntimeError(f"{worker.name} is gone: its connection to rank 0 closed")
+            return RuntimeError(f"{worker.name} failed:\n{last}")
         worker.process.join(JOIN_TIMEOUT_S)
-        return RuntimeError(f"{worker.name} died (exit code {worker.process.exitcode})")
+        died = f"{worker.name} died (exit code {worker.process.exitcode})"
+        return RuntimeError(died if last is None else f"{died}:\n{last}")
 
     # ---- shutdown ------------------------------------------------------------------------------
 
@@ -360,6 +431,8 @@ class Executor:
         # them first, tear rank 0's down alongside theirs, then join. (Joining first deadlocked on two
         # H200s: the worker waited in its teardown for rank 0, rank 0 in join for the worker.)
         _tell_workers_to_stop(self._workers)
+        if self._listener is not None:
+            self._listener.close()
         # With a failed NCCL step the communicator may be stuck: leave it to the process's exit.
         if self._has_group and (self._failure is None or dist.get_backend() == "gloo"):
             dist.destroy_process_group()
@@ -386,6 +459,22 @@ class _WatchedStep:
         return self.step.result()
 
 
+def _process_name(rank: int, tp_size: int, pp_size: int) -> str:
+    stage, tp_rank = divmod(rank, tp_size)
+    return f"pagoda-tp-rank{rank}" if pp_size == 1 else f"pagoda-pp-stage{stage}-tp-rank{tp_rank}"
+
+
+def _last_words(conn: Connection) -> str | None:
+    """The traceback a failed worker sent before it went (None if it sent none)."""
+    try:
+        if conn.closed or not conn.poll():
+            return None
+        kind, value = heard(conn)
+    except (EOFError, OSError, ValueError):
+        return None
+    return str(value) if kind == "error" else None
+
+
 def _tell_workers_to_stop(workers: list[_Worker]) -> None:
     for worker in workers:
         if not worker.conn.closed:
@@ -396,11 +485,12 @@ def _tell_workers_to_stop(workers: list[_Worker]) -> None:
 def _stop_workers(workers: list[_Worker]) -> None:
     _tell_workers_to_stop(workers)
     for worker in workers:
-        worker.process.join(JOIN_TIMEOUT_S)
-        if worker.process.is_alive():
-            logger.warning("%s did not stop; killing it", worker.name)
-            worker.process.kill()
-            worker.process.join()
+        if worker.process is not None:
+            worker.process.join(JOIN_TIMEOUT_S)
+            if worker.process.is_alive():
+                logger.warning("%s did not stop; killing it", worker.name)
+                worker.process.kill()
+                worker.process.join()
         worker.conn.close()
 
 

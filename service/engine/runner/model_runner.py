@@ -176,7 +176,8 @@ class ModelRunner:
         self.pp = pp
         self.device = resolve_device(config.device)
         if self.device.type == "cuda" and tp.size * pp.size > 1:
-            self.device = torch.device("cuda", pp.stage * tp.size + tp.rank)  # rank r on cuda:r
+            # rank r on cuda:r of its node: r - k * R on node k (EngineConfig.ranks_per_node)
+            self.device = torch.device("cuda", pp.rank % config.ranks_per_node)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         if config.quantization == "fp8":
