@@ -15,7 +15,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 HELP = "Serve a model over the OpenAI-compatible HTTP API, gRPC and Prometheus /metrics."
@@ -46,8 +46,50 @@ def _env_bool(value: str) -> bool:
     raise ValueError(f"expected true or false, got {value!r}")
 
 
+# A LeaderWorkerSet gives each pod of a group these (https://lws.sigs.k8s.io): the flags --nnodes,
+# --node-rank and --master-addr default to them.
+LWS_GROUP_SIZE, LWS_WORKER_INDEX, LWS_LEADER_ADDRESS = (
+    "LWS_GROUP_SIZE",
+    "LWS_WORKER_INDEX",
+    "LWS_LEADER_ADDRESS",
+)
+
+
+def node_placement(
+    nnodes: int | None,
+    node_rank: int | None,
+    master_addr: str | None,
+    is_headless: bool,
+    environ: Mapping[str, str],
+) -> tuple[int, int, str | None, bool]:
+    """(nnodes, node_rank, master_addr, is_headless): each flag as given (on the command line or as its
+    PAGODA_ variable), else from a LeaderWorkerSet's variables, else one node. A worker index above 0
+    from LWS_WORKER_INDEX makes the node headless, as every LWS worker pod is."""
+
+    def lws_int(name: str) -> int | None:
+        value = environ.get(name, "").strip()
+        if not value:
+            return None
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"{name}={value!r} is not a number") from None
+
+    if nnodes is None:
+        nnodes = lws_int(LWS_GROUP_SIZE) or 1
+    if node_rank is None:
+        node_rank = lws_int(LWS_WORKER_INDEX) or 0
+        is_headless = is_headless or node_rank > 0
+    if master_addr is None:
+        master_addr = environ.get(LWS_LEADER_ADDRESS, "").strip() or None
+    return nnodes, node_rank, master_addr, is_headless
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pagoda.service.engine.config import DEFAULT_STALL_TIMEOUT_S  # standard library only
+    from pagoda.service.engine.config import (
+        DEFAULT_MASTER_PORT,
+        DEFAULT_STALL_TIMEOUT_S,
+    )  # standard library only
 
     def flag(
         name: str, help: str, default: Any = None, type: Callable[[str], Any] = str, **kwargs: Any
@@ -116,6 +158,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "graphs); not with a draft model or LoRA (docs/parallelism.md).",
         1,
         int,
+    )
+    flag(
+        "--nnodes",
+        "Nodes (pods) that the P x T ranks span, as many on each: node k runs ranks [k R, (k + 1) R), R = "
+        "P x T / nnodes, on its GPUs 0..R-1; node 0 serves the API (docs/parallelism.md). Unset: "
+        f"{LWS_GROUP_SIZE} under a LeaderWorkerSet, else 1.",
+        None,
+        optional_int,
+    )
+    flag(
+        "--node-rank",
+        f"This node's index, 0..nnodes-1 (nodes other than 0 need --headless). Unset: {LWS_WORKER_INDEX} "
+        "under a LeaderWorkerSet (above 0 it implies --headless), else 0.",
+        None,
+        optional_int,
+    )
+    flag(
+        "--master-addr",
+        "Where the other nodes reach node 0 (its rendezvous store and rank 0); needed with --nnodes > 1. "
+        f"Unset: {LWS_LEADER_ADDRESS} under a LeaderWorkerSet.",
+        None,
+    )
+    flag(
+        "--master-port",
+        "Port of node 0's rendezvous store, the one port between nodes fixed in advance (the others are "
+        "picked at start and exchanged through it).",
+        DEFAULT_MASTER_PORT,
+        int,
+    )
+    boolean(
+        "--headless",
+        "Serve no API: run this node's ranks of the engine that node 0 serves (--node-rank > 0), with "
+        "/v1/health/live, /v1/health/ready and /health on --port for the pod's probes.",
+        False,
     )
     flag(
         "--max-model-len",
@@ -334,6 +410,19 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         raise ValueError(f"--max-request-bytes must be >= 0, got {args.max_request_bytes}")
     if args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be at least 1, got {args.api_server_count}")
+    nnodes, node_rank, master_addr, is_headless = node_placement(
+        args.nnodes, args.node_rank, args.master_addr, args.headless, os.environ
+    )
+    if is_headless and node_rank == 0:
+        raise ValueError(
+            "--headless is for nodes 1..N-1 of --nnodes N (--node-rank > 0): node 0 serves the API and rank 0"
+        )
+    if node_rank > 0 and not is_headless:
+        raise ValueError(
+            f"--node-rank {node_rank}: only node 0 serves the API; run the other nodes --headless"
+        )
+    if is_headless and args.api_server_count > 1:
+        raise ValueError("--headless serves no API: --api-server-count is node 0's")
     api_keys = args.api_key or os.environ.get(env_name("--api-key"), "").split(",")
     api_keys = tuple(key.strip() for key in api_keys if key.strip())
     check_gpu(args.precision, args.device, args.kv_cache_dtype)
@@ -352,6 +441,7 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         max_header_bytes=args.max_header_bytes,
         tool_call_parser=args.tool_call_parser,
         api_server_count=args.api_server_count,
+        headless=is_headless,
     )
     engine = EngineConfig(
         model=args.model,
@@ -377,6 +467,10 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         kv_events=args.kv_events_config,
         speculative=args.speculative_config,
         lora=lora_config(args),
+        nnodes=nnodes,
+        node_rank=node_rank,
+        master_addr=master_addr,
+        master_port=args.master_port,
     )
     return server, engine
 
@@ -454,6 +548,10 @@ def _serve(args: argparse.Namespace, run_dir: str | None) -> int:
         print(f"pagoda serve: error: {exc}", file=sys.stderr)
         return 2
     logging.getLogger(__name__).info("engine config: %s", engine_config)
+    if server_config.headless:
+        from pagoda.service.headless import run_headless
+
+        return run_headless(server_config, engine_config)
     from pagoda.service.engine.client.async_engine import AsyncEngine, CoreLink
     from pagoda.service.server import serve
 

@@ -15,8 +15,8 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-# Logged by pagoda.service.server once both servers listen.
-_PORTS = re.compile(r"HTTP on (\S+):(\d+), gRPC on (\S+):(\d+)")
+# Logged by pagoda.service.server once both servers listen (a headless node logs no gRPC port).
+_PORTS = re.compile(r"HTTP on (\S+):(\d+)(?:, gRPC on (\S+):(\d+))?")
 
 
 class ServeProcess:
@@ -56,6 +56,10 @@ class ServeProcess:
 
     def start(self, timeout_s: float = 300.0) -> ServeProcess:
         """Start on free ports (unless `args` name them) and wait for /v1/health/ready to answer 200."""
+        return self.launch().wait_ready(timeout_s)
+
+    def launch(self) -> ServeProcess:
+        """Start on free ports (unless `args` name them), without waiting for anything."""
         args = list(self.args)
         for flag in ("--port", "--grpc-port"):
             if flag not in args:
@@ -71,13 +75,30 @@ class ServeProcess:
                 env=env,
                 start_new_session=self.new_session,
             )
+        return self
+
+    def wait_ports(self, timeout_s: float = 120.0) -> ServeProcess:
+        """Wait until the server says which ports it listens on (before it is ready)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._read_ports():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"pagoda serve named no port in {timeout_s:.0f} s:\n{self.log()[-4000:]}")
+            time.sleep(0.1)
+        return self
+
+    def _read_ports(self) -> bool:
+        assert self.proc is not None, "not launched"
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"pagoda serve exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+        if not self.http_port and (match := _PORTS.search(self.log())):
+            self.http_port, self.grpc_port = int(match.group(2)), int(match.group(4) or 0)
+        return bool(self.http_port)
+
+    def wait_ready(self, timeout_s: float = 300.0) -> ServeProcess:
+        """Wait for /v1/health/ready to answer 200 (SIGKILL and TimeoutError past `timeout_s`)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"pagoda serve exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
-            if not self.http_port and (match := _PORTS.search(self.log())):
-                self.http_port, self.grpc_port = int(match.group(2)), int(match.group(4))
-            if self.http_port and self.ready_status() == 200:
+            if self._read_ports() and self.ready_status() == 200:
                 return self
             time.sleep(0.2)
         self.kill()

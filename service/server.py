@@ -71,6 +71,7 @@ class ServerConfig:
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     tool_call_parser: str = "auto"  # tool_calls.PARSERS
     api_server_count: int = 1  # processes serving HTTP and gRPC in front of one engine core
+    headless: bool = False  # a node of a multi-node engine other than 0: its ranks and /health only
 
 
 class _Uvicorn(uvicorn.Server):

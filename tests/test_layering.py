@@ -60,6 +60,9 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("pagoda.service.server", ("torch", "pagoda.kernels", *ENGINE_INTERNALS)),
     ("pagoda.service.api_server_process", ("torch", "pagoda.kernels", *ENGINE_INTERNALS)),
     ("pagoda.service.engine.client.async_engine", ("torch", "fastapi", "grpc", *ENGINE_INTERNALS)),
+    # A headless node's own process only spawns and watches its ranks: no torch, no API.
+    ("pagoda.service.headless", ("torch", "fastapi", "grpc", "uvicorn", "pagoda.service.api")),
+    ("pagoda.service.engine.runner.nodes", ("torch",)),
 ]
 
 CHILD = r"""
