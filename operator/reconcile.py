@@ -78,8 +78,8 @@ class ApplyFailure:
 APPLY_RETRY_SECONDS = 30.0
 LWS_NOT_INSTALLED = (
     "the profile runs each replica over several pods as a LeaderWorkerSet ({api}), and this cluster does "
-    "not serve that API: install LeaderWorkerSet (docs/operator.md, Multi-node), or fit the model on one "
-    "node (pipelineParallelSize 1 with larger GPUs, or fp8); the next resync creates it once installed"
+    "not serve that API: install LeaderWorkerSet (docs/operator.md, 'Models larger than one node'), or "
+    "fit the model on one node (larger GPUs, or fp8); the next resync creates it once installed"
 )
 
 
