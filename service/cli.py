@@ -189,8 +189,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     boolean(
         "--headless",
-        "Serve no API: run this node's ranks of the engine that node 0 serves (--node-rank > 0), with "
-        "/v1/health/live, /v1/health/ready and /health on --port for the pod's probes.",
+        "Serve no API (node 0's API flags are ignored): run this node's ranks of the engine that node 0 "
+        "serves (--node-rank > 0), with /v1/health/live, /v1/health/ready and /health on --port for the "
+        "pod's probes.",
         False,
     )
     flag(
@@ -421,8 +422,6 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         raise ValueError(
             f"--node-rank {node_rank}: only node 0 serves the API; run the other nodes --headless"
         )
-    if is_headless and args.api_server_count > 1:
-        raise ValueError("--headless serves no API: --api-server-count is node 0's")
     api_keys = args.api_key or os.environ.get(env_name("--api-key"), "").split(",")
     api_keys = tuple(key.strip() for key in api_keys if key.strip())
     check_gpu(args.precision, args.device, args.kv_cache_dtype)

@@ -254,6 +254,10 @@ def test_the_flags_build_the_configs(monkeypatch: pytest.MonkeyPatch) -> None:
                                          "--headless"))  # fmt: skip
     assert server.headless and (engine.nnodes, engine.node_rank, engine.ranks_per_node) == (2, 1, 2)
     assert (engine.master_addr, engine.master_port) == ("10.0.0.1", 29500)
+    # Node 0's API flags on a headless node: ignored, so every node can run the same command line.
+    argv = ["--pipeline-parallel-size", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "a"]
+    server, _ = build_configs(parse(*argv, "--headless", "--api-server-count", "2"))
+    assert server.headless and server.api_server_count == 2
     server, engine = build_configs(parse("--pipeline-parallel-size", "2"))
     assert not server.headless and (engine.nnodes, engine.node_rank, engine.master_addr) == (1, 0, None)
     for name, value in LWS.items():
@@ -281,8 +285,6 @@ def test_the_flags_build_the_configs(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--nnodes", "2", "--node-rank", "1", "--tensor-parallel-size", "2", "--master-addr", "a"],
          r"--node-rank 1: only node 0 serves the API; run the other nodes --headless"),
         (["--headless"], r"--headless is for nodes 1..N-1"),
-        (["--nnodes", "2", "--node-rank", "1", "--headless", "--api-server-count", "2"],
-         r"--headless serves no API: --api-server-count is node 0's"),
         (["--nnodes", "2", "--tensor-parallel-size", "2", "--master-addr", "a", "--enable-lora"],
          r"LoRA adapters \(--enable-lora\) are not supported across nodes"),
         (["--nnodes", "2", "--tensor-parallel-size", "2", "--master-addr", "a", "--executor-class", "m:C"],

@@ -179,16 +179,23 @@ class StepListener:
         or sent something else; RuntimeError for a hello refused."""
         try:
             kind, hello = heard(conn)
+            if kind == "error":  # a rank that failed before its hello (its GPUs): its traceback
+                conn.close()
+                raise RuntimeError(f"a rank of another node failed to start:\n{hello}")
             rank = int(hello["rank"])
         except (EOFError, OSError, ValueError, TypeError, KeyError) as exc:
             logger.warning("a connection to the step listener sent no hello (%r): closed", exc)
             conn.close()
             return None
-        why = None
         if kind != "hello":
-            why = f"sent {kind!r} first, expected a hello"
-        elif rank not in ranks or rank in joined:
-            why = f"rank {rank} is not one of the ranks still expected from the other nodes ({list(ranks)})"
+            why: str | None = f"sent {kind!r} first, expected a hello"
+        elif rank in joined:
+            why = f"rank {rank} joined already: do two nodes run --node-rank {rank // ranks_per_node}?"
+        elif rank not in ranks:
+            why = (
+                f"the other nodes run ranks {ranks.start}..{ranks.stop - 1}: was its node started with other "
+                "--nnodes or parallel sizes?"
+            )
         else:
             why = check_hello(rank, hello)
         if why is None:

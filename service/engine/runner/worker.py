@@ -30,6 +30,7 @@ from pagoda.service.engine.runner.nodes import STEP_PORT_KEY, connect, tell, wai
 from pagoda.service.stop_relay import relay_stop_signals
 
 if TYPE_CHECKING:
+    import torch
     import torch.distributed as dist
 
     from pagoda.service.engine.config import EngineConfig
@@ -171,27 +172,39 @@ def _join_remote(args: WorkerArgs, backend: str) -> tuple[Connection, dist.Store
     size = args.tp_size * args.pp_size
     store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
     rank0 = connect(host, int(store.get(STEP_PORT_KEY)))
+    try:
+        _device(args, backend)  # a node without the GPUs fails here, and rank 0 hears why at once
+    except Exception:
+        _tell_quietly(rank0, "error", traceback.format_exc())
+        rank0.close()
+        raise
     tell(rank0, "hello", {"rank": args.rank, "backend": backend, "settings": args.config.rank_settings()})
     _await_start(rank0, args.start_timeout_s)
     logger.info("joined rank 0 at %s:%d", host, port)
     return rank0, store
 
 
-def _start(args: WorkerArgs, backend: str, rank0: Connection, store: dist.Store) -> ModelRunner:
+def _device(args: WorkerArgs, backend: str) -> torch.device:
+    """This rank's device: its node's GPU r - k * R under NCCL, else the CPU."""
     import torch
 
+    if backend != "nccl":
+        return torch.device("cpu")
+    device = torch.device("cuda", args.rank % args.config.ranks_per_node)
+    if device.index >= torch.cuda.device_count():
+        raise ValueError(
+            f"rank {args.rank} runs on {device}, but this node has {torch.cuda.device_count()} GPUs: each "
+            f"node needs {args.config.ranks_per_node}"
+        )
+    torch.cuda.set_device(device)
+    return device
+
+
+def _start(args: WorkerArgs, backend: str, rank0: Connection, store: dist.Store) -> ModelRunner:
     from pagoda.service.engine.runner.model_runner import ModelRunner
     from pagoda.service.model.pipeline import init_groups
 
-    device = torch.device("cpu")
-    if backend == "nccl":
-        device = torch.device("cuda", args.rank % args.config.ranks_per_node)  # this node's GPU
-        if device.index >= torch.cuda.device_count():
-            raise ValueError(
-                f"rank {args.rank} runs on {device}, but this node has {torch.cuda.device_count()} GPUs: "
-                f"each node needs {args.config.ranks_per_node}"
-            )
-        torch.cuda.set_device(device)
+    device = _device(args, backend)
     tp, pp = init_groups(
         args.rank, args.tp_size, args.pp_size, store, backend, device, args.collective_timeout_s
     )
