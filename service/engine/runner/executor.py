@@ -14,12 +14,15 @@ requests) once and writes it to one pipe per worker; workers never answer a step
 CPU (2 cores, 36 KB for a 64-row decode step with 128-block tables, 54 KB for a 2048-token prefill):
 ~16 µs of pickling on rank 0, ~50 µs for a round trip to a worker and back (so ~25 µs until the
 worker starts its forward), against the H200's ~5 ms decode step. A rank on another node gets the same
-bytes over its own TCP connection (TRANSPORT_COST below).
+bytes over its own TCP connection (`nodes.py`): on a 2-core machine over the loopback, 32-47 µs of
+rank 0's time for one remote rank against 20-34 for a pipe, 231-281 for eight against 136-212, and 58-92
+µs until one remote rank has the step (`bench/step_transport.py`; docs/parallelism.md compares it with a
+forwarder per node and a gloo broadcast).
 
-Death: a worker's exit is seen on its process sentinel, a remote rank's on its connection (closed, or
-broken within `nodes.DEAD_PEER_S` when its node vanished) (one poll() before every step, ~1 µs, and a
+Death: a worker's exit is seen on its process sentinel, a remote rank's on its connection, which closes
+(or breaks within `nodes.DEAD_PEER_S` when its node vanished): one poll() before every step, ~1 µs, and a
 poll loop while the GPU finishes a step, so a peer that died inside an NCCL collective is noticed at
-once instead of when the collective times out). A gloo collective with a dead peer fails at once or
+once instead of when the collective times out. A gloo collective with a dead peer fails at once or
 after `COLLECTIVE_TIMEOUT_S`. Either way `execute` raises RuntimeError naming the rank and its exit
 code, and so does every call after it.
 """
