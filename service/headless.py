@@ -79,7 +79,11 @@ class HeadlessNode:
         """Serve the health endpoint, run the ranks until one exits or a stop signal comes; the exit code."""
         for sig in (*STOP_SIGNALS, RELAYED_STOP):
             signal.signal(sig, self._on_signal)
-        http = _health_server(self.server.host, self.server.port, self)
+        try:
+            http = _health_server(self.server.host, self.server.port, self)
+        except OSError as exc:
+            logger.error("cannot serve health on %s:%d: %s", self.server.host, self.server.port, exc)
+            return 1
         threading.Thread(target=http.serve_forever, name="pagoda-health", daemon=True).start()
         engine = self.engine
         logger.info(
