@@ -44,6 +44,10 @@ ANNOTATION_PROFILE = "serving.pagoda.dev/profile"
 # LeaderWorkerSet (sigs.k8s.io/lws): a model over several pods. LWS labels every pod of a group with its
 # index in the group (the leader's is 0) and gives each container its leader's DNS name and its own index.
 LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
+# Its name: the service's + this. LWS makes a headless Service of its own name for the leaders' DNS
+# names, and finds the InferenceService's Service there if they share one (then no pod gets a DNS record,
+# and the workers never find their leader).
+LWS_SUFFIX = "-group"
 WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 LEADER_ADDRESS_ENV = "LWS_LEADER_ADDRESS"
 WORKER_INDEX_ENV = "LWS_WORKER_INDEX"
@@ -496,7 +500,8 @@ def deployment(spec: ServiceSpec, decision: Decision, config: OperatorConfig) ->
 
 def leader_worker_set(spec: ServiceSpec, decision: Decision, config: OperatorConfig) -> dict[str, Any]:
     """A model over several pods (decision.is_multi_node): a LeaderWorkerSet (leaderworkerset.x-k8s.io/v1)
-    whose replicas are groups of num_nodes pods, one pipeline stage each.
+    named `<name>-group` (LWS_SUFFIX), whose replicas are groups of num_nodes pods, one pipeline stage
+    each: pods `<name>-group-<group>` (the leader) and `<name>-group-<group>-<index>`.
 
     - startupPolicy LeaderCreated: the workers start with the leader. LeaderReady would wait for a leader
       that is never ready without them (its engine needs every stage before it serves).
@@ -508,10 +513,11 @@ def leader_worker_set(spec: ServiceSpec, decision: Decision, config: OperatorCon
     """
     gpu = decision.gpu
     assert gpu is not None
+    meta = _meta(spec) | {"name": spec.name + LWS_SUFFIX}
     body: dict[str, Any] = {
         "apiVersion": LWS_API_VERSION,
         "kind": "LeaderWorkerSet",
-        "metadata": _meta(spec) | {"annotations": {ANNOTATION_PROFILE: profile_annotation(decision)}},
+        "metadata": meta | {"annotations": {ANNOTATION_PROFILE: profile_annotation(decision)}},
         "spec": {
             "startupPolicy": "LeaderCreated",
             "rolloutStrategy": {"type": "RollingUpdate", "rollingUpdateConfiguration": _rolling(decision)},
@@ -620,7 +626,7 @@ def hpa(spec: ServiceSpec, is_group: bool = False) -> dict[str, Any] | None:
         "metadata": _meta(spec),
         "spec": {
             "scaleTargetRef": (
-                {"apiVersion": LWS_API_VERSION, "kind": "LeaderWorkerSet", "name": spec.name}
+                {"apiVersion": LWS_API_VERSION, "kind": "LeaderWorkerSet", "name": spec.name + LWS_SUFFIX}
                 if is_group
                 else {"apiVersion": "apps/v1", "kind": "Deployment", "name": spec.name}
             ),

@@ -29,7 +29,7 @@ CHILD_SLOTS = (
     ("v1", "Service", ""),
     ("policy/v1", "PodDisruptionBudget", ""),
     ("apps/v1", "Deployment", ""),
-    (manifests.LWS_API_VERSION, "LeaderWorkerSet", ""),  # instead of the Deployment: over several pods
+    (manifests.LWS_API_VERSION, "LeaderWorkerSet", manifests.LWS_SUFFIX),  # over several pods, no Deployment
     ("autoscaling/v2", "HorizontalPodAutoscaler", ""),
     ("networking.k8s.io/v1", "Ingress", ""),
     ("gateway.networking.k8s.io/v1", "HTTPRoute", ""),
@@ -40,7 +40,8 @@ CHILD_SLOTS = (
     ("policy/v1", "PodDisruptionBudget", "-router"),
     ("apps/v1", "Deployment", "-router"),
 )
-WORKLOAD_KINDS = {"Deployment", "LeaderWorkerSet", "HorizontalPodAutoscaler"}  # the model's, not the router's
+GROUPS = "LeaderWorkerSet" + manifests.LWS_SUFFIX  # its key
+WORKLOAD_KINDS = {"Deployment", GROUPS, "HorizontalPodAutoscaler"}  # the model's, not the router's
 # Removed as soon as the spec stops asking for them (the rest only with the workload or the profile).
 OPTIONAL_KINDS = {"Ingress", "HTTPRoute"} | {kind + suffix for _, kind, suffix in CHILD_SLOTS if suffix}
 
@@ -85,7 +86,7 @@ LWS_NOT_INSTALLED = (
 
 def workload_of(owned: Mapping[str, Any]) -> dict[str, Any] | None:
     """The pods' owner among the children: the LeaderWorkerSet, or the Deployment."""
-    return owned.get("LeaderWorkerSet") or owned.get("Deployment")
+    return owned.get(GROUPS) or owned.get("Deployment")
 
 
 def _failure(obj: Mapping[str, Any], err: KubeError, is_dry_run: bool) -> ApplyFailure:
@@ -272,7 +273,7 @@ def reconcile(body: Mapping[str, Any], kube: Kube, config: OperatorConfig, now: 
     groups = None
     if is_group and workload is not None and pods is not None:
         recreations = kube.list_events(
-            spec.namespace, "LeaderWorkerSet", spec.name, lws_groups.RECREATE_REASON
+            spec.namespace, "LeaderWorkerSet", workload["metadata"]["name"], lws_groups.RECREATE_REASON
         )
         groups = lws_groups.groups_status(workload, pods, recreations, old_status.get("groups") or ())
         events += [Event("Warning", "GroupRecreated", said) for said in lws_groups.news(old_status, groups)]

@@ -630,7 +630,7 @@ def test_a_model_over_several_pods_is_a_leader_worker_set() -> None:
         "Service", "ServiceAccount", "Role", "RoleBinding", "PodDisruptionBudget", "Deployment",
     ]  # two replicas: a router in front  # fmt: skip
     lws = next(o for o in objs if o["kind"] == "LeaderWorkerSet")
-    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    assert (lws["apiVersion"], lws["metadata"]["name"]) == ("leaderworkerset.x-k8s.io/v1", "llm-group")
     assert lws["metadata"]["annotations"] == {
         "serving.pagoda.dev/profile": "NVIDIA-H100-80GB-HBM3/bf16/tp8/pp2"
     }
@@ -680,9 +680,9 @@ def test_only_the_leaders_serve_and_the_hpa_scales_whole_groups() -> None:
     assert objs["HorizontalPodAutoscalerllm"]["spec"]["scaleTargetRef"] == {
         "apiVersion": "leaderworkerset.x-k8s.io/v1",
         "kind": "LeaderWorkerSet",
-        "name": "llm",
+        "name": "llm-group",
     }
-    assert "replicas" not in objs["LeaderWorkerSetllm"]["spec"]  # the HPA owns the groups
+    assert "replicas" not in objs["LeaderWorkerSetllm-group"]["spec"]  # the HPA owns the groups
     # The budget covers every pod of every group: one pod evicted takes its group down, and no other pod
     # goes until that group is whole and ready again.
     assert objs["PodDisruptionBudgetllm"]["spec"] == {

@@ -818,7 +818,7 @@ def group_pod(
     labels = {
         "app.kubernetes.io/name": "pagoda-server",
         "app.kubernetes.io/instance": "llm",
-        "leaderworkerset.sigs.k8s.io/name": "llm",
+        "leaderworkerset.sigs.k8s.io/name": "llm-group",
         "leaderworkerset.sigs.k8s.io/group-index": str(group),
         WORKER_INDEX: str(index),
         "leaderworkerset.sigs.k8s.io/template-revision-hash": revision,
@@ -831,7 +831,7 @@ def group_pod(
 
 
 def _group_ready(kube: FakeKube) -> None:
-    lws = kube.objects[("LeaderWorkerSet", "ns", "llm")]
+    lws = kube.objects[("LeaderWorkerSet", "ns", "llm-group")]
     lws["status"] = {"observedGeneration": lws["metadata"]["generation"], "replicas": 1, "readyReplicas": 1}
     lws["status"]["updatedReplicas"] = 1
 
@@ -846,19 +846,19 @@ def test_a_model_no_node_holds_runs_as_a_leader_worker_set_group() -> None:
     # The scale subresource counts groups: their leaders.
     assert result.status["selector"].endswith(f",{WORKER_INDEX}=0")
     assert result.status["groups"] == [
-        {"name": "llm-0", "leader": None, "workers": [], "size": 2, "readyPods": 0, "startedAt": None,
+        {"name": "llm-group-0", "leader": None, "workers": [], "size": 2, "readyPods": 0, "startedAt": None,
          "revision": None, "recreations": 0, "lastRecreation": None}
     ]  # fmt: skip
     _group_ready(kube)
     kube.pods = [
-        group_pod("llm-0", 0, 0, "2026-01-01T00:01:00Z"),
-        group_pod("llm-0-1", 0, 1, "2026-01-01T00:01:00Z"),
+        group_pod("llm-group-0", 0, 0, "2026-01-01T00:01:00Z"),
+        group_pod("llm-group-0-1", 0, 1, "2026-01-01T00:01:00Z"),
     ]
     kube.writes.clear()
     result = run(kube, body)
     assert kube.writes == [] and conditions(result)[status_mod.READY] == ("True", "ReplicasReady")
     (group,) = result.status["groups"]
-    assert (group["leader"], group["workers"], group["readyPods"]) == ("llm-0", ["llm-0-1"], 2)
+    assert (group["leader"], group["workers"], group["readyPods"]) == ("llm-group-0", ["llm-group-0-1"], 2)
     assert (group["startedAt"], group["revision"], group["recreations"]) == ("2026-01-01T00:01:00Z", "r1", 0)
 
 
@@ -867,20 +867,20 @@ def test_a_recreated_group_is_counted_with_lws_reason() -> None:
     run(kube, body)
     _group_ready(kube)
     kube.pods = [
-        group_pod("llm-0", 0, 0, "2026-01-01T00:01:00Z"),
-        group_pod("llm-0-1", 0, 1, "2026-01-01T00:01:00Z"),
+        group_pod("llm-group-0", 0, 0, "2026-01-01T00:01:00Z"),
+        group_pod("llm-group-0-1", 0, 1, "2026-01-01T00:01:00Z"),
     ]
     run(kube, body)
     # The worker dies: LWS deletes the leader (its workers with it) and says so on the LeaderWorkerSet.
-    said = "Worker pod llm-0-1 failed, deleted leader pod llm-0 to recreate group 0"
+    said = "Worker pod llm-group-0-1 failed, deleted leader pod llm-group-0 to recreate group 0"
     kube.events = [
-        {"involvedObject": {"kind": "LeaderWorkerSet", "name": "llm"}, "reason": "RecreateGroup",
+        {"involvedObject": {"kind": "LeaderWorkerSet", "name": "llm-group"}, "reason": "RecreateGroup",
          "message": said, "eventTime": "2026-01-01T00:05:00.123456Z"},
-        {"involvedObject": {"kind": "LeaderWorkerSet", "name": "llm"}, "reason": "RecreateGroup",
-         "message": "Worker pod llm-1-1 failed, deleted leader pod llm-1 to recreate group 1",
+        {"involvedObject": {"kind": "LeaderWorkerSet", "name": "llm-group"}, "reason": "RecreateGroup",
+         "message": "Worker pod llm-group-1-1 failed, deleted leader pod llm-group-1 to recreate group 1",
          "eventTime": "2026-01-01T00:06:00Z"},
     ]  # fmt: skip
-    kube.pods = [group_pod("llm-0", 0, 0, "2026-01-01T00:05:01Z", ready=False)]
+    kube.pods = [group_pod("llm-group-0", 0, 0, "2026-01-01T00:05:01Z", ready=False)]
     result = run(kube, body)
     (group,) = result.status["groups"]
     assert group["recreations"] == 1 and group["lastRecreation"] == {
@@ -888,12 +888,15 @@ def test_a_recreated_group_is_counted_with_lws_reason() -> None:
         "reason": said,
     }
     assert [(e.type, e.reason) for e in result.events] == [("Warning", "GroupRecreated")]
-    assert "group llm-0 recreated (once so far): Worker pod llm-0-1 failed" in result.events[0].message
+    assert (
+        "group llm-group-0 recreated (once so far): Worker pod llm-group-0-1 failed"
+        in result.events[0].message
+    )
     assert run(kube, body).events == ()  # told once
     # A new template revision is a rollout, not a recreation; a leader replaced with no event says so.
-    kube.pods = [group_pod("llm-0", 0, 0, "2026-01-01T00:09:00Z", revision="r2")]
+    kube.pods = [group_pod("llm-group-0", 0, 0, "2026-01-01T00:09:00Z", revision="r2")]
     assert run(kube, body).status["groups"][0]["recreations"] == 1
-    kube.pods = [group_pod("llm-0", 0, 0, "2026-01-01T00:12:00Z", revision="r2")]
+    kube.pods = [group_pod("llm-group-0", 0, 0, "2026-01-01T00:12:00Z", revision="r2")]
     (group,) = run(kube, body).status["groups"]
     assert group["recreations"] == 2 and group["lastRecreation"]["reason"].startswith(
         "the leader pod was replaced"
@@ -903,26 +906,19 @@ def test_a_recreated_group_is_counted_with_lws_reason() -> None:
 def test_switching_between_one_node_and_several_cleans_up_the_other_workload() -> None:
     kube, body = FakeKube([H100, H100_B]), inference_service(model=LLAMA_405B, precision="bf16")
     run(kube, body)
-    assert ("LeaderWorkerSet", "ns", "llm") in kube.objects
+    assert ("LeaderWorkerSet", "ns", "llm-group") in kube.objects
     body["spec"]["precision"] = "fp8"  # fp8 fits one node: a Deployment, and the group goes
     body["metadata"]["generation"] = 2
     result = run(kube, body)
-    assert ("LeaderWorkerSet", "ns", "llm") not in kube.objects and (
-        "Deployment",
-        "ns",
-        "llm",
-    ) in kube.objects
-    assert "deleted LeaderWorkerSet llm: no longer wanted" in [e.message for e in result.events]
+    group, deployment = ("LeaderWorkerSet", "ns", "llm-group"), ("Deployment", "ns", "llm")
+    assert group not in kube.objects and deployment in kube.objects
+    assert "deleted LeaderWorkerSet llm-group: no longer wanted" in [e.message for e in result.events]
     assert "groups" in result.status and result.status["groups"] is None  # removed from the status
     assert WORKER_INDEX not in kube.objects[("Service", "ns", "llm")]["spec"]["selector"]
     body["spec"]["pipelineParallelSize"] = 2  # asked for: back to a group
     body["metadata"]["generation"] = 3
     run(kube, body)
-    assert ("Deployment", "ns", "llm") not in kube.objects and (
-        "LeaderWorkerSet",
-        "ns",
-        "llm",
-    ) in kube.objects
+    assert deployment not in kube.objects and group in kube.objects
     assert kube.objects[("Service", "ns", "llm")]["spec"]["selector"][WORKER_INDEX] == "0"
 
 
@@ -940,7 +936,7 @@ def test_without_leader_worker_set_installed_the_status_says_so() -> None:
     assert [e.reason for e in result.events if e.type == "Warning"] == ["LeaderWorkerSetNotInstalled"]
     del kube.refuse[("LeaderWorkerSet", True)]  # installed: the next pass creates it
     run(kube, body)
-    assert ("LeaderWorkerSet", "ns", "llm") in kube.objects
+    assert ("LeaderWorkerSet", "ns", "llm-group") in kube.objects
 
 
 def test_a_group_status_fits_the_crd_schema() -> None:
@@ -948,11 +944,12 @@ def test_a_group_status_fits_the_crd_schema() -> None:
     allowed = _schema_keys(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"])
     kube, body = FakeKube([H100, H100_B]), inference_service(model=LLAMA_405B, precision="bf16")
     run(kube, body)
-    kube.pods = [group_pod("llm-0", 0, 0, "2026-01-01T00:01:00Z")]
+    kube.pods = [group_pod("llm-group-0", 0, 0, "2026-01-01T00:01:00Z")]
     run(kube, body)
-    kube.events = [{"involvedObject": {"kind": "LeaderWorkerSet", "name": "llm"}, "reason": "RecreateGroup",
-                    "message": "... to recreate group 0", "eventTime": "2026-01-01T00:02:00Z"}]  # fmt: skip
-    kube.pods = [group_pod("llm-0", 0, 0, "2026-01-01T00:03:00Z")]
+    kube.events = [{"involvedObject": {"kind": "LeaderWorkerSet", "name": "llm-group"},
+                    "reason": "RecreateGroup", "message": "... to recreate group 0",
+                    "eventTime": "2026-01-01T00:02:00Z"}]  # fmt: skip
+    kube.pods = [group_pod("llm-group-0", 0, 0, "2026-01-01T00:03:00Z")]
     status = run(kube, body).status
     assert status["groups"][0]["lastRecreation"] is not None
     assert _value_keys(status) <= allowed
