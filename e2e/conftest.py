@@ -12,6 +12,8 @@
 - `metrics_pipeline` (session): Prometheus and prometheus-adapter serving custom.metrics.k8s.io to the
   real HPA controller, with the chart's PodMonitor, recording rule and adapter rules
   (harness/metrics.py); needs the real node (its pods are what it scrapes).
+- `lws` (session): LeaderWorkerSet's CRD, controller and webhooks, and cluster DNS (CoreDNS), for the
+  tests of models over several pods (harness/lws.py); needs the real node.
 - `real_images` (session): {"server": ref, "operator": ref}, docker/*.Dockerfile built (when their
   inputs changed) and imported into the real node (harness/images.py); the build goes to the log.
 
@@ -135,6 +137,13 @@ def real_node(cluster) -> object:
         return harness.start_real_node(cluster, attached=True)
     except harness.realnode.Unavailable as e:
         pytest.skip(f"no real node on this machine: {e}")
+
+
+@pytest.fixture(scope="session")
+def lws(cluster, real_node) -> object:
+    """LeaderWorkerSet (CRD, controller, webhooks) and cluster DNS for `cluster` (harness/lws.py; started
+    on first use, stopped with the cluster): `.webhook_url`, `.dns`, `.tail()` of the controller's log."""
+    return harness.start_lws(cluster, attached=True)
 
 
 @pytest.fixture(scope="session")

@@ -296,7 +296,9 @@ def test_examples_get_the_right_profile_on_the_gpu_catalogue(cluster, namespace,
                     context=operator.tail,
                 )
                 assert isvc["status"]["profile"]["reason"] == (
-                    "8B fp16 needs 2 x 15 GiB; largest node has 1 x 15 GiB (Tesla-T4)"
+                    "8B fp16 needs 2 x 15 GiB; largest node has 1 x 15 GiB (Tesla-T4); over several nodes: "
+                    "1 x Tesla-T4 (15 GiB, cc 7.5): 8B fp16 TP 1 x PP 2 needs 2 pods of 1 GPU; 1 node of 1 x "
+                    "Tesla-T4 has room for 1"
                 )
                 assert condition(isvc, "Ready") == "False"
                 assert get(cluster, namespace, "deployment", name) is None

@@ -60,6 +60,7 @@ nodes = _load("nodes")
 realnode = _load("realnode")
 images = _load("images")
 metrics = _load("metrics")
+lws = _load("lws")
 
 
 class KubectlError(subprocess.CalledProcessError):
@@ -502,6 +503,21 @@ def start_metrics(cluster: Cluster, attached: bool = True) -> Any:
         cluster,
         helm=cluster.bin_dir / "helm",
         bin_dir=metrics.ensure_binaries(),
+        spawn=lambda name, cmd: _spawn(workdir, name, cmd, attached),
+        wait=lambda what, check, procs: _wait(what, check, procs, workdir),
+        free_ports=_free_ports,
+    )
+
+
+def start_lws(cluster: Cluster, attached: bool = True) -> Any:
+    """Starts LeaderWorkerSet (its CRD, controller and webhooks) and cluster DNS (lws.py) for our `cluster`,
+    whose real node must run; returns a lws.Lws. Stopped with the cluster."""
+    assert cluster.workdir is not None
+    workdir = cluster.workdir
+    return lws.start(
+        cluster,
+        pki,
+        realnode.NODE_IP,
         spawn=lambda name, cmd: _spawn(workdir, name, cmd, attached),
         wait=lambda what, check, procs: _wait(what, check, procs, workdir),
         free_ports=_free_ports,

@@ -325,6 +325,11 @@ def _kubelet_config(node_dir: Path, port: int, healthz_port: int) -> Path:
         "imageMinimumGCAge": "24h",
         "evictionHard": {"memory.available": "200Mi", "nodefs.available": "1%", "imagefs.available": "1%"},
         "maxPods": 30,
+        # Pods resolve names at the node's own address, where lws.py's CoreDNS serves cluster.local once a
+        # test needs it (a LeaderWorkerSet's workers find their leader by name); until then a lookup is
+        # refused at once (nothing listens on port 53 there), not timed out.
+        "clusterDNS": [NODE_IP],
+        "clusterDomain": "cluster.local",
         "makeIPTablesUtilChains": False,
         "serializeImagePulls": False,
         "shutdownGracePeriod": "0s",
