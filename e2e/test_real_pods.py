@@ -260,6 +260,62 @@ def test_a_model_from_an_s3_compatible_store_serves(
         store.stop()
 
 
+def test_an_inference_service_serves_two_lora_adapters(
+    cluster, real_node, real_images, operator, namespace
+) -> None:
+    """spec.adapters: two PEFT adapters of the embedded model on the node's disk (hostPath), mounted
+    read-only and served by name: /v1/models lists each with its parent, a completion through the
+    Service under each is the host's offline engine's under the same adapter at the pod's precision
+    (and each differs from the base's), and status lists them."""
+    import shutil
+    import tempfile
+
+    from pagoda.bench.lora import write_random_adapter
+    from pagoda.service.cli import PRECISION_DTYPES
+    from pagoda.service.llm import LLM, LoRARequest
+    from pagoda.service.sampling_params import SamplingParams
+
+    root = Path(tempfile.mkdtemp(prefix="pagoda-e2e-adapters-", dir="/var/tmp"))
+    try:
+        with LLM() as base:
+            config = base.engine.runner.model_config
+        adapters = {
+            name: write_random_adapter(config, root / name, 8, seed, b_std=0.5)
+            for seed, name in enumerate(["sql", "poem"])
+        }
+        for path in [root, *root.rglob("*")]:  # the server runs as a user of its own
+            path.chmod(0o755 if path.is_dir() else 0o644)
+
+        isvc = inference_service("adapted", real_images["server"])
+        isvc["spec"]["adapters"] = [{"name": n, "source": {"hostPath": str(p)}} for n, p in adapters.items()]
+        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(isvc))
+        status = ready_service(cluster, namespace, "adapted", operator)["status"]
+        assert [a["name"] for a in status["adapters"]] == ["sql", "poem"], status
+        url = service_url(cluster, namespace, "adapted")
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as r:
+            models = {m["id"]: m for m in json.load(r)["data"]}
+        assert set(models) == {"smollm2-135m", "sql", "poem"}
+        assert models["sql"]["parent"] == models["poem"]["parent"] == "smollm2-135m"
+
+        [pod] = server_pods(cluster, namespace, "adapted")
+        args = pod["spec"]["containers"][0]["args"]
+        dtype, quantization = PRECISION_DTYPES[args[args.index("--precision") + 1]]
+        prompt, params = "The capital of France is", SamplingParams(temperature=0.0, max_tokens=4)
+        with LLM(
+            dtype=dtype, quantization=quantization, enable_lora=True, max_loras=2, max_lora_rank=8
+        ) as llm:
+            expected = {
+                name: llm.generate([prompt], params, LoRARequest(name, i + 1, str(path)))[0].outputs[0].text
+                for i, (name, path) in enumerate(adapters.items())
+            }
+            expected["smollm2-135m"] = llm.generate([prompt], params)[0].outputs[0].text
+        assert len(set(expected.values())) == 3, expected  # each adapter changes the answer
+        for model, text in expected.items():
+            assert ask(url, model=model) == text, (model, args)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def test_a_router_in_front_of_the_servers_routes_by_prefix(
     cluster, real_node, real_images, operator, namespace
 ) -> None:
@@ -730,59 +786,3 @@ def test_the_node_holds_one_generation_of_images(cluster, real_node, real_images
     listing = real_node.ctr("images", "list").stdout
     assert cluster_harness.images.stale_images(listing, set(real_images.values())) == []
     assert {f"docker.io/{r}" for r in real_images.values()} <= real_node.images()
-
-
-def test_an_inference_service_serves_two_lora_adapters(
-    cluster, real_node, real_images, operator, namespace
-) -> None:
-    """spec.adapters: two PEFT adapters of the embedded model on the node's disk (hostPath), mounted
-    read-only and served by name: /v1/models lists each with its parent, a completion through the
-    Service under each is the host's offline engine's under the same adapter at the pod's precision
-    (and each differs from the base's), and status lists them."""
-    import shutil
-    import tempfile
-
-    from pagoda.bench.lora import write_random_adapter
-    from pagoda.service.cli import PRECISION_DTYPES
-    from pagoda.service.llm import LLM, LoRARequest
-    from pagoda.service.sampling_params import SamplingParams
-
-    root = Path(tempfile.mkdtemp(prefix="pagoda-e2e-adapters-", dir="/var/tmp"))
-    try:
-        with LLM() as base:
-            config = base.engine.runner.model_config
-        adapters = {
-            name: write_random_adapter(config, root / name, 8, seed, b_std=0.5)
-            for seed, name in enumerate(["sql", "poem"])
-        }
-        for path in [root, *root.rglob("*")]:  # the server runs as a user of its own
-            path.chmod(0o755 if path.is_dir() else 0o644)
-
-        isvc = inference_service("adapted", real_images["server"])
-        isvc["spec"]["adapters"] = [{"name": n, "source": {"hostPath": str(p)}} for n, p in adapters.items()]
-        cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(isvc))
-        status = ready_service(cluster, namespace, "adapted", operator)["status"]
-        assert [a["name"] for a in status["adapters"]] == ["sql", "poem"], status
-        url = service_url(cluster, namespace, "adapted")
-        with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as r:
-            models = {m["id"]: m for m in json.load(r)["data"]}
-        assert set(models) == {"smollm2-135m", "sql", "poem"}
-        assert models["sql"]["parent"] == models["poem"]["parent"] == "smollm2-135m"
-
-        [pod] = server_pods(cluster, namespace, "adapted")
-        args = pod["spec"]["containers"][0]["args"]
-        dtype, quantization = PRECISION_DTYPES[args[args.index("--precision") + 1]]
-        prompt, params = "The capital of France is", SamplingParams(temperature=0.0, max_tokens=4)
-        with LLM(
-            dtype=dtype, quantization=quantization, enable_lora=True, max_loras=2, max_lora_rank=8
-        ) as llm:
-            expected = {
-                name: llm.generate([prompt], params, LoRARequest(name, i + 1, str(path)))[0].outputs[0].text
-                for i, (name, path) in enumerate(adapters.items())
-            }
-            expected["smollm2-135m"] = llm.generate([prompt], params)[0].outputs[0].text
-        assert len(set(expected.values())) == 3, expected  # each adapter changes the answer
-        for model, text in expected.items():
-            assert ask(url, model=model) == text, (model, args)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
