@@ -15,6 +15,8 @@ import statistics
 import time
 from typing import Any
 
+from pagoda.bench.timing import device_name, sync
+
 SCHEMA = {
     "type": "array",
     "items": {
@@ -36,13 +38,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3, help="each mix runs this many times, interleaved")
     parser.add_argument("--output", default=None, help="append the Markdown result to this file")
-
-
-def _sync(device: Any) -> None:
-    import torch
-
-    if getattr(device, "type", "cpu") == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _decode_steps(
@@ -84,10 +79,10 @@ def _decode_steps(
     try:
         while engine.has_unfinished:
             full = len(engine.scheduler.running) == args.batch and not engine.scheduler.waiting
-            _sync(device)
+            sync(device)
             start, cpu = time.perf_counter(), time.process_time()
             engine.step()
-            _sync(device)
+            sync(device)
             if full:
                 steps.append((1000 * (time.perf_counter() - start), 1000 * (time.process_time() - cpu)))
     finally:
@@ -111,18 +106,15 @@ def _mask_apply_ms(device: Any, vocab: int, rows: int, repeats: int = 50) -> flo
         return staging.stage(bitmask) if staging is not None else torch.from_numpy(bitmask)
 
     apply_token_bitmask(logits, list(range(rows)), bits())
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     for _ in range(repeats):
         apply_token_bitmask(logits, list(range(rows)), bits())
-    _sync(device)
+    sync(device)
     return 1000 * (time.perf_counter() - start) / repeats
 
 
 def run(args: argparse.Namespace) -> int:
-    import platform
-
-    import torch
 
     from pagoda.service.grammar import Grammar
     from pagoda.service.llm import LLM
@@ -145,11 +137,7 @@ def run(args: argparse.Namespace) -> int:
                 steps[num_grammar] += timed
                 fills[num_grammar] += fill_us
         apply_ms = _mask_apply_ms(runner.device, vocab, args.batch)
-        device = (
-            torch.cuda.get_device_name(runner.device)
-            if runner.device.type == "cuda"
-            else f"CPU ({platform.machine()}, {torch.get_num_threads()} torch threads)"
-        )
+        device = device_name(runner.device)
     base_wall = statistics.median(w for w, _ in steps[0])
     base_cpu = statistics.median(c for _, c in steps[0])
     command = (

@@ -14,9 +14,10 @@ import argparse
 import json
 import random
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
+
+from pagoda.bench.timing import device_name, timed_generate
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -64,7 +65,6 @@ def write_random_adapter(model_config: Any, folder: Path, rank: int, seed: int, 
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
 
     from pagoda.service.llm import LLM, LoRARequest
     from pagoda.service.sampling_params import SamplingParams
@@ -97,24 +97,17 @@ def run(args: argparse.Namespace) -> int:
         ]
 
         def timed(prompts: list[list[int]], loras: list[LoRARequest | None]) -> tuple[float, int]:
-            llm.reset_prefix_cache()
-            if runner.device.type == "cuda":
-                torch.cuda.synchronize(runner.device)
-            start = time.perf_counter()
-            outs = llm.generate(prompts, params, lora_request=loras)
-            if runner.device.type == "cuda":
-                torch.cuda.synchronize(runner.device)
-            return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
+            seconds, outs = timed_generate(llm, runner.device, prompts, params, lora_request=loras)
+            return seconds, sum(len(o.outputs[0].token_ids) for o in outs)
 
         warm = [[rng.randrange(3, vocab) for _ in range(16)] for _ in range(len(adapters))]
         timed(warm, list(adapters))  # loads every adapter into its slot, compiles the kernels: untimed
-        device = torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else "CPU"
         lines = [
             f"### multi-LoRA: {args.model or 'embedded SmolLM2-135M'}, {args.quantization or args.dtype}, "
             f"{args.num_adapters} adapters of rank {args.rank} on every projection, {args.input_len} in / "
             f"{args.output_len} out, greedy{', eager' if args.enforce_eager else ''}",
             "",
-            f"Device: {device}.",
+            f"Device: {device_name(runner.device)}.",
             "",
             "| batch | base tok/s | adapters tok/s | adapters / base |",
             "| ---: | ---: | ---: | ---: |",

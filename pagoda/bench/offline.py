@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import platform
 import random
 import shlex
 import statistics
@@ -23,6 +22,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
+
+from pagoda.bench.timing import device_name, sync
 
 HELP = "Benchmark the engine or the kernels against their peers (results for BENCHMARKS.md)."
 
@@ -159,13 +160,6 @@ def _prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]
     return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(num)]
 
 
-def _sync(device: Any) -> None:
-    import torch
-
-    if getattr(device, "type", "cpu") == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @dataclass
 class Setup:
     """What the peer needs to run on the same device, dtype and vocabulary."""
@@ -214,11 +208,11 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
             # `both`'s second and third runs skipped most of their prefill).
             if not llm.reset_prefix_cache():
                 raise RuntimeError("bench offline: requests still hold KV blocks between runs")
-            _sync(runner.device)
+            sync(runner.device)
             preempted = core.scheduler.num_preemptions
             start = time.perf_counter()
             outs = llm.generate(prompts, params)
-            _sync(runner.device)
+            sync(runner.device)
             seconds = time.perf_counter() - start
             if repeat < 2:
                 tokens[batch, is_async] = [o.outputs[0].token_ids for o in outs]
@@ -343,12 +337,12 @@ def _decode_busy(
         engine.step()
     activities = [ProfilerActivity.CUDA] if device.type == "cuda" else []
     activities += [ProfilerActivity.CPU] if trace else []
-    _sync(device)
+    sync(device)
     with profile(activities=activities) as prof, _annotated_phases(engine) if trace else nullcontext():
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()
-        _sync(device)
+        sync(device)
         wall = time.perf_counter() - start
     if trace:
         prof.export_chrome_trace(trace)
@@ -386,7 +380,7 @@ def _prefill_profile(llm: Any, prompts: list[list[int]], top: int = 0) -> str:
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"prefill-{i}", prompt, params, final_only=True)
-    _sync(device)
+    sync(device)
     steps = 0
     on_gpu = device.type == "cuda"
     with profile(activities=[ProfilerActivity.CUDA]) if on_gpu else nullcontext() as prof:
@@ -394,7 +388,7 @@ def _prefill_profile(llm: Any, prompts: list[list[int]], top: int = 0) -> str:
         while engine.has_unfinished or engine.core.has_unfinished:
             engine.step()
             steps += 1
-        _sync(device)
+        sync(device)
         wall = time.perf_counter() - start
     tokens = sum(map(len, prompts))
     tflops = 2 * projection_params(engine.runner.model_config) * tokens / wall / 1e12
@@ -453,17 +447,17 @@ def bench_transformers(args: argparse.Namespace, runner: Setup) -> list[Result]:
                 pad_token_id=0,
             )
             model.generate(ids[:, :16], max_new_tokens=4, min_new_tokens=4, **gen)  # warm-up
-            _sync(runner.device)
+            sync(runner.device)
             start = time.perf_counter()
             model.generate(ids, max_new_tokens=args.output_len, min_new_tokens=args.output_len, **gen)
-            _sync(runner.device)
+            sync(runner.device)
             seconds = time.perf_counter() - start
             decode_ms = ttft_ms = None
             if batch == 1:
-                _sync(runner.device)
+                sync(runner.device)
                 t0 = time.perf_counter()
                 model.generate(ids, max_new_tokens=1, min_new_tokens=1, **gen)
-                _sync(runner.device)
+                sync(runner.device)
                 prefill = time.perf_counter() - t0
                 decode_ms = 1000 * (seconds - prefill) / max(args.output_len - 1, 1)
                 ttft_ms = 1000 * prefill
@@ -471,14 +465,6 @@ def bench_transformers(args: argparse.Namespace, runner: Setup) -> list[Result]:
                 Result("transformers generate()", batch, seconds, batch * args.output_len, decode_ms, ttft_ms)
             )
     return results
-
-
-def _device_name(runner: Setup) -> str:
-    import torch
-
-    if runner.device.type == "cuda":
-        return torch.cuda.get_device_name(runner.device)
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
 def _command(args: argparse.Namespace) -> str:
@@ -525,7 +511,7 @@ def run(args: argparse.Namespace) -> int:
     lines = [
         f"### offline: {model}, {args.input_len} in / {args.output_len} out, {precision}",
         "",
-        f"Device: {_device_name(runner)}. Command: `{_command(args)}`",
+        f"Device: {device_name(runner.device)}. Command: `{_command(args)}`",
         "",
         "| system | requests | wall s | output tok/s | single-stream TTFT ms "
         "| single-stream decode ms/token | preemptions |",

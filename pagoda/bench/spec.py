@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import argparse
 import random
-import time
 from typing import Any
+
+from pagoda.bench.timing import device_name, timed_generate
 
 PASSAGE = (
     "The lighthouse keeper climbed the spiral stairs each evening at dusk, carrying a tin of oil and a "
@@ -84,7 +85,6 @@ def _random_prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
 
     from pagoda.service.engine.config import SpeculativeConfig
     from pagoda.service.engine.core.speculation import Speculator
@@ -117,15 +117,9 @@ def run(args: argparse.Namespace) -> int:
 
     def timed(prompts: list[list[int]], speculate: bool) -> tuple[float, list[list[int]], Any]:
         core.speculator = Speculator(config, core.max_model_len) if speculate else None
-        llm.reset_prefix_cache()
-        if runner.device.type == "cuda":
-            torch.cuda.synchronize(runner.device)
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        if runner.device.type == "cuda":
-            torch.cuda.synchronize(runner.device)
+        seconds, outs = timed_generate(llm, runner.device, prompts, params)
         stats = core.speculator.stats if core.speculator else None
-        return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs], stats
+        return seconds, [o.outputs[0].token_ids for o in outs], stats
 
     echo = " as an echo" if args.echo else ""
     lines = [
@@ -133,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         f"{config.max_batch_tokens}): {args.model or 'embedded SmolLM2-135M'}{echo}, "
         f"{args.quantization or args.dtype}, {args.output_len} out, greedy",
         "",
-        f"Device: {torch.cuda.get_device_name(runner.device) if runner.device.type == 'cuda' else 'CPU'}.",
+        f"Device: {device_name(runner.device)}.",
         "",
         "| workload | batch | off tok/s | on tok/s | on / off | kept / drafted | tokens per drafting step "
         "| same output (off twice) |",
