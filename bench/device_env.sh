@@ -10,3 +10,12 @@ shim=$(mktemp -d)/p
 mkdir -p "$shim/pagoda" && cp "$root"/pagoda/*.py "$shim/pagoda/" && ln -s "$root/pagoda/bench" "$shim/pagoda/bench" && ln -s "$root/pagoda/devtools" "$shim/pagoda/devtools"
 for d in kernels service operator; do ln -s "$root/$d" "$shim/pagoda/$d"; done
 export PYTHONPATH=/tmp/site:$shim PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
+# What the bench/gpu_*.sh scripts share: `step NAME` prints the seconds since this file was sourced;
+# `ensure_8b TOKENIZER_DIR` builds the Llama-3.1-8B-shaped random checkpoint at /tmp/llama-8b-random
+# once per machine (a later call on a warm machine finds it).
+start=$SECONDS
+step() { echo "== $1 after $((SECONDS - start)) s"; }
+ensure_8b() {
+    [ -f /tmp/llama-8b-random/config.json ] ||
+        python3 -m pagoda.bench.gpu_check --tokenizer "$1" --build-8b /tmp/llama-8b-random 2>&1 | tail -1
+}

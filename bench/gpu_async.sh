@@ -9,8 +9,7 @@ tok=${1:?tokenizer folder}; out=${2:?output folder}
 source "$(dirname "$0")/device_env.sh"
 python3 -c "import msgspec, zmq, pagoda.service.engine.core.engine_core, pagoda.service.llm" || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-start=$SECONDS
-[ -f /tmp/llama-8b-random/config.json ] || python3 -m pagoda.bench.gpu_check --tokenizer "$tok" --build-8b /tmp/llama-8b-random 2>&1 | tail -2
+ensure_8b "$tok"
 echo "checkpoint ready after $((SECONDS - start)) s"
 python3 -m pagoda.bench offline --model /tmp/llama-8b-random --dtype bfloat16 \
     --num-prompts 256 --input-len 128 --output-len 128 --peer none --async-scheduling both --busy-steps 20 \

@@ -21,7 +21,7 @@ for rows, vocab in ((16, 49152), (256, 128256)):
     assert torch.equal(cuda, cpu) and torch.equal(cuda_staged, cpu), (rows, vocab)
     print(f"PASS grammar mask, {rows} of {2 * rows} rows x {vocab} tokens: CUDA (pageable, pinned) == CPU")
 PY
-[ -d /tmp/llama-8b-random ] || python3 -m pagoda.bench.gpu_check --tokenizer "$tok" --build-8b /tmp/llama-8b-random 2>&1 | tail -3
+ensure_8b "$tok"
 for batch in 16 64; do
     python3 -m pagoda.bench grammar --model /tmp/llama-8b-random --dtype bfloat16 --batch "$batch" \
         --output-len 64 --output "$out/grammar.md" 2>&1 | tee -a "$out/grammar.log" | grep -v Loading

@@ -9,9 +9,7 @@ set -uo pipefail
 tok=${1:?tokenizer folder}; out=${2:?output folder}
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-start=$SECONDS
-step() { echo "== $1 after $((SECONDS - start)) s"; }
-[ -f /tmp/llama-8b-random/config.json ] || python3 -m pagoda.bench.gpu_check --tokenizer "$tok" --build-8b /tmp/llama-8b-random 2>&1 | tail -1
+ensure_8b "$tok"
 step checkpoint
 for q in ${LORA_PRECISIONS:-bf16 fp8}; do
     quant=(); [ "$q" = fp8 ] && quant=(--quantization fp8)

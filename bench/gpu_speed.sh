@@ -19,8 +19,6 @@ tok=${1:?tokenizer folder}; out=${2:?output folder}; sections=${3:-kernels bs1 o
 source "$(dirname "$0")/device_env.sh"
 python3 -c "import msgspec, zmq, fastapi, uvicorn, httpx, pagoda.service.server, pagoda.service.llm, pagoda.bench.kernels_fp8" || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-start=$SECONDS
-step() { echo "== $1 after $((SECONDS - start)) s"; }
 has() { [[ " $sections " == *" $1 "* ]]; }
 precision_args() {  # bench offline's arguments for a precision name
     case $1 in
@@ -28,7 +26,7 @@ precision_args() {  # bench offline's arguments for a precision name
         fp8-kv8) echo --quantization fp8 --kv-cache-dtype fp8 ;; *) echo "unknown precision $1" >&2; return 1 ;;
     esac
 }
-[ -f /tmp/llama-8b-random/config.json ] || python3 -m pagoda.bench.gpu_check --tokenizer "$tok" --build-8b /tmp/llama-8b-random 2>&1 | tail -1
+ensure_8b "$tok"
 step checkpoint
 model=(--model /tmp/llama-8b-random --dtype bfloat16 --peer none)
 if has check; then

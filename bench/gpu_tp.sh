@@ -9,7 +9,7 @@ tok=${1:?tokenizer folder}; out=${2:?output folder}; tp=${3:-2}
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -m pagoda.bench.gpu_check --tokenizer "$tok" --tensor-parallel-size "$tp" 2>&1 | tee "$out/tp_check.log" | grep -E "^\||Device|Error|error" | head -40
-[ -d /tmp/llama-8b-random ] || python3 -m pagoda.bench.gpu_check --tokenizer "$tok" --build-8b /tmp/llama-8b-random 2>&1 | tail -3
+ensure_8b "$tok"
 for n in 1 "$tp"; do
     # Batch 1 at 1000 / 200, then 256 x 128/128 three times; the profiled steady decode steps list the
     # all-reduce kernels' time per step (nccl...AllReduce) beside the GEMMs.
