@@ -146,7 +146,8 @@ def release_llm(llm: LLM) -> None:
 
 
 def build_llama_8b(folder: Path, tokenizer: Path) -> Path:
-    """Llama-3.1-8B's shapes with random bf16 weights, built on the GPU (for `pagoda bench offline`)."""
+    """Llama-3.1-8B's shapes with random bf16 weights, built on the GPU (for `pagoda bench offline`): its
+    131,072-token context with its llama3 rope scaling, as its config.json has, so long prompts fit."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     config: Any = LlamaConfig(  # type: ignore[call-arg]
@@ -156,9 +157,16 @@ def build_llama_8b(folder: Path, tokenizer: Path) -> Path:
         num_hidden_layers=32,
         num_attention_heads=32,
         num_key_value_heads=8,
-        max_position_embeddings=8192,
+        max_position_embeddings=131072,
         rms_norm_eps=1e-5,
         rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
         bos_token_id=1,
         eos_token_id=2,
     )
