@@ -21,8 +21,8 @@ import torch
 
 from pagoda.kernels.kv_cache import cache_view
 from pagoda.service.engine.core.request import Request
+from pagoda.service.engine.runner.pipeline import attention_metadata
 from pagoda.service.engine.runner.sampler import to_device
-from pagoda.service.model.attention import AttentionMetadata
 from pagoda.service.model.config import ModelConfig
 from pagoda.service.model.loader import load_model
 
@@ -76,7 +76,11 @@ class DraftModel:
         input_ids = to_device(batch["input_ids"], torch.int64, self.device)
         if fill_inputs is not None:
             fill_inputs(input_ids)
-        self.model(input_ids, to_device(batch["positions"], torch.int64, self.device), self._meta(batch))
+        self.model(
+            input_ids,
+            to_device(batch["positions"], torch.int64, self.device),
+            attention_metadata(batch, self.device),
+        )
 
     @torch.inference_mode()
     def propose(self, reqs: list[Request], block_tables: np.ndarray, k: list[int]) -> list[list[int]]:
@@ -100,7 +104,9 @@ class DraftModel:
                 "query_start_loc": np.arange(len(rows) + 1, dtype=np.int64),
                 "max_query_len": np.ones(1, dtype=np.int64),
             }
-            hidden = self.model(tokens, to_device(positions, torch.int64, self.device), self._meta(batch))
+            hidden = self.model(
+                tokens, to_device(positions, torch.int64, self.device), attention_metadata(batch, self.device)
+            )
             chosen = self.model.compute_logits(hidden).argmax(dim=1)
             for row, token in zip(rows, chosen.tolist(), strict=True):
                 drafts[row].append(token)
@@ -108,16 +114,3 @@ class DraftModel:
                 keep = [n for n, i in enumerate(rows) if k[i] > j + 1]
                 tokens = chosen[to_device(keep, torch.int64, self.device)]
         return drafts
-
-    def _meta(self, batch: dict[str, np.ndarray]) -> AttentionMetadata:
-        def dev(name: str, dtype: torch.dtype) -> torch.Tensor:
-            return to_device(batch[name], dtype, self.device)
-
-        return AttentionMetadata(
-            slot_mapping=dev("slot_mapping", torch.int64),
-            block_tables=dev("block_tables", torch.int32),
-            seq_lens=dev("seq_lens", torch.int32),
-            query_start_loc=dev("query_start_loc", torch.int32),
-            max_query_len=int(np.max(batch["max_query_len"])),
-            max_seq_len=int(batch["seq_lens"].max()),
-        )

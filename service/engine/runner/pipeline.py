@@ -84,7 +84,8 @@ def split_micro_batches(
 
 
 def attention_metadata(batch: dict[str, np.ndarray], device: torch.device) -> AttentionMetadata:
-    """A flattened batch's attention layout on the device."""
+    """A flattened batch's attention layout on the device (a whole step's, a micro-batch's, or the draft
+    model's)."""
 
     def dev(name: str, dtype: torch.dtype) -> torch.Tensor:
         return to_device(batch[name], dtype, device)
@@ -94,7 +95,7 @@ def attention_metadata(batch: dict[str, np.ndarray], device: torch.device) -> At
         block_tables=dev("block_tables", torch.int32),
         seq_lens=dev("seq_lens", torch.int32),
         query_start_loc=dev("query_start_loc", torch.int32),
-        max_query_len=int(batch["max_query_len"]),
+        max_query_len=int(np.max(batch["max_query_len"])),
         max_seq_len=int(batch["seq_lens"].max()),
     )
 
