@@ -56,12 +56,19 @@ def launch(llama_ckpt: Path, tmp_path: Path) -> Iterator[Callable[..., ServeProc
 
 @pytest.fixture(scope="module")
 def server(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    """Two API processes, shared: the requests' test uses it, then the Ctrl-C drain ends it (one start
+    fewer: ~12 s). Whichever runs alone, or fails first, the teardown leaves nothing."""
     proc = start(llama_ckpt, tmp_path_factory.mktemp("serve") / "serve.log", 2)
     assert proc.proc is not None
     pgid = proc.proc.pid
-    yield proc
-    assert proc.stop() == 0, proc.log()[-3000:]
-    assert wait_for(lambda: not group_members(pgid), 10), group_members(pgid)
+    try:
+        yield proc
+        assert proc.stop() == 0, proc.log()[-3000:]  # exited 0 already after the drain, else SIGTERM
+        assert wait_for(lambda: not group_members(pgid), 10), group_members(pgid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+        proc.proc.wait()
 
 
 def http_completion(base_url: str, prompt: str) -> tuple[str, str]:
@@ -145,9 +152,10 @@ def _plain_completion(server: ServeProcess, prompt: str) -> tuple[str, None]:
 # none is taken down by the signal (pagoda.service.stop_relay).
 @pytest.mark.parametrize("stop", ["Ctrl-C to the process group", "SIGTERM to the core"])
 def test_a_stop_signal_drains_every_process_and_exits_0(
-    launch: Callable[..., ServeProcess], stop: str
+    launch: Callable[..., ServeProcess], request: pytest.FixtureRequest, stop: str
 ) -> None:
-    server = launch(2)
+    """Ctrl-C ends the module's server, after the requests' test (file order); SIGTERM to the core its own."""
+    server: ServeProcess = request.getfixturevalue("server") if stop.startswith("Ctrl-C") else launch(2)
     assert server.proc is not None
     pgid = server.proc.pid
     started = threading.Barrier(9)
@@ -189,15 +197,32 @@ def test_sigkill_of_an_api_server_process_or_the_core_fails_health(
     launch: Callable[..., ServeProcess], victim: str
 ) -> None:
     """Process 0 kills the API processes left, so only it answers: 503 to both probes, and SIGTERM
-    still leaves nothing."""
+    still leaves nothing.
+
+    API server 1's death also resets no waiting connection. Connections wait in one accept queue that
+    every API process shares: while processes 1 and 2 are stopped, process 0 takes them all, and
+    killing process 1 resets none. (With SO_REUSEPORT each process had a queue of its own, and the
+    connections hashed to process 1's were reset when it died.) Process 2 stays stopped until process 0
+    kills it: SIGKILL reaches a stopped process, and it holds no connection to reset."""
     server = launch(3)
     assert server.proc is not None
     pgid = server.proc.pid
     others = [p for p in children(pgid) if "pagoda.service.api_server_process" in cmdline(p)]
     assert len(others) == 2, [cmdline(p) for p in children(pgid)]
     core = [p for p in children(pgid) if "pagoda.service.engine.core_process" in cmdline(p)]
-    os.kill(others[0] if victim == "api server 1" else core[0], signal.SIGKILL)
     live, ready = f"{server.base_url}/v1/health/live", f"{server.base_url}/v1/health/ready"
+    if victim == "core":
+        os.kill(core[0], signal.SIGKILL)
+    else:
+        for pid in others:
+            os.kill(pid, signal.SIGSTOP)
+        with ThreadPoolExecutor(24) as pool:
+            probes = [pool.submit(status, live) for _ in range(24)]
+            # Not a timing assertion: this only lets the probes connect before process 1 goes.
+            wait_for(lambda: all(p.done() for p in probes), 3)
+            os.kill(others[0], signal.SIGKILL)
+            answers = [p.result() for p in probes]
+        assert all(code in (200, 503) for code in answers), answers  # None: the connection was reset
     assert wait_for(lambda: not set(others) & set(group_members(pgid)), 30), server.log()[-3000:]
     statuses = [(status(live), status(ready)) for _ in range(6)]
     assert statuses == [(503, 503)] * 6, (statuses, server.log()[-3000:])
@@ -206,33 +231,15 @@ def test_sigkill_of_an_api_server_process_or_the_core_fails_health(
 
 
 def test_sigkill_of_process_0_takes_every_process_with_it(launch: Callable[..., ServeProcess]) -> None:
-    server = launch(2, "--api-key", "secret-key")
+    """API process 1, the core and (TP 2) its worker all go; tests/test_serve_processes.py had the same
+    case at TP 2 with one API process, which this layout covers too."""
+    server = launch(2, "--api-key", "secret-key", "--tensor-parallel-size", "2")
     assert server.proc is not None
     pgid = server.proc.pid
-    assert len(children(pgid)) >= 2  # the core and API process 1
-    assert not any("secret-key" in cmdline(p) for p in children(pgid))  # its config goes on stdin
+    lines = [cmdline(p) for p in children(pgid)]
+    assert sum("pagoda.service.api_server_process" in c for c in lines) == 1, lines
+    assert sum("pagoda.service.engine.core_process" in c for c in lines) == 1, lines
+    assert sum("spawn_main" in c for c in lines) == 1, lines  # the tensor-parallel worker
+    assert not any("secret-key" in c for c in lines)  # its config goes on stdin
     server.kill()
-    assert wait_for(lambda: not group_members(pgid), 10), group_members(pgid)
-
-
-def test_a_dying_api_process_resets_no_waiting_connection(launch: Callable[..., ServeProcess]) -> None:
-    """Connections wait in one accept queue that every API process shares: while process 1 is stopped,
-    process 0 takes them all, and killing process 1 resets none. (With SO_REUSEPORT each process had a
-    queue of its own, and the connections hashed to process 1's were reset when it died.)"""
-    server = launch(2)
-    assert server.proc is not None
-    pgid = server.proc.pid
-    others = [p for p in children(pgid) if "pagoda.service.api_server_process" in cmdline(p)]
-    assert len(others) == 1, [cmdline(p) for p in children(pgid)]
-    live = f"{server.base_url}/v1/health/live"
-    os.kill(others[0], signal.SIGSTOP)
-    with ThreadPoolExecutor(24) as pool:
-        probes = [pool.submit(status, live) for _ in range(24)]
-        # Not a timing assertion: this only lets the probes connect before process 1 goes.
-        wait_for(lambda: all(p.done() for p in probes), 3)
-        os.kill(others[0], signal.SIGKILL)
-        answers = [p.result() for p in probes]
-    assert all(code in (200, 503) for code in answers), answers  # None: the connection was reset
-    assert wait_for(lambda: status(live) == 503, 30), server.log()[-3000:]
-    assert server.stop() == 1, server.log()[-3000:]
     assert wait_for(lambda: not group_members(pgid), 10), group_members(pgid)
