@@ -28,26 +28,17 @@ def start(llama_ckpt: Path, tmp_path: Path, tp: int = 1) -> ServeProcess:
     return ServeProcess(args, log_path=tmp_path / "serve.log", new_session=True).start()
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_sigterm_stops_every_process(llama_ckpt: Path, tmp_path: Path, tp: int) -> None:
-    """At TP 2 to the whole group: the worker and the core relay it, so the server stops as for one."""
-    server = start(llama_ckpt, tmp_path, tp)
-    assert server.proc is not None
-    pgid = server.proc.pid
-    assert len(children(pgid)) >= tp, "the engine core (and its workers) run as processes of their own"
-    if tp == 2:
-        os.killpg(pgid, signal.SIGTERM)
-        assert server.wait() == 0, server.log()[-3000:]
-    else:
-        assert server.stop() == 0, server.log()[-3000:]
-    assert wait_for(lambda: not group_members(pgid), 10), group_members(pgid)
-
-
-def test_sigkill_of_the_api_process_takes_the_engine_with_it(llama_ckpt: Path, tmp_path: Path) -> None:
+def test_sigterm_to_the_group_stops_every_process(llama_ckpt: Path, tmp_path: Path) -> None:
+    """At TP 2 to the whole group: the worker and the core relay it, so the server stops as for one.
+    SIGTERM to the API process alone, at TP 1: the stalled-core test's last step here, and
+    tests/test_serve_shutdown.py's drain. SIGKILL of the API process at TP 2:
+    tests/test_serve_api_servers.py's process-0 test, whose layout has a worker too."""
     server = start(llama_ckpt, tmp_path, tp=2)
     assert server.proc is not None
     pgid = server.proc.pid
-    server.kill()
+    assert len(children(pgid)) >= 2, "the engine core and its worker run as processes of their own"
+    os.killpg(pgid, signal.SIGTERM)
+    assert server.wait() == 0, server.log()[-3000:]
     assert wait_for(lambda: not group_members(pgid), 10), group_members(pgid)
 
 
@@ -135,7 +126,8 @@ def test_a_stalled_core_fails_liveness_says_where_and_recovers(llama_ckpt: Path,
         assert wait_for(lambda: status(live) == 200 and status(ready) == 200, 30), server.log()[-3000:]
         assert wait_for(lambda: "core_process.py" in server.log().split("made no step for")[-1], 10)
         assert wait_for(lambda: "the engine core steps again" in server.log(), 10), server.log()[-3000:]
-        assert server.stop() == 0, server.log()[-3000:]
+        assert server.stop() == 0, server.log()[-3000:]  # SIGTERM to the API process: every process goes
+        assert wait_for(lambda: not group_members(server.proc.pid), 10), group_members(server.proc.pid)
     finally:
         if server.proc.poll() is None:  # failed above: leave no server behind
             server.kill()
