@@ -120,12 +120,49 @@ def test_unsplittable_sizes_are_refused(llama_ckpt: Path) -> None:
         check_tp_size(config, 3)
 
 
-def _generate(ckpt: Path, prompts: list[list[int]], params: SamplingParams, **engine: Any) -> list[Any]:
+def _generate(ckpt: Path, prompts: list[list[int]], params: Any, **engine: Any) -> list[Any]:
+    return _generate_all(ckpt, [(prompts, params)], **engine)[0]
+
+
+def _generate_all(ckpt: Path, runs: list[tuple[list[list[int]], Any]], **engine: Any) -> list[list[Any]]:
+    """Each (prompts, params) run in turn on one engine."""
     llm = LLM(str(ckpt), dtype="float32", max_num_batched_tokens=32, kv_cache_memory_bytes=4 << 20, **engine)
     try:
-        return llm.generate(prompts, params)
+        return [llm.generate(prompts, params) for prompts, params in runs]
     finally:
         llm.engine.runner.shutdown()
+
+
+GREEDY = (random_prompts([1, 7, 17, 45]), SamplingParams(temperature=0.0, max_tokens=12))
+# Chunked prefill, requests ending at different steps, greedy and seeded.
+MIXED = (
+    random_prompts([3, 40, 9, 70], seed=4),
+    [
+        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=9, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=4, n=2, max_tokens=7, ignore_eos=True),
+    ],
+)
+# Scored in chunks (the budget is 32 tokens), beside a request that only decodes.
+SCORED = (
+    random_prompts([70, 5], seed=9),
+    [
+        SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2),
+        SamplingParams(temperature=0, max_tokens=6, logprobs=2),
+    ],
+)
+
+
+@pytest.fixture(scope="module")
+def llama_tp2(llama_ckpt: Path) -> dict[str, list[Any]]:
+    """The llama checkpoint's TP 2 outputs for three tests, from two engines instead of four (~6 s of
+    worker start-up each): in turn, the greedy, mixed and scored runs; with async scheduling, the mixed
+    one. Both engines are shut down before any test runs (one tensor-parallel engine per process). The
+    runs share no prompt block, so the prefix cache serves nothing across them."""
+    greedy, mixed, scored = _generate_all(llama_ckpt, [GREEDY, MIXED, SCORED], tensor_parallel_size=2)
+    (pipelined,) = _generate_all(llama_ckpt, [MIXED], tensor_parallel_size=2, async_scheduling=True)
+    return {"greedy": greedy, "mixed": mixed, "scored": scored, "mixed_async": pipelined}
 
 
 @pytest.mark.parametrize("ckpt_name", ["llama_ckpt", "qwen2_ckpt", "tied_llama_ckpt", "one_kv_head_ckpt"])
@@ -135,42 +172,30 @@ def test_tp2_greedy_matches_tp1_and_transformers(
     from transformers import AutoModelForCausalLM
 
     ckpt: Path = request.getfixturevalue(ckpt_name)
-    prompts, new_tokens = random_prompts([1, 7, 17, 45]), 12
+    (prompts, params), new_tokens = GREEDY, 12
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     expected = hf_greedy(model, prompts, new_tokens)
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens)
     tp1 = [o.outputs[0].token_ids for o in _generate(ckpt, prompts, params)]
-    tp2 = [o.outputs[0].token_ids for o in _generate(ckpt, prompts, params, tensor_parallel_size=2)]
+    if ckpt_name == "llama_ckpt":
+        outputs = request.getfixturevalue("llama_tp2")["greedy"]
+    else:
+        outputs = _generate(ckpt, prompts, params, tensor_parallel_size=2)
+    tp2 = [o.outputs[0].token_ids for o in outputs]
     assert tp2 == tp1 == expected
 
 
-def test_tp2_async_scheduling_matches_in_turn(llama_ckpt: Path) -> None:
+def test_tp2_async_scheduling_matches_in_turn(llama_tp2: dict[str, list[Any]]) -> None:
     """Under TP with async scheduling, rank 0 broadcasts the tokens the next step's placeholders take:
     greedy and seeded outputs (chunked prefill, requests ending at different steps) are the in-turn ones."""
-    prompts = random_prompts([3, 40, 9, 70], seed=4)
-    params = [
-        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
-        SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=9, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-        SamplingParams(temperature=1.0, seed=4, n=2, max_tokens=7, ignore_eos=True),
-    ]
-    in_turn, pipelined = (
-        _generate(llama_ckpt, prompts, params, tensor_parallel_size=2, async_scheduling=is_async)
-        for is_async in (False, True)
-    )
+    in_turn, pipelined = llama_tp2["mixed"], llama_tp2["mixed_async"]
     assert [[c.token_ids for c in o.outputs] for o in pipelined] == [
         [c.token_ids for c in o.outputs] for o in in_turn
     ]
 
 
-def test_tp2_prompt_logprobs_match_tp1(llama_ckpt: Path) -> None:
+def test_tp2_prompt_logprobs_match_tp1(llama_ckpt: Path, llama_tp2: dict[str, list[Any]]) -> None:
     """Scored in chunks (the budget is 32 tokens), beside a request that only decodes."""
-    prompts = random_prompts([70, 5], seed=9)
-    params = [
-        SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2),
-        SamplingParams(temperature=0, max_tokens=6, logprobs=2),
-    ]
-    one, two = (_generate(llama_ckpt, prompts, params, tensor_parallel_size=n) for n in (1, 2))
+    one, two = _generate(llama_ckpt, *SCORED), llama_tp2["scored"]
     for a, b in zip(one, two, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
     scored_one, scored_two = one[0].prompt_logprobs, two[0].prompt_logprobs
