@@ -80,7 +80,7 @@ def _quantity(value: float) -> str:
 def server_args(
     spec: ServiceSpec, decision: Decision, config: OperatorConfig, role: Role = "server"
 ) -> list[str]:
-    """The profile and engine settings as `pagoda serve` flags: spec.OPERATOR_FLAGS, then extraArgs.
+    """The profile and engine settings as `pagoda serve` flags: reserved.OPERATOR_FLAGS, then extraArgs.
 
     A group's pods (role leader or worker) also get their place in it: the pipeline's depth, the number
     of pods, the pod's rank (the leader 0, a worker its LWS index, which the kubelet expands from the

@@ -30,15 +30,8 @@ from pagoda.operator import spec as spec_mod
 from pagoda.operator.catalogue import CATALOGUE
 from pagoda.operator.gpus import KNOWN_GPUS, GpuGroup
 from pagoda.operator.profile import MAX_AUTO_NODES, PRECISIONS, TP_DEGREES, Decision, select_profile
-from pagoda.operator.spec import (
-    MULTI_NODE_FLAGS,
-    OPERATOR_FLAGS,
-    OperatorConfig,
-    ServiceSpec,
-    Speculative,
-    operator_flag,
-    parse_spec,
-)
+from pagoda.operator.reserved import MULTI_NODE_FLAGS, OPERATOR_FLAGS, operator_flag
+from pagoda.operator.spec import OperatorConfig, ServiceSpec, Speculative, parse_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD = ROOT / "crds" / "serving.pagoda.dev_inferenceservices.yaml"
@@ -367,7 +360,7 @@ def test_a_flag_and_its_value_in_one_item_is_refused() -> None:
 def test_pagoda_variables_that_set_an_operator_flag_are_refused() -> None:
     """`pagoda serve` reads every flag from PAGODA_<FLAG>; where the operator renders no flag (an unset
     maxModelLen, kvCacheDtype, apiServerCount) the variable would win."""
-    from pagoda.operator.spec import operator_env, serve_env_name
+    from pagoda.operator.reserved import operator_env, serve_env_name
     from pagoda.service import cli as serve_cli
 
     for flag in (*OPERATOR_FLAGS, "--api-key", "--seed"):

@@ -374,7 +374,7 @@ def test_the_api_key_comes_from_its_secret_as_env_never_as_an_arg() -> None:
 def test_pod_labels_and_annotations_and_the_service_from_the_spec() -> None:
     import pytest
 
-    from pagoda.operator.spec import OPERATOR_POD_ANNOTATIONS, OPERATOR_POD_LABELS
+    from pagoda.operator.reserved import OPERATOR_POD_ANNOTATIONS, OPERATOR_POD_LABELS
 
     plain = manifests.deployment(parse_spec(body()), decision(), CONFIG)["spec"]["template"]["metadata"]
     assert tuple(plain["labels"]) == OPERATOR_POD_LABELS  # the reserved lists are what is rendered
