@@ -161,7 +161,7 @@ def job(
     adapters: Sequence[tuple[Adapter, str, Mapping[str, Any]]] = (),
 ) -> dict[str, Any]:
     """The download Job: `pagoda download` into the claim's folder `target`; `env`: the container's env
-    and envFrom (manifests.download_env: HF_ENDPOINT and proxies from spec.env, the source's secrets).
+    and envFrom (model_mounts.download_env: HF_ENDPOINT and proxies from spec.env, the source's secrets).
     `adapters`: (adapter, folder, env) of each uri adapter, fetched first, each by an init container
     with its own source's secrets (small, and a wrong token fails before the model's hours)."""
     cache = spec.cache

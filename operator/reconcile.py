@@ -15,7 +15,7 @@ from typing import Any, Literal, cast
 
 import kopf
 
-from pagoda.operator import cache, drift, manifests, placement, router
+from pagoda.operator import cache, drift, manifests, model_mounts, placement, router
 from pagoda.operator import groups as lws_groups
 from pagoda.operator import status as status_mod
 from pagoda.operator.kube import FIELD_MANAGER, Kube, KubeError
@@ -294,8 +294,8 @@ def reconcile(body: Mapping[str, Any], kube: Kube, config: OperatorConfig, now: 
         adapters=[
             {
                 "name": a.name,
-                "source": manifests.describe_source(a.source),
-                "path": manifests.adapter_path(spec, a),
+                "source": model_mounts.describe_source(a.source),
+                "path": model_mounts.adapter_path(spec, a),
             }
             for a in spec.adapters
         ]
@@ -324,10 +324,12 @@ def _ensure_cache(
     owner = kopf.Body(cast(kopf.RawBody, dict(body)))
     claim = cache.pvc(spec)
     adapters = [
-        (a, manifests.adapter_download_folder(spec, a), manifests.download_env(spec, a.source))
+        (a, model_mounts.adapter_download_folder(spec, a), model_mounts.download_env(spec, a.source))
         for a in cache.uri_adapters(spec)
     ]
-    job = cache.job(spec, config, manifests.download_folder(spec), manifests.download_env(spec), adapters)
+    job = cache.job(
+        spec, config, model_mounts.download_folder(spec), model_mounts.download_env(spec), adapters
+    )
     for obj in (claim, job):
         kopf.adopt(obj, owner=owner)
     events: list[Event] = []
