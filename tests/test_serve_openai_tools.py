@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -117,7 +118,10 @@ def test_named_tool_call_validates_streamed_and_not(client: openai.OpenAI, model
 
 
 def test_required_tool_calls_validate_against_their_tool(client: openai.OpenAI, model: str) -> None:
-    for temperature, stream in ((0.0, False), (1.0, False), (1.0, True)):
+    """Greedy, sampled, sampled and streamed: at once (one batch, a third of the steps), as only each
+    call's validity is asserted."""
+
+    def check(temperature: float, stream: bool) -> None:
         kwargs: dict[str, Any] = dict(
             model=model,
             messages=ASK,
@@ -139,6 +143,10 @@ def test_required_tool_calls_validate_against_their_tool(client: openai.OpenAI, 
         for call in calls:
             assert_valid_call(call)
 
+    with ThreadPoolExecutor(3) as pool:
+        for done in [pool.submit(check, *case) for case in ((0.0, False), (1.0, False), (1.0, True))]:
+            done.result()
+
 
 def test_a_following_turn_with_the_tools_result(client: openai.OpenAI, model: str) -> None:
     first = client.chat.completions.create(
@@ -158,10 +166,14 @@ def test_a_following_turn_with_the_tools_result(client: openai.OpenAI, model: st
 
 
 def test_auto_and_none_answer_in_text(client: openai.OpenAI, model: str) -> None:
-    for choice in ("auto", "none"):
-        response = client.chat.completions.create(
+    def ask(choice: str) -> Any:
+        return client.chat.completions.create(
             model=model, messages=ASK, tools=[WEATHER], tool_choice=choice, max_tokens=8, temperature=0
         )
+
+    with ThreadPoolExecutor(2) as pool:  # at once: one batch
+        responses = list(pool.map(ask, ("auto", "none")))
+    for response in responses:
         message = response.choices[0].message
         assert message.content and not message.tool_calls
 
@@ -268,11 +280,17 @@ def test_langchain_bind_tools_and_structured_output(server: ServeProcess, model:
         max_tokens=60,
         max_retries=0,
     )
-    forced = llm.bind_tools([WEATHER], tool_choice="get_weather").invoke("What is the weather in Paris?")
+    with ThreadPoolExecutor(2) as pool:  # at once: one batch
+        calling = pool.submit(
+            llm.bind_tools([WEATHER], tool_choice="get_weather").invoke, "What is the weather in Paris?"
+        )
+        describing = pool.submit(
+            llm.with_structured_output(Person, method="json_schema").invoke, "Describe a person."
+        )
+        forced, person = calling.result(), describing.result()
     (call,) = forced.tool_calls
     assert call["name"] == "get_weather"
     jsonschema.validate(call["args"], SCHEMAS["get_weather"])
-    person = llm.with_structured_output(Person, method="json_schema").invoke("Describe a person.")
     assert isinstance(person, Person)
 
 
@@ -294,11 +312,25 @@ def test_grpc_chat_with_tools(server: ServeProcess) -> None:
     ]
     sampling = pb.SamplingParameters(max_new_tokens=80, temperature=0)
     question = pb.ChatMessage(role="user", content=ASK[0]["content"])
-    with grpc.insecure_channel(server.grpc_target) as channel:
+    with grpc.insecure_channel(server.grpc_target) as channel, ThreadPoolExecutor(3) as pool:
         stub = pb_grpc.InferenceStub(channel)
+
+        def generate(chat: Any, sampling: Any) -> list[Any]:
+            return list(stub.Generate(pb.GenerateRequest(chat=chat, sampling=sampling), timeout=120))
+
+        # The first request alone fills the prefix cache with the prompt (~300 tokens of tool schemas);
+        # the other two, independent of each other, then run at once (one batch) from the cached blocks.
+        chats = {
+            c: pb.ChatMessages(messages=[question], tools=tools, tool_choice=c)
+            for c in ("get_time", "required")
+        }
+        sampled = pb.SamplingParameters(n=2, seed=4, temperature=1.0, max_new_tokens=80)
+        running = {"get_time": pool.submit(generate, chats["get_time"], sampling)}
+        running["get_time"].result()
+        running["required"] = pool.submit(generate, chats["required"], sampling)
+        running["n=2"] = pool.submit(generate, chats["get_time"], sampled)
         for choice in ("get_time", "required"):
-            chat = pb.ChatMessages(messages=[question], tools=tools, tool_choice=choice)
-            replies = list(stub.Generate(pb.GenerateRequest(chat=chat, sampling=sampling), timeout=120))
+            replies = running[choice].result()
             final = next(r for r in replies if r.finish_reason != pb.FINISH_REASON_UNSPECIFIED)
             assert final.finish_reason == pb.FINISH_REASON_TOOL_CALLS
             assert all(not r.text for r in replies)  # the call's text is not streamed as text
@@ -310,9 +342,7 @@ def test_grpc_chat_with_tools(server: ServeProcess) -> None:
                 assert [c.name for c in final.tool_calls] == ["get_time"]
         # n=2: a choice that ends steps before the other (its output is not the request's final one,
         # which alone carries the whole text) still has its whole call parsed.
-        chat = pb.ChatMessages(messages=[question], tools=tools, tool_choice="get_time")
-        sampled = pb.SamplingParameters(n=2, seed=4, temperature=1.0, max_new_tokens=80)
-        replies = list(stub.Generate(pb.GenerateRequest(chat=chat, sampling=sampled), timeout=120))
+        replies = running["n=2"].result()
         ends = [i for i, r in enumerate(replies) if r.finish_reason != pb.FINISH_REASON_UNSPECIFIED]
         assert sorted(replies[i].index for i in ends) == [0, 1]
         assert any(r.token_ids for r in replies[ends[0] + 1 : ends[1]])  # the other went on
