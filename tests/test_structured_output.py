@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import jsonschema
@@ -99,55 +101,34 @@ def test_json_object_parses(client: openai.OpenAI, model: str) -> None:
 
 
 def test_guided_choice_regex_json_and_grammar_on_completions(client: openai.OpenAI, model: str) -> None:
+    """Six independent requests, at once (one batch); each answer is checked on its own."""
     choices = ["red", "green", "blue"]
-    out = client.completions.create(
-        model=model,
-        prompt="My favourite colour is",
-        max_tokens=5,
-        n=4,
-        temperature=1.0,
-        seed=1,
-        extra_body={"guided_choice": choices},
-    )
-    assert all(c.text in choices for c in out.choices), [c.text for c in out.choices]
-    out = client.completions.create(  # vLLM >= 0.10.2 spells it structured_outputs
-        model=model,
-        prompt="My favourite colour is",
-        max_tokens=5,
-        temperature=0,
-        extra_body={"structured_outputs": {"choice": choices}},
-    )
-    assert out.choices[0].text in choices
-
-    out = client.completions.create(
-        model=model,
-        prompt="Call me at",
-        max_tokens=12,
-        temperature=0,
-        extra_body={"guided_regex": r" [0-9]{3}-[0-9]{4}"},
-    )
-    assert re.fullmatch(r" [0-9]{3}-[0-9]{4}", out.choices[0].text), out.choices[0].text
-
-    out = client.completions.create(
-        model=model,
-        prompt="A person:",
-        max_tokens=40,
-        temperature=0,
-        extra_body={"guided_json": json.dumps(PERSON)},
-    )
-    jsonschema.validate(json.loads(out.choices[0].text), PERSON)
-
     lark = 'start: "The answer is " ANSWER "."\nANSWER: "yes" | "no"'
     gbnf = 'root ::= "The answer is " answer "."\nanswer ::= "yes" | "no"'
-    for grammar in (lark, gbnf):
-        out = client.completions.create(
-            model=model,
-            prompt="Is water wet?",
-            max_tokens=10,
-            temperature=0,
-            extra_body={"guided_grammar": grammar},
-        )
-        assert out.choices[0].text in ("The answer is yes.", "The answer is no."), out.choices[0].text
+    requests: dict[str, dict[str, Any]] = {
+        "choice": dict(prompt="My favourite colour is", max_tokens=5, n=4, temperature=1.0, seed=1,
+                       extra_body={"guided_choice": choices}),
+        # vLLM >= 0.10.2 spells it structured_outputs
+        "structured_outputs": dict(prompt="My favourite colour is", max_tokens=5, temperature=0,
+                                   extra_body={"structured_outputs": {"choice": choices}}),
+        "regex": dict(prompt="Call me at", max_tokens=12, temperature=0,
+                      extra_body={"guided_regex": r" [0-9]{3}-[0-9]{4}"}),
+        "json": dict(prompt="A person:", max_tokens=40, temperature=0,
+                     extra_body={"guided_json": json.dumps(PERSON)}),
+        **{name: dict(prompt="Is water wet?", max_tokens=10, temperature=0, extra_body={"guided_grammar": g})
+           for name, g in (("lark", lark), ("gbnf", gbnf))},
+    }  # fmt: skip
+    with ThreadPoolExecutor(len(requests)) as pool:
+        running = {k: pool.submit(client.completions.create, model=model, **r) for k, r in requests.items()}
+        out = {k: f.result() for k, f in running.items()}
+    assert all(c.text in choices for c in out["choice"].choices), [c.text for c in out["choice"].choices]
+    assert out["structured_outputs"].choices[0].text in choices
+    text = out["regex"].choices[0].text
+    assert re.fullmatch(r" [0-9]{3}-[0-9]{4}", text), text
+    jsonschema.validate(json.loads(out["json"].choices[0].text), PERSON)
+    for grammar in ("lark", "gbnf"):
+        text = out[grammar].choices[0].text
+        assert text in ("The answer is yes.", "The answer is no."), text
 
 
 def test_guided_choice_streamed_in_chat(client: openai.OpenAI, model: str) -> None:
@@ -273,10 +254,16 @@ def test_grpc_structured_output_fields(server: ServeProcess) -> None:
             request = pb.GenerateRequest(text="A person:", sampling=sampling)
             return "".join(r.text for r in stub.Generate(request, timeout=120))
 
-        jsonschema.validate(json.loads(generate(json_schema=json.dumps(PERSON))), PERSON)
-        assert generate(choice=pb.Choices(choices=["alpha", "beta"])) in ("alpha", "beta")
-        assert re.fullmatch("[a-z]{2,4}", generate(regex="[a-z]{2,4}"))
-        assert isinstance(json.loads(generate(json_object=True)), dict)
+        with ThreadPoolExecutor(4) as pool:  # the four answers at once (one batch), each checked alone
+            as_json, chosen, matched, as_object = pool.map(
+                lambda fields: generate(**fields),
+                [{"json_schema": json.dumps(PERSON)}, {"choice": pb.Choices(choices=["alpha", "beta"])},
+                 {"regex": "[a-z]{2,4}"}, {"json_object": True}],
+            )  # fmt: skip
+        jsonschema.validate(json.loads(as_json), PERSON)
+        assert chosen in ("alpha", "beta")
+        assert re.fullmatch("[a-z]{2,4}", matched)
+        assert isinstance(json.loads(as_object), dict)
         with pytest.raises(grpc.RpcError) as info:
             generate(regex="(")
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "regex" in (
