@@ -3,9 +3,11 @@ the engine's output against the same engine without speculation (greedy: token f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -463,32 +465,54 @@ def _colour_list(tokens: int) -> tuple[str, Any]:
     return pattern, Grammar.regex(pattern, "guided_regex")
 
 
-def test_a_grammar_request_drafts_under_its_grammar_beside_others() -> None:
+@pytest.fixture(scope="module")
+def smollm2_ngram() -> Iterator[LLM]:
+    """The embedded SmolLM2 in fp32 with prompt lookup, for the two tests that need the real model (one
+    load of 135M weights, not three): each takes its reference outputs from it with drafting off
+    (`_without_drafts`) and counts drafts from its own starting point."""
+    with LLM(
+        max_model_len=256, dtype="float32", kv_cache_memory_bytes=32 << 20, speculative_config=NGRAM
+    ) as llm:
+        yield llm
+
+
+@contextlib.contextmanager
+def _without_drafts(llm: LLM) -> Iterator[None]:
+    speculator = llm.engine.core.speculator
+    llm.engine.core.speculator = None
+    try:
+        yield
+    finally:
+        llm.engine.core.speculator = speculator
+
+
+def test_a_grammar_request_drafts_under_its_grammar_beside_others(smollm2_ngram: LLM) -> None:
     """Structured output drafts by prompt lookup, drafts cut to what the grammar allows and each
     verified position masked by the grammar after the drafts before it: a colour list the real model
     copies (words and digits alternate, so a mask on the wrong row changes the output), alone and in
     a batch with plain drafting requests; greedy output is the same as without speculation."""
+    llm = smollm2_ngram
     pattern, colours = _colour_list(11)
-    with LLM(
-        max_model_len=256, dtype="float32", kv_cache_memory_bytes=32 << 20, speculative_config=NGRAM
-    ) as llm:
-        listed = "red 1 green 2 blue 3 red 4 green 5 blue 6\n" * 3
-        params = SamplingParams(temperature=0, max_tokens=60, grammar=colours)
-        alone = llm.generate([listed], params)[0].outputs[0]
-        stats = _spec_stats(llm)
-        assert stats.spec_num_accepted_tokens_total >= 8, stats  # the grammar request drafted, and kept some
-        assert re.fullmatch(pattern, alone.text), alone.text
+    kept_before = _spec_stats(llm).spec_num_accepted_tokens_total
+    listed = "red 1 green 2 blue 3 red 4 green 5 blue 6\n" * 3
+    params = SamplingParams(temperature=0, max_tokens=60, grammar=colours)
+    alone = llm.generate([listed], params)[0].outputs[0]
+    stats = _spec_stats(llm)
+    assert stats.spec_num_accepted_tokens_total >= kept_before + 8, (
+        stats
+    )  # the grammar request drafted, kept some
+    assert re.fullmatch(pattern, alone.text), alone.text
 
-        copy = "one two three four one two three four one two three four one two three"
-        prompts = [copy, listed, copy + " four"]
-        mixed = [
-            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-            params,
-            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
-        ]
-        outs = llm.generate(prompts, mixed)
-        assert _spec_stats(llm).spec_num_accepted_tokens_total > stats.spec_num_accepted_tokens_total + 5
-        llm.engine.core.speculator = None
+    copy = "one two three four one two three four one two three four one two three"
+    prompts = [copy, listed, copy + " four"]
+    mixed = [
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+        params,
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+    ]
+    outs = llm.generate(prompts, mixed)
+    assert _spec_stats(llm).spec_num_accepted_tokens_total > stats.spec_num_accepted_tokens_total + 5
+    with _without_drafts(llm):
         plain = llm.generate(prompts, mixed)
     assert outs[1].outputs[0].token_ids == alone.token_ids
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
@@ -628,20 +652,26 @@ def test_adaptive_speculation_keeps_greedy_output(llama_ckpt: Path) -> None:
 @pytest.mark.parametrize("ckpt_name", ["qwen2_ckpt", "smollm2"])
 def test_greedy_lookup_is_exact_on_other_checkpoints(ckpt_name: str, request: pytest.FixtureRequest) -> None:
     """fp32, prompt lookup against none: a random Qwen2 (bias on q/k/v) and the embedded SmolLM2, a
-    real model, on a passage to repeat (where it copies, and drafts are kept)."""
-    model = None if ckpt_name == "smollm2" else str(request.getfixturevalue(ckpt_name))
-    common: dict[str, Any] = {"dtype": "float32", "kv_cache_memory_bytes": 16 << 20, "max_model_len": 512}
-    plain = LLM(model, **common)
+    real model, on a passage to repeat (where it copies, and drafts are kept). Qwen2's engine with
+    drafting off, then on (the second run reads the prompts' cached blocks); SmolLM2's is shared."""
+    if ckpt_name == "smollm2":
+        spec = request.getfixturevalue("smollm2_ngram")
+    else:
+        common: dict[str, Any] = {"dtype": "float32", "kv_cache_memory_bytes": 16 << 20, "max_model_len": 512}
+        spec = LLM(str(request.getfixturevalue(ckpt_name)), speculative_config=NGRAM, **common)
     passage = "The keeper trimmed the wick, polished the lens, and wrote the weather in his logbook."
     prompts = [f"Here is a passage.\n\n{passage}\n\nRepeat the passage word for word.\n\n", "1, 2, 3, 4,"]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
-    spec = LLM(model, speculative_config=NGRAM, **common)
+    with _without_drafts(spec):
+        expected = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
+    before = _spec_stats(spec)
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == expected
-    if model is None:  # the real model copies the passage: most drafts are kept
+    if ckpt_name == "smollm2":  # the real model copies the passage: most drafts are kept
         stats = _spec_stats(spec)
-        assert stats.spec_num_accepted_tokens_total >= 10, stats
-        assert stats.spec_num_accepted_tokens_total / stats.spec_num_draft_tokens_total > 0.5, stats
+        kept = stats.spec_num_accepted_tokens_total - before.spec_num_accepted_tokens_total
+        drafted = stats.spec_num_draft_tokens_total - before.spec_num_draft_tokens_total
+        assert kept >= 10, stats
+        assert kept / drafted > 0.5, stats
 
 
 def test_pagoda_bench_spec_table(llama_ckpt: Path, tmp_path: Path) -> None:
