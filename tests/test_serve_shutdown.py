@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,19 @@ def _grpc_while_draining(target: str) -> tuple[int, grpc.StatusCode | None]:
     return health.status, code
 
 
+@pytest.fixture(scope="module")
+def limited_server(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    """One running request and two waiting at most, and a drain only a second signal cuts short (300 s):
+    the queue-limit test uses it, then the second-SIGTERM test ends it (one server start fewer)."""
+    flags = ["--max-num-seqs", "1", "--max-waiting-requests", "2", "--max-model-len", "2048"]
+    server = _server(llama_ckpt, tmp_path_factory.mktemp("serve"), *flags, "--drain-timeout", "300").start()
+    try:
+        yield server
+        assert server.stop() == 0, server.log()[-3000:]  # exited 0 already after the second SIGTERM
+    finally:
+        server.kill()
+
+
 def test_sigterm_drains_in_flight_streams_and_exits_0(llama_ckpt: Path, tmp_path: Path) -> None:
     server = _server(llama_ckpt, tmp_path, "--drain-timeout", "120").start()
 
@@ -104,51 +118,48 @@ def test_sigterm_drains_in_flight_streams_and_exits_0(llama_ckpt: Path, tmp_path
     assert "drain complete" in log
 
 
-def test_queue_limit_answers_503_with_retry_after_and_recovers(llama_ckpt: Path, tmp_path: Path) -> None:
-    flags = ["--max-num-seqs", "1", "--max-waiting-requests", "2"]
+def test_queue_limit_answers_503_with_retry_after_and_recovers(limited_server: ServeProcess) -> None:
+    server = limited_server
 
     async def burst(base_url: str) -> list[httpx.Response]:
         body = {"prompt": "Queue me", "max_tokens": 80, "ignore_eos": True}
         async with httpx.AsyncClient(base_url=base_url, timeout=120) as http:
             return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(10)))
 
-    with _server(llama_ckpt, tmp_path, *flags) as server:
-        responses = asyncio.run(burst(server.base_url))
-        statuses = [r.status_code for r in responses]
-        assert set(statuses) == {200, 503}, statuses
-        for response in responses:
-            if response.status_code == 503:
-                assert int(response.headers["Retry-After"]) >= 1
-                error = response.json()["error"]
-                assert error["code"] == "queue_full" and "limit 2" in error["message"]
-            else:
-                assert response.json()["usage"]["completion_tokens"] == 80
-        # Recovered: the queue drained, new requests are served.
-        again = httpx.post(
-            f"{server.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60
-        )
-        assert again.status_code == 200
-        metrics = httpx.get(f"{server.base_url}/metrics").text
-        assert f'pagoda_request_errors_total{{error="queue_full"}} {float(statuses.count(503))}' in metrics
+    responses = asyncio.run(burst(server.base_url))
+    statuses = [r.status_code for r in responses]
+    assert set(statuses) == {200, 503}, statuses
+    for response in responses:
+        if response.status_code == 503:
+            assert int(response.headers["Retry-After"]) >= 1
+            error = response.json()["error"]
+            assert error["code"] == "queue_full" and "limit 2" in error["message"]
+        else:
+            assert response.json()["usage"]["completion_tokens"] == 80
+    # Recovered: the queue drained, new requests are served.
+    again = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
+    assert again.status_code == 200
+    metrics = httpx.get(f"{server.base_url}/metrics").text
+    assert f'pagoda_request_errors_total{{error="queue_full"}} {float(statuses.count(503))}' in metrics
 
-        # The same limit over gRPC answers RESOURCE_EXHAUSTED.
-        async def grpc_burst() -> list[grpc.StatusCode]:
-            sampling = pb.SamplingParameters(max_new_tokens=80, ignore_eos=True)
-            async with grpc.aio.insecure_channel(server.grpc_target) as channel:
-                stub = pb_grpc.InferenceStub(channel)
+    # The same limit over gRPC answers RESOURCE_EXHAUSTED.
+    async def grpc_burst() -> list[grpc.StatusCode]:
+        sampling = pb.SamplingParameters(max_new_tokens=80, ignore_eos=True)
+        async with grpc.aio.insecure_channel(server.grpc_target) as channel:
+            stub = pb_grpc.InferenceStub(channel)
 
-                async def one() -> grpc.StatusCode:
-                    try:
-                        async for _ in stub.Generate(pb.GenerateRequest(text="Queue me", sampling=sampling)):
-                            pass
-                    except grpc.aio.AioRpcError as error:
-                        return error.code()
-                    return grpc.StatusCode.OK
+            async def one() -> grpc.StatusCode:
+                try:
+                    async for _ in stub.Generate(pb.GenerateRequest(text="Queue me", sampling=sampling)):
+                        pass
+                except grpc.aio.AioRpcError as error:
+                    return error.code()
+                return grpc.StatusCode.OK
 
-                return await asyncio.gather(*(one() for _ in range(10)))
+            return await asyncio.gather(*(one() for _ in range(10)))
 
-        codes = asyncio.run(grpc_burst())
-        assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+    codes = asyncio.run(grpc_burst())
+    assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
 
 
 @pytest.mark.parametrize("flag", ["--precision=int8", "--tensor-parallel-size=0"])
@@ -158,10 +169,10 @@ def test_unrunnable_profile_exits_2_before_loading(llama_ckpt: Path, tmp_path: P
         server.start(timeout_s=60)
 
 
-def test_second_sigterm_aborts_the_drain(llama_ckpt: Path, tmp_path: Path) -> None:
-    args = ["--model", str(llama_ckpt), "--max-model-len", "2048", "--kv-cache-memory-bytes", str(16 << 20)]
-    server = ServeProcess([*args, "--drain-timeout", "300"], log_path=tmp_path / "serve.log").start()
-    max_tokens = 2000
+def test_second_sigterm_aborts_the_drain(limited_server: ServeProcess) -> None:
+    """A stream of 2000 tokens in flight (the only one the server runs at a time), SIGTERM: the drain
+    waits for it, up to 300 s; a second SIGTERM aborts it, and the server exits 0 at once."""
+    server, max_tokens = limited_server, 2000
 
     async def one(http: httpx.AsyncClient, started: asyncio.Event) -> int:
         body = {"prompt": "Go", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
@@ -176,21 +187,21 @@ def test_second_sigterm_aborts_the_drain(llama_ckpt: Path, tmp_path: Path) -> No
             pass  # cut off: the process is going away
         return num_chunks
 
-    async def main() -> list[int]:
+    async def main() -> int:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
-            started = [asyncio.Event() for _ in range(4)]
-            tasks = [asyncio.create_task(one(http, e)) for e in started]
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+            started = asyncio.Event()
+            task = asyncio.create_task(one(http, started))
+            await asyncio.wait_for(started.wait(), 60)
             server.terminate()
             while server.ready_status() == 200:
                 await asyncio.sleep(0.01)
             server.terminate()
-            return await asyncio.gather(*tasks)
+            return await task
 
     try:
-        chunks = asyncio.run(main())
+        num_chunks = asyncio.run(main())
         assert server.wait(30) == 0
     finally:
         server.kill()
-    assert all(n < max_tokens for n in chunks), chunks
+    assert num_chunks < max_tokens, num_chunks
     assert "second signal: aborting" in server.log()
