@@ -85,6 +85,26 @@ TARGETS: dict[str, Target] = {
     "model_lora": Target(
         "service/model/lora.py", ("tests/test_lora.py", "-k", "mixed or refused or tensor"), 180.0
     ),
+    # What a spec may not override (flags, PAGODA_* variables, pod labels, volumes): the contract's parsing
+    # tests and the manifests' refusals, not its servers.
+    "reserved": Target(
+        "operator/reserved.py",
+        (
+            "tests/test_operator_contract.py",
+            "tests/test_operator_manifests.py",
+            "-k",
+            "not serve_on_the_cpu and not groups_start and not every_group_pods",
+        ),
+    ),
+    # Where the weights and adapters are mounted: the snapshot, then the manifests' and cache Job's tests.
+    "model_mounts": Target(
+        "operator/model_mounts.py",
+        (
+            "tests/test_operator_manifests_snapshot.py",
+            "tests/test_operator_manifests.py",
+            "tests/test_operator_download.py",
+        ),
+    ),
     # The snapshot first: it kills most mutants in a fraction of a second, before the slower file runs.
     "manifests": Target(
         "operator/manifests.py",
