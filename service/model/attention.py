@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from pagoda import kernels
+from pagoda.kernels.kv_cache import cache_view
 
 
 @dataclass
@@ -78,3 +79,30 @@ class PagedAttention(nn.Module):
             self.k_scale,
             self.v_scale,
         )
+
+
+def allocate_kv_cache(
+    layers: list[PagedAttention],
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    v_token_major: bool,
+) -> torch.Tensor:  # [K/V, layer, block, slot x head x dim]
+    """One tensor holding the K and V caches of `layers` (a model's, a pipeline stage's, a draft
+    model's), each layer's `k_cache` / `v_cache` bound to its views (`kernels.kv_cache.cache_view`;
+    V token-major if asked)."""
+    num_kv_heads, head_dim = layers[0].num_kv_heads, layers[0].head_dim
+    cache = torch.empty(
+        2, len(layers), num_blocks, block_size * num_kv_heads * head_dim, dtype=dtype, device=device
+    )
+    for i, layer in enumerate(layers):
+        layer.k_cache = cache_view(cache[0, i], block_size, num_kv_heads, head_dim, token_major=False)
+        layer.v_cache = cache_view(cache[1, i], block_size, num_kv_heads, head_dim, token_major=v_token_major)
+    return cache
+
+
+def copy_kv_blocks(cache: torch.Tensor, copy_ops: list[tuple[int, int]]) -> None:
+    """Copy-on-write: each (source, destination) block's K and V in every layer."""
+    for src, dst in copy_ops:
+        cache[:, :, dst].copy_(cache[:, :, src])

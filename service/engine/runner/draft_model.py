@@ -19,10 +19,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from pagoda.kernels.kv_cache import cache_view
 from pagoda.service.engine.core.request import Request
 from pagoda.service.engine.runner.pipeline import attention_metadata
 from pagoda.service.engine.runner.sampler import to_device
+from pagoda.service.model.attention import allocate_kv_cache, copy_kv_blocks
 from pagoda.service.model.config import ModelConfig
 from pagoda.service.model.loader import load_model
 
@@ -51,22 +51,16 @@ class DraftModel:
     def allocate(self, num_blocks: int, kv_dtype: torch.dtype, v_token_major: bool) -> None:
         """Its KV cache: as many blocks as the target's, the same layout."""
         mc = self.config
-        num_kv_heads = self.model.attention_layers()[0].num_kv_heads
-        block_elems = self.block_size * num_kv_heads * mc.head_dim
-        self.kv_cache = torch.empty(
-            2, mc.num_hidden_layers, num_blocks, block_elems, dtype=kv_dtype, device=self.device
+        layers = self.model.attention_layers()
+        self.kv_cache = allocate_kv_cache(
+            layers, num_blocks, self.block_size, kv_dtype, self.device, v_token_major
         )
-        shape = (self.block_size, num_kv_heads, mc.head_dim)
-        for i, layer in enumerate(self.model.attention_layers()):
-            layer.k_cache = cache_view(self.kv_cache[0, i], *shape, token_major=False)
-            layer.v_cache = cache_view(self.kv_cache[1, i], *shape, token_major=v_token_major)
         logger.info("draft model: %d layers, KV cache of %d blocks beside the target's", mc.num_hidden_layers,
                     num_blocks)  # fmt: skip
 
     def copy_blocks(self, copy_ops: list[tuple[int, int]]) -> None:
         assert self.kv_cache is not None
-        for src, dst in copy_ops:
-            self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
+        copy_kv_blocks(self.kv_cache, copy_ops)
 
     @torch.inference_mode()
     def shadow(

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagoda.kernels.kv_cache import cache_view
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.core.request import PLACEHOLDER, Request
 from pagoda.service.engine.core.scheduler import GrammarBitmask, SchedulerOutput
@@ -34,6 +33,7 @@ from pagoda.service.engine.runner.pipeline import (
 )
 from pagoda.service.engine.runner.sampler import SampledBatch, Sampler, SampleResult, to_device
 from pagoda.service.engine.runner.spec_verify import verify_drafts
+from pagoda.service.model.attention import allocate_kv_cache, copy_kv_blocks
 from pagoda.service.model.fp8 import quantize_model_fp8, run_cublaslt_without_workspace, supports_fp8_matmul
 from pagoda.service.model.loader import load_model
 from pagoda.service.model.parallel import SINGLE_RANK, TPGroup
@@ -207,16 +207,11 @@ class ModelRunner:
             self.draft = DraftModel(spec.model, self.dtype, self.device, config.block_size)
             self.draft.check_vocabulary(mc)
         self.kv = self._kv_cache_layout(agree_num_blocks)
-        # [K/V, layer, block, slot x head x dim]; each layer's K and V seen by `cache_view`.
-        block_elems = config.block_size * self.num_kv_heads * mc.head_dim
-        self.kv_cache = torch.empty(
-            2, self.num_layers, self.kv.num_blocks, block_elems, dtype=self.kv_dtype, device=self.device
-        )
         v_token_major = v_cache_token_major(self.kv_dtype)
-        shape = (config.block_size, self.num_kv_heads, mc.head_dim)
-        for i, layer in enumerate(self.model.attention_layers()):
-            layer.k_cache = cache_view(self.kv_cache[0, i], *shape, token_major=False)
-            layer.v_cache = cache_view(self.kv_cache[1, i], *shape, token_major=v_token_major)
+        self.kv_cache = allocate_kv_cache(
+            self.model.attention_layers(), self.kv.num_blocks, config.block_size, self.kv_dtype, self.device,
+            v_token_major,
+        )  # fmt: skip
         if self.draft is not None:
             self.draft.allocate(self.kv.num_blocks, self.kv_dtype, v_token_major)
         self.max_model_len = self._max_model_len()
@@ -438,8 +433,7 @@ class ModelRunner:
         """The step's logits; with several ranks every rank calls this with the same `step` (only rank
         0's logits are real). `prev_tokens` (rank 0): the previous step's sampled tokens, which fill
         this one's placeholders. A draft model runs the same batch after the target, for its KV cache."""
-        for src, dst in step.copy_ops:
-            self.kv_cache[:, :, dst].copy_(self.kv_cache[:, :, src])
+        copy_kv_blocks(self.kv_cache, step.copy_ops)
         if self.pp.size > 1:
             return self._forward_stage(step, prev_tokens)
         fill_inputs = self._placeholder_fill(step, prev_tokens)
