@@ -362,13 +362,13 @@ def test_the_api_key_comes_from_its_secret_as_env_never_as_an_arg() -> None:
     assert not any("api-key" in arg for arg in container["args"])
     without = pod(manifests.deployment(parse_spec(body()), decision(), CONFIG))["containers"][0]
     assert "PAGODA_API_KEY" not in {e["name"] for e in without["env"]}
-    for extra in (["--api-key", "k"], ["--api-k=k"]):
-        try:
+    # "--api" and longer prefixes are the key's (argparse would take them for it); "--ap" is also a prefix
+    # of --api-server-count, which it would override: refused as such.
+    for extra in (["--api-key", "k"], ["--api-k=k"], ["--api=k"], ["--api-", "k"]):
+        with pytest.raises(ValueError, match="apiKeySecret"):
             parse_spec(body(engine={"extraArgs": extra}))
-        except ValueError as exc:
-            assert "apiKeySecret" in str(exc)
-        else:
-            raise AssertionError(f"{extra} was accepted")
+    with pytest.raises(ValueError, match="'--ap' would override --api-server-count"):
+        parse_spec(body(engine={"extraArgs": ["--ap", "2"]}))
 
 
 def test_pod_labels_and_annotations_and_the_service_from_the_spec() -> None:
@@ -422,6 +422,7 @@ def test_extra_volumes_and_mounts_from_the_spec() -> None:
         ([templates], [{"name": "templates", "mountPath": "/models/extra"}], "/models/extra overlaps"),
         ([templates], [{"name": "templates", "mountPath": "/var/cache"}], "/var/cache overlaps"),
         ([templates], [{"name": "templates", "mountPath": "/"}], "/ overlaps"),
+        ([templates], [{"name": "templates", "mountPath": "/tmp/"}], "/tmp overlaps"),  # the very path
         ([], [{"name": "nowhere", "mountPath": "/etc/x"}], "'nowhere' names no volume"),
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
