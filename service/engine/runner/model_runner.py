@@ -45,12 +45,14 @@ _CPU_DEFAULT_KV_BYTES = 512 << 20
 _CUDA_RESERVE_BYTES = 512 << 20  # the allocator's fragmentation, cuBLAS workspaces, NCCL buffers
 
 
-def kv_cache_budget(total: int, free: int, utilization: float, activations: int) -> int:
+def kv_cache_budget(total: int, free: int, utilization: float, activations: int, cached: int = 0) -> int:
     """Bytes for the KV cache on one GPU, as vLLM's `--gpu-memory-utilization` means it: the engine
     uses `utilization` of the GPU's whole memory, weights and everything else included. What is in use
     already (`total - free`: the weights once loaded, the CUDA context, other processes) comes out of
-    that share, then the activations of the largest step and a fixed reserve."""
-    return int(total * utilization) - (total - free) - activations - _CUDA_RESERVE_BYTES
+    that share, then the activations of the largest step and a fixed reserve. `cached`: memory this
+    process's allocator holds but no tensor uses (an engine shut down before this one, in the same
+    process): the device counts it as taken, this engine can reuse it."""
+    return int(total * utilization) - (total - free - cached) - activations - _CUDA_RESERVE_BYTES
 
 
 InputFill = Callable[[torch.Tensor], None]  # writes inputs the host does not have into a step's input ids
@@ -274,10 +276,11 @@ class ModelRunner:
             budget = cfg.kv_cache_memory_bytes
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
+            cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             # Activations of the largest step and the sampler's float32 logits stay outside the cache.
             activations = cfg.max_num_batched_tokens * (4 * mc.hidden_size + 3 * mc.intermediate_size)
             activations = activations * element_size + 3 * cfg.max_num_seqs * mc.vocab_size * 4
-            budget = kv_cache_budget(total, free, cfg.gpu_memory_utilization, activations)
+            budget = kv_cache_budget(total, free, cfg.gpu_memory_utilization, activations, cached)
         else:
             budget = _CPU_DEFAULT_KV_BYTES
         # A draft model's cache has as many blocks as the target's: each block costs both.
