@@ -120,8 +120,14 @@ class ServeProcess:
             self.proc.send_signal(signal.SIGTERM)
 
     def wait(self, timeout_s: float = 120.0) -> int:
+        """The exit code; TimeoutError with the log's tail if it has not exited within `timeout_s`."""
         assert self.proc is not None
-        return self.proc.wait(timeout_s)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(
+                f"pagoda serve still running after {timeout_s:.0f} s:\n{self.log()[-4000:]}"
+            ) from None
 
     def stop(self, timeout_s: float = 120.0) -> int:
         """SIGTERM and wait; SIGKILL past the timeout. Return the exit code."""
