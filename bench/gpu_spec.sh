@@ -5,7 +5,9 @@
 # output: lookups that find nothing or drafts that miss, the cost when speculation does not pay), by
 # batch size up to where the load rule stops drafting. The embedded SmolLM2 (the CPU figures'
 # real model) is not on the GPU machine: its file is larger than what a call carries.
-# Env: SPEC_PRECISIONS (bf16 fp8), SPEC_BATCHES (1,16,32,64,256).
+# SPEC_DRAFT=1 adds a draft model that is the target itself (as it is: every draft right, each at a
+# draft model's full cost: the issue's "draft = target").
+# Env: SPEC_PRECISIONS (bf16 fp8), SPEC_BATCHES (1,16,32,64,256), SPEC_DRAFT (unset).
 # Usage: bash bench/gpu_spec.sh TOKENIZER_DIR OUT_DIR   (carry .whl and out/tok: bench/device_wheels.sh)
 set -uo pipefail
 tok=${1:?tokenizer folder}; out=${2:?output folder}
@@ -21,4 +23,10 @@ for q in ${SPEC_PRECISIONS:-bf16 fp8}; do
             grep -v Loading | tail -9
         step "$q ${echo:-random}"
     done
+    if [ -n "${SPEC_DRAFT:-}" ]; then
+        python3 -m pagoda.bench spec --model /tmp/llama-8b-random --dtype bfloat16 "${quant[@]}" \
+            --draft-model /tmp/llama-8b-random --copy-batches 1 --random-batches "${SPEC_BATCHES:-1,16,32,64,256}" \
+            --output "$out/spec.md" 2>&1 | grep -v Loading | tail -9
+        step "$q draft = target"
+    fi
 done

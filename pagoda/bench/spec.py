@@ -65,6 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=256, help="the random workload's prompt length")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--echo", action="store_true", help="make the model repeat its last token (above)")
+    parser.add_argument(
+        "--draft-model",
+        default=None,
+        help="draft with this checkpoint (same tokenizer) instead of prompt lookup; the target itself: a "
+        "draft that always agrees at a draft model's full cost",
+    )
     parser.add_argument("--output", default=None, help="append the Markdown result to this file")
 
 
@@ -92,7 +98,10 @@ def run(args: argparse.Namespace) -> int:
     from pagoda.service.sampling_params import SamplingParams
 
     config = SpeculativeConfig(
-        num_speculative_tokens=args.num_speculative_tokens, max_batch_tokens=args.max_batch_tokens
+        method="draft_model" if args.draft_model else "ngram",
+        model=args.draft_model,
+        num_speculative_tokens=args.num_speculative_tokens,
+        max_batch_tokens=args.max_batch_tokens,
     )
     copy_batches = [int(b) for b in args.copy_batches.split(",") if b]
     batches = {
@@ -107,8 +116,10 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         max_num_seqs=max(max(b) for b in batches.values()),
         max_num_batched_tokens=4096,
+        speculative_config=config if args.draft_model else None,  # the draft model loads with the engine
     )
     core, runner = llm.engine.core, llm.engine.runner
+    propose = core.executor.propose_drafts if args.draft_model else None
     vocab = runner.model_config.vocab_size
     if args.echo:
         _make_echo(runner.model)
@@ -116,14 +127,15 @@ def run(args: argparse.Namespace) -> int:
     llm.generate(_random_prompts(2, 16, vocab), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
 
     def timed(prompts: list[list[int]], speculate: bool) -> tuple[float, list[list[int]], Any]:
-        core.speculator = Speculator(config, core.max_model_len) if speculate else None
+        core.speculator = Speculator(config, core.max_model_len, propose) if speculate else None
         seconds, outs = timed_generate(llm, runner.device, prompts, params)
         stats = core.speculator.stats if core.speculator else None
         return seconds, [o.outputs[0].token_ids for o in outs], stats
 
     echo = " as an echo" if args.echo else ""
     lines = [
-        f"### speculative decoding (ngram, k={config.num_speculative_tokens}, max_batch_tokens="
+        f"### speculative decoding ({args.draft_model or 'ngram'}, k={config.num_speculative_tokens}, "
+        f"max_batch_tokens="
         f"{config.max_batch_tokens}): {args.model or 'embedded SmolLM2-135M'}{echo}, "
         f"{args.quantization or args.dtype}, {args.output_len} out, greedy",
         "",
