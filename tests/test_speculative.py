@@ -620,6 +620,9 @@ def test_step_rates_decide_by_batch_bucket_and_keep_exploring() -> None:
 
     rates = StepRates()
     assert rates.worth_drafting(8)  # nothing measured: draft, and measure
+    rates.record(8, drafted=True, tokens=20, seconds=0.020)  # 1,000 tok/s
+    assert not rates.worth_drafting(8)  # plain steps unmeasured: take one
+    rates = StepRates()
     rates.record(8, drafted=False, tokens=8, seconds=0.010)  # 800 tok/s
     assert rates.worth_drafting(8)  # drafting at 8 still unmeasured
     rates.record(8, drafted=True, tokens=20, seconds=0.020)  # 1,000 tok/s: drafting pays
@@ -635,6 +638,84 @@ def test_step_rates_decide_by_batch_bucket_and_keep_exploring() -> None:
     assert rates.worth_drafting(64)
     assert rates.rate(64, True) == pytest.approx(10_240, rel=0.2) and rates.rate(64, False) == 6_400
     assert rates.worth_drafting(9)  # bucket 8-15 unaffected
+
+
+class _SimulatedGPU:
+    """A test double for a GPU's timing (there is none here): each step's forward pass runs on a
+    simulated device for `decode_s`, or `draft_s` when some sequence drafted, one step after another;
+    its tokens are ready when the device is done, and the core waiting for them moves the clock, which
+    stands in for the core's `time`. Every token is 7, so prompt lookup drafts 7s and keeps them all."""
+
+    can_overlap = True
+    max_model_len = 4096
+
+    def __init__(self, decode_s: float, draft_s: float) -> None:
+        from pagoda.service.engine.runner.model_runner import KVCacheLayout
+
+        self.decode_s, self.draft_s = decode_s, draft_s
+        self.now = self.free_at = 0.0
+        self.kv = KVCacheLayout(256, 16, 1)
+        self.steps = {True: 0, False: 0}  # pure decode steps that drafted / did not
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def forward(self, out: Any, after: object = None) -> tuple[Any, float]:
+        from pagoda.service.engine.messages import SampleResult
+        from pagoda.service.engine.runner.model_runner import StepResult
+
+        drafted = any(r.num_drafts for r in out.requests)
+        if out.total_num_tokens == len(out.requests) + sum(r.num_drafts for r in out.requests):
+            self.steps[drafted] += 1
+        self.free_at = max(self.now, self.free_at) + (self.draft_s if drafted else self.decode_s)
+        sampled = {r.request_id: SampleResult(7) for i, r in enumerate(out.requests) if out.needs_sample(i)}
+        accepted = {r.request_id: r.num_drafts for r in out.requests if r.num_drafts}
+        return StepResult(sampled, {}, accepted), self.free_at
+
+    def sample(self, forwarded: tuple[Any, float], grammar: object = None) -> Any:
+        result, done_at = forwarded
+        gpu = self
+
+        class Pending:
+            def result(self) -> Any:
+                gpu.now = max(gpu.now, done_at)
+                return result
+
+        return Pending()
+
+    def check_alive(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("draft_s", [0.030, 0.012])
+def test_step_rates_time_each_step_from_the_completion_before_it(
+    draft_s: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a simulated device (5 ms a plain decode step, `draft_s` a drafting one, 4 tokens a sequence:
+    every draft kept) the core's rates are each step's device time: a drafting step after an async
+    one waits for it first, and the plain step after drafting ones starts with nothing in flight, and
+    neither carries the other's time. At 30 ms drafting loses (133 against 200 tok/s): one plain step
+    measures that, then one step in 32 explores; at 12 ms (333 tok/s) nearly every step drafts."""
+    from types import SimpleNamespace
+
+    from pagoda.service.engine.core import engine_core
+    from pagoda.service.engine.messages import AddRequest
+
+    gpu = _SimulatedGPU(0.005, draft_s)
+    monkeypatch.setattr(engine_core, "time", SimpleNamespace(monotonic=gpu.monotonic))
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2)
+    core = engine_core.EngineCore(EngineConfig(speculative=spec, async_scheduling=True), gpu, {0})  # type: ignore[arg-type]
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    core.add_request(AddRequest("r", [7] * 8, params, 0.0))
+    while core.generation_tokens_total < 300:  # short of max_tokens, where drafts get shorter
+        core.step()
+    assert core.speculator is not None
+    rates = core.speculator.rates
+    assert rates.rate(1, True) == pytest.approx(4 / draft_s) and rates.rate(1, False) == pytest.approx(200)
+    if draft_s == 0.030:
+        assert 3 <= gpu.steps[True] <= 12 and gpu.steps[False] > 250, gpu.steps
+    else:
+        assert gpu.steps[False] <= 2 and gpu.steps[True] > 70, gpu.steps
 
 
 def test_adaptive_speculation_keeps_greedy_output(llama_ckpt: Path) -> None:

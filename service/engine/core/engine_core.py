@@ -133,6 +133,10 @@ class _InFlight:
     out: SchedulerOutput
     sampling: list[Request]  # the sequences holding a PLACEHOLDER for this step's token, in batch order
     pending: PendingResult
+    # A pure decode step (every row a sequence's next token or its drafts) is timed for the speculator's
+    # rates when it completes; `drafted`: some sequence drafted in it.
+    timed: bool = False
+    drafted: bool = False
 
 
 def _needs_turns(params: SamplingParams) -> bool:
@@ -213,6 +217,11 @@ class EngineCore:
         is_async = config.async_scheduling
         self.is_async = executor.can_overlap if is_async is None else is_async
         self._in_flight: _InFlight | None = None
+        # When the last step completed: a step's time for the speculator's rates is the period from the
+        # completion before it to its own. With async scheduling a step that runs in turn first waits for
+        # the one in flight, and the step after it starts with nothing on the device: timed from their own
+        # starts, the first would carry the other's device time and the second only its launch.
+        self._last_completed = time.monotonic()
         self._taking_turns: set[str] = set()  # requests that make steps run in turn (`_needs_turns`)
         spec = config.speculative
         self.speculator = (
@@ -342,17 +351,17 @@ class EngineCore:
             assert self.speculator is not None
             self.speculator.fill(out.requests)
         # A pure decode step (every row a sequence's next token, or its drafts) is timed for the
-        # speculator's rates: its output tokens, counted once it completes.
-        pure_decode = self.speculator is not None and all(
+        # speculator's rates once it completes.
+        timed = self.speculator is not None and all(
             n == 1 + r.num_drafts for r, n in zip(out.requests, out.num_scheduled_tokens, strict=True)
         )
         drafted = speculates and any(r.num_drafts for r in out.requests)
-        accepted_before = self.speculator.stats.num_accepted_tokens if self.speculator else 0
         if out.is_empty:
             if before is not None:
                 self._complete(before, outputs)
             else:
                 self.structured_output.wait(_GRAMMAR_WAIT_S)  # only grammars left to compile: wait for one
+                self._last_completed = time.monotonic()  # no step's time: the next step's period starts here
             return outputs
         behind = [before] if before is not None else []  # completed once, by the first to need its tokens
         now = time.monotonic()
@@ -377,17 +386,12 @@ class EngineCore:
             overlap = False
         if behind:
             self._complete(behind.pop(), outputs)  # while the device runs `out`
-        step = _InFlight(out, self.scheduler.advance(out), pending)
+        step = _InFlight(out, self.scheduler.advance(out), pending, timed, drafted)
         if overlap and self._requests:
             self._in_flight = step
         else:  # in turn; or every request ended meanwhile, so nothing waits on it: drain it now
             self._complete(step, outputs)
-        seconds = time.monotonic() - started
-        self._time_step(out, seconds)
-        if pure_decode and out.requests:
-            assert self.speculator is not None
-            kept = self.speculator.stats.num_accepted_tokens - accepted_before  # in turn: counted already
-            self.speculator.rates.record(len(out.requests), drafted, len(out.requests) + kept, seconds)
+        self._time_step(out, time.monotonic() - started)
         return outputs
 
     def _time_step(self, out: SchedulerOutput, seconds: float) -> None:
@@ -447,6 +451,13 @@ class EngineCore:
                 self.speculator.after_token(seq, len(self.scheduler.running))
         for client_id in done:
             self._forget_if_done(client_id)
+        now = time.monotonic()
+        if step.timed and step.out.requests and self.speculator is not None:
+            tokens = len(step.out.requests) + sum(result.accepted.values())
+            self.speculator.rates.record(
+                len(step.out.requests), step.drafted, tokens, now - self._last_completed
+            )
+        self._last_completed = now
 
     def _keep_accepted(self, seq: Request, accepted: int, sample: SampleResult) -> list[SampleResult]:
         """A sequence that drafted: its drafts leave `token_ids` (so each kept token is appended and

@@ -101,7 +101,8 @@ class SpecStats:
 
 class StepRates:
     """Output tokens per second of pure decode steps (no prompt chunk), by batch-size bucket: those
-    that drafted and those that did not, as exponential moving averages."""
+    that drafted and those that did not, as exponential moving averages. The core times a step from
+    the completion of the step before it to its own (engine_core.py says why)."""
 
     def __init__(self) -> None:
         self._rates: dict[tuple[int, bool], float] = {}
@@ -123,11 +124,17 @@ class StepRates:
         return self._rates.get((self.bucket(batch), drafted))
 
     def worth_drafting(self, batch: int) -> bool:
-        """Whether a step of `batch` decoding sequences should draft: when either rate is unknown, when
-        drafting is the faster, and one step in EXPLORE_EVERY of the others."""
+        """Whether a step of `batch` decoding sequences should draft: while drafting is unmeasured, not
+        while plain steps are (a stream whose every lookup finds a draft, or a draft model's, must still
+        learn what a plain step costs), when drafting is the faster, and one step in EXPLORE_EVERY of the
+        others."""
         b = self.bucket(batch)
         drafting, plain = self._rates.get((b, True)), self._rates.get((b, False))
-        if drafting is None or plain is None or drafting >= plain:
+        if drafting is None:
+            return True
+        if plain is None:
+            return False
+        if drafting >= plain:
             self._declined.pop(b, None)
             return True
         declined = self._declined.get(b, 0) + 1
