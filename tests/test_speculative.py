@@ -779,6 +779,26 @@ def test_pagoda_bench_spec_table(llama_ckpt: Path, tmp_path: Path) -> None:
     assert kept == drafted  # random prompts: the echo repeats its last token, and every draft is that
 
 
+def test_pagoda_bench_spec_with_the_target_as_its_draft_model(llama_ckpt: Path, tmp_path: Path) -> None:
+    """`--draft-model`: the draft model drafts (the title names it), and the target as its own draft
+    (fp32: greedy drafts are its tokens) has every draft kept, the output the same."""
+    from pagoda.bench import offline as bench
+
+    out = tmp_path / "spec.md"
+    args = ["spec", "--model", str(llama_ckpt), "--draft-model", str(llama_ckpt), "--device", "cpu",
+            "--dtype", "float32", "--copy-batches", "1", "--random-batches", "2", "--input-len", "8",
+            "--output-len", "8", "--output", str(out)]  # fmt: skip
+    assert bench.main(args) == 0
+    text = out.read_text()
+    assert f"### speculative decoding ({llama_ckpt}, k=3" in text
+    rows = [line.split("|")[1:-1] for line in text.splitlines() if re.match(r"\| (copy|code|random) ", line)]
+    assert len(rows) == 3
+    for row in rows:
+        kept, drafted = (int(x) for x in row[5].split("/"))
+        assert kept == drafted > 0, row
+        assert row[7].strip().startswith(f"{row[1].strip()}/{row[1].strip()}"), row
+
+
 def test_drafts_stop_short_of_max_tokens_and_the_context() -> None:
     from pagoda.service.engine.core.speculation import Speculator
 
