@@ -16,6 +16,8 @@ def test_help_lists_the_sweeps(capsys: pytest.CaptureFixture[str]) -> None:
     assert exit_info.value.code == 0 and "--sweep-only" in out and "fp8" in out
     with pytest.raises(SystemExit):
         bench.main(["--sweep", "tiles"])  # not a sweep
+    with pytest.raises(SystemExit):
+        bench.main(["--only", "gemm"])  # not a section
 
 
 def test_needs_a_gpu(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:

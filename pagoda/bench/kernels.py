@@ -52,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "fp8 cache by operand and config (fp8)",
     )
     parser.add_argument("--sweep-only", action="store_true", help="run the sweeps without the table")
+    parser.add_argument(
+        "--only",
+        choices=["decode", "prefill", "small", "lora"],
+        action="append",
+        default=[],
+        help="only these sections of the table (default: all)",
+    )
     parser.add_argument("--markdown", help="write the results table to this file")
     parser.add_argument("--json", help="write every row to this file")
 
@@ -576,7 +583,9 @@ def run(args: argparse.Namespace) -> int:
     versions += f"; {copy_note}"
     print(f"{gpu}; {versions}", flush=True)
     rows: list[Row] = []
-    for section in () if args.sweep_only else (bench_decode, bench_prefill, bench_small, bench_lora):
+    sections = {"decode": bench_decode, "prefill": bench_prefill, "small": bench_small, "lora": bench_lora}
+    chosen = [sections[name] for name in args.only] if args.only else list(sections.values())
+    for section in () if args.sweep_only else chosen:
         try:
             rows += section(args.quick)
         except Exception as e:  # report what ran; a broken section must not hide the others
