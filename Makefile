@@ -49,7 +49,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
-	$(VENV)/bin/shellcheck -x e2e/tools/*.sh
+	$(VENV)/bin/shellcheck -x e2e/tools/*.sh bench/*.sh
 
 # Two workers (pytest-xdist), a module to a worker (tests/conftest.py): 2 cores, and many tests wait on
 # servers in other processes. PYTEST_WORKERS=0 runs in one process (a debugger, -x).

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by the bench/gpu_*.sh scripts on the GPU machine, which has torch/triton/transformers but
 # neither this package nor some of its dependencies: installs the wheels carried in .whl (msgspec,
 # pyzmq, FastAPI, uvicorn, pydantic, newer grpc/protobuf; see /work/.library/device/README.md) and

@@ -6,6 +6,7 @@
 # Usage: bash bench/gpu_async.sh TOKENIZER_DIR OUT_DIR
 set -uo pipefail
 tok=${1:?tokenizer folder}; out=${2:?output folder}
+# shellcheck source=bench/device_env.sh
 source "$(dirname "$0")/device_env.sh"
 python3 -c "import msgspec, zmq, pagoda.service.engine.core.engine_core, pagoda.service.llm" || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

@@ -4,6 +4,7 @@
 # Llama-3.1-8B-shaped checkpoint. Usage: bash bench/gpu_engine.sh TOKENIZER_DIR OUT_DIR
 set -uo pipefail
 tok=${1:?tokenizer folder}; out=${2:?output folder}
+# shellcheck source=bench/device_env.sh
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -m pagoda.bench.gpu_check --tokenizer "$tok" 2>&1 | tee "$out/engine_check.log" | grep -v Loading

@@ -5,6 +5,7 @@
 # gpu_engine.sh builds. Usage: bash bench/gpu_grammar.sh TOKENIZER_DIR OUT_DIR
 set -uo pipefail
 tok=${1:?tokenizer folder}; out=${2:?output folder}
+# shellcheck source=bench/device_env.sh
 source "$(dirname "$0")/device_env.sh"
 python3 - <<'PY' 2>&1 | tee "$out/grammar_mask.log"
 import numpy as np, torch

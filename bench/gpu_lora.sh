@@ -7,6 +7,7 @@
 # Usage: bash bench/gpu_lora.sh TOKENIZER_DIR OUT_DIR   (carry .whl and out/tok: bench/device_wheels.sh)
 set -uo pipefail
 tok=${1:?tokenizer folder}; out=${2:?output folder}
+# shellcheck source=bench/device_env.sh
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 ensure_8b "$tok"

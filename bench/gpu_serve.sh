@@ -5,6 +5,7 @@
 # Usage: bash bench/gpu_serve.sh TOKENIZER_DIR OUT_DIR
 set -uo pipefail
 tok=${1:?tokenizer folder}; out=${2:?output folder}
+# shellcheck source=bench/device_env.sh
 source "$(dirname "$0")/device_env.sh"
 python3 -m pagoda.bench.gpu_check --tokenizer "$tok" --build-8b /tmp/llama-8b-random > /dev/null 2>&1 || exit 1
 python3 -m pagoda.cli serve --model /tmp/llama-8b-random --served-model-name llama-8b-random --port 8000 \

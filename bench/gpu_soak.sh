@@ -8,6 +8,7 @@
 set -uo pipefail
 tok=${1:?tokenizer folder}; out=${2:?output folder}; duration=${3:-600}
 mkdir -p "$out"
+# shellcheck source=bench/device_env.sh
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt"
 python3 -m pagoda.bench.gpu_check --tokenizer "$tok" --build-8b /tmp/llama-8b-random > "$out/build.log" 2>&1 \

@@ -16,6 +16,7 @@
 # Usage: bash bench/gpu_speed.sh TOKENIZER_DIR OUT_DIR [SECTIONS] (default: "kernels bs1 offline serve")
 set -uo pipefail
 tok=${1:?tokenizer folder}; out=${2:?output folder}; sections=${3:-kernels bs1 offline serve}
+# shellcheck source=bench/device_env.sh
 source "$(dirname "$0")/device_env.sh"
 python3 -c "import msgspec, zmq, fastapi, uvicorn, httpx, pagoda.service.server, pagoda.service.llm, pagoda.bench.kernels_fp8" || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -45,6 +46,7 @@ if has kernels; then
     step "fp8 kernels"
 fi
 if has kernels || has attention; then
+    # shellcheck disable=SC2086  # SPLITS_ARGS: several flags, split on purpose
     timeout 120 python3 -m pagoda.bench.kernels ${SPLITS_ARGS:---quick --sweep splits} --markdown "$out/attention.md" 2>&1 | tail -40
     step "attention kernels"
 fi
@@ -72,6 +74,7 @@ if has offline; then
     IFS=';' read -ra variants <<< "${OFFLINE_VARIANTS:- ;--quantization fp8;--kv-cache-dtype fp8;--quantization fp8 --kv-cache-dtype fp8}"
     for q in "${variants[@]}"; do
         traced=$((traced + 1))
+        # shellcheck disable=SC2086  # $q: the precision flags, split on purpose
         python3 -m pagoda.bench offline "${model[@]}" $q --num-prompts 256 --input-len 128 --output-len 128 \
             --busy-steps 20 --busy-top 8 --profile-prefill ${BUSY_TRACE:+--busy-trace "$out/trace_offline_$traced.json"} \
             --output "$out/bench.md" 2>&1 | grep -v Loading | tail -28
@@ -85,8 +88,8 @@ if has grid; then  # issue 11's grid: in / out lengths, enough requests for a st
         for shape in "${shapes[@]}"; do
             read -r in_len out_len n <<< "$shape"
             [[ $q == *-kv8 && $n == 384 ]] && n=640  # an fp8 cache holds more (768 x 2.2k tokens overflowed it: preemptions)
-            timeout 200 python3 -m pagoda.bench offline "${model[@]}" "${extra[@]}" --num-prompts $n \
-                --input-len $in_len --output-len $out_len --max-num-batched-tokens 8192 \
+            timeout 200 python3 -m pagoda.bench offline "${model[@]}" "${extra[@]}" --num-prompts "$n" \
+                --input-len "$in_len" --output-len "$out_len" --max-num-batched-tokens 8192 \
                 --output "$out/bench.md" 2>&1 | grep -v Loading | tail -4
             step "grid $q $shape"
         done
@@ -113,7 +116,7 @@ if has serve; then
                 (sleep 4; /tmp/site/bin/py-spy record -p $pid -d 6 -r 100 -f raw -o "$out/pyspy_api_$q.raw" > /dev/null 2>&1) &
             fi
             timeout 120 python3 -m pagoda.bench serve --base-url http://localhost:8000 --model m --vocab-size 128256 \
-                --num-prompts $n --input-len 128 --output-len 128 --max-concurrency $c --client-processes "${CLIENT_PROCESSES:-auto}" \
+                --num-prompts "$n" --input-len 128 --output-len 128 --max-concurrency "$c" --client-processes "${CLIENT_PROCESSES:-auto}" \
                 --output "$out/serve_bench.md" 2>&1 | tail -14
             # The core's step-time histogram and GC pauses, cumulative: diff consecutive dumps.
             { echo "## c=$c"; curl -s localhost:8000/metrics | grep -E "^pagoda_(engine_(step_duration|gc_)|output_delay)"; } \

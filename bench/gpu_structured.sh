@@ -8,6 +8,7 @@
 # Usage: bash bench/gpu_structured.sh TOKENIZER_DIR OUT_DIR
 set -uo pipefail
 tok=${1:?tokenizer folder}; out=${2:?output folder}
+# shellcheck source=bench/device_env.sh
 source "$(dirname "$0")/device_env.sh"
 python3 -m pagoda.bench.gpu_check --tokenizer "$tok" --build-8b /tmp/llama-8b-random > "$out/build.log" 2>&1 ||
     { tail -20 "$out/build.log"; exit 1; }

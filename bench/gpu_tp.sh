@@ -6,6 +6,7 @@
 # stay as the machine sets them. Usage: bash bench/gpu_tp.sh TOKENIZER_DIR OUT_DIR [N]
 set -uo pipefail
 tok=${1:?tokenizer folder}; out=${2:?output folder}; tp=${3:-2}
+# shellcheck source=bench/device_env.sh
 source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -m pagoda.bench.gpu_check --tokenizer "$tok" --tensor-parallel-size "$tp" 2>&1 | tee "$out/tp_check.log" | grep -E "^\||Device|Error|error" | head -40
