@@ -595,8 +595,11 @@ def test_a_draft_model_gives_the_target_output(
         twice = [spec.generate(prompts[0], seeded)[0].outputs[0].token_ids for _ in range(2)]
         bm = spec.engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks
+        kv = spec.engine.runner.kv
     assert got == expected
     assert twice[0] == twice[1] and len(twice[0]) == 20
+    if draft_name == "llama_ckpt":  # each block is paid twice: the target's and its draft's
+        assert kv.num_blocks == (8 << 20) // (2 * kv.bytes_per_block), kv
     if draft_name == "llama_ckpt":
         assert stats.spec_num_accepted_tokens_total == stats.spec_num_draft_tokens_total > 30, stats
     else:

@@ -81,6 +81,13 @@ class PagedAttention(nn.Module):
         )
 
 
+def kv_block_bytes(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes of one block of `allocate_kv_cache`'s tensor: K and V of `block_size` tokens in every layer."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+
 def allocate_kv_cache(
     layers: list[PagedAttention],
     num_blocks: int,

@@ -22,7 +22,7 @@ import torch
 from pagoda.service.engine.core.request import Request
 from pagoda.service.engine.runner.pipeline import attention_metadata
 from pagoda.service.engine.runner.sampler import to_device
-from pagoda.service.model.attention import allocate_kv_cache, copy_kv_blocks
+from pagoda.service.model.attention import allocate_kv_cache, copy_kv_blocks, kv_block_bytes
 from pagoda.service.model.config import ModelConfig
 from pagoda.service.model.loader import load_model
 
@@ -37,9 +37,10 @@ class DraftModel:
         self.kv_cache: torch.Tensor | None = None
 
     def bytes_per_block(self, kv_dtype: torch.dtype) -> int:
-        mc = self.config
-        num_kv_heads = self.model.attention_layers()[0].num_kv_heads
-        return 2 * mc.num_hidden_layers * self.block_size * num_kv_heads * mc.head_dim * kv_dtype.itemsize
+        layers = self.model.attention_layers()
+        return kv_block_bytes(
+            len(layers), self.block_size, layers[0].num_kv_heads, layers[0].head_dim, kv_dtype
+        )
 
     def check_vocabulary(self, target: ModelConfig) -> None:
         if self.config.vocab_size != target.vocab_size:

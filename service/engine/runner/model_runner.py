@@ -33,7 +33,7 @@ from pagoda.service.engine.runner.pipeline import (
 )
 from pagoda.service.engine.runner.sampler import SampledBatch, Sampler, SampleResult, to_device
 from pagoda.service.engine.runner.spec_verify import verify_drafts
-from pagoda.service.model.attention import allocate_kv_cache, copy_kv_blocks
+from pagoda.service.model.attention import allocate_kv_cache, copy_kv_blocks, kv_block_bytes
 from pagoda.service.model.fp8 import quantize_model_fp8, run_cublaslt_without_workspace, supports_fp8_matmul
 from pagoda.service.model.loader import load_model
 from pagoda.service.model.parallel import SINGLE_RANK, TPGroup
@@ -270,8 +270,9 @@ class ModelRunner:
     def _kv_cache_layout(self, agree_num_blocks: Callable[[int], int] | None) -> KVCacheLayout:
         mc, cfg = self.model_config, self.config
         element_size = self.dtype.itemsize
-        bytes_per_block = 2 * self.num_layers * cfg.block_size * self.num_kv_heads * mc.head_dim
-        bytes_per_block *= self.kv_dtype.itemsize
+        bytes_per_block = kv_block_bytes(
+            self.num_layers, cfg.block_size, self.num_kv_heads, mc.head_dim, self.kv_dtype
+        )
         if cfg.kv_cache_memory_bytes is not None:
             budget = cfg.kv_cache_memory_bytes
         elif self.device.type == "cuda":
