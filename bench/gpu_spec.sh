@@ -7,7 +7,10 @@
 # real model) is not on the GPU machine: its file is larger than what a call carries.
 # SPEC_DRAFT=1 adds a draft model that is the target itself (as it is: every draft right, each at a
 # draft model's full cost: the "draft = target").
-# Env: SPEC_PRECISIONS (bf16 fp8), SPEC_BATCHES (1,16,32,64,256), SPEC_DRAFT (unset).
+# SPEC_BUSY=N profiles N steady steps at each batch, plain and drafting at every step: wall, GPU-busy and
+# idle ms per step, tokens per step, and the 8 kernels with the most GPU time (where a drafting step's
+# time goes).
+# Env: SPEC_PRECISIONS (bf16 fp8), SPEC_BATCHES (1,16,32,64,256), SPEC_DRAFT (unset), SPEC_BUSY (unset).
 # Usage: bash bench/gpu_spec.sh TOKENIZER_DIR OUT_DIR   (carry .whl and out/tok: bench/device_wheels.sh)
 set -uo pipefail
 tok=${1:?tokenizer folder}; out=${2:?output folder}
@@ -20,8 +23,8 @@ for q in ${SPEC_PRECISIONS:-bf16 fp8}; do
     quant=(); [ "$q" = fp8 ] && quant=(--quantization fp8)
     for echo in --echo ""; do
         python3 -m pagoda.bench spec --model /tmp/llama-8b-random --dtype bfloat16 "${quant[@]}" $echo \
-            --copy-batches 1 --random-batches "${SPEC_BATCHES:-1,16,32,64,256}" --output "$out/spec.md" 2>&1 |
-            grep -v Loading | tail -9
+            --copy-batches 1 --random-batches "${SPEC_BATCHES:-1,16,32,64,256}" --output "$out/spec.md" \
+            ${SPEC_BUSY:+--busy-steps "$SPEC_BUSY" --busy-top 8} 2>&1 | grep -v Loading | tail -40
         step "$q ${echo:-random}"
     done
     if [ -n "${SPEC_DRAFT:-}" ]; then

@@ -760,14 +760,20 @@ def test_greedy_lookup_is_exact_on_other_checkpoints(ckpt_name: str, request: py
 
 def test_pagoda_bench_spec_table(llama_ckpt: Path, tmp_path: Path) -> None:
     """`pagoda bench spec` on the CPU: a row per workload and batch, the outputs with and without
-    drafts the same; as an echo, after random prompts every draft is kept."""
+    drafts the same; as an echo, after random prompts every draft is kept. `--busy-steps`: steady
+    steps without drafts emit a token a sequence, drafting ones more."""
     from pagoda.bench import offline as bench
 
     out = tmp_path / "spec.md"
     args = ["spec", "--model", str(llama_ckpt), "--device", "cpu", "--dtype", "float32", "--echo",
             "--copy-batches", "1", "--random-batches", "2", "--input-len", "8", "--output-len", "12",
-            "--output", str(out)]  # fmt: skip
+            "--busy-steps", "3", "--output", str(out)]  # fmt: skip
     assert bench.main(args) == 0
+    profiled = {
+        m[1]: float(m[2])
+        for m in re.finditer(r"^\| 2 \| (off|on) \|.*\| ([0-9.]+) \|$", out.read_text(), re.M)
+    }
+    assert profiled["off"] == 2.0 and profiled["on"] > 4.0, profiled
     rows = [
         line.split("|")[1:-1]
         for line in out.read_text().splitlines()

@@ -242,7 +242,7 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
             core.is_async = is_async
             prompts = _prompts(args.num_prompts, args.input_len, vocab)
             trace = _trace_path(args.busy_trace, is_async, len(modes[args.async_scheduling]) > 1)
-            wall, busy = _decode_busy(llm, prompts, args.busy_steps, args.busy_top, trace)
+            wall, busy, _ = _decode_busy(llm, prompts, args.busy_steps, args.busy_top, trace)
             line = f"decode at batch {args.num_prompts}{_mode_name(is_async)}: {wall:.2f} ms/step wall"
             if on_gpu:
                 idle = wall - busy
@@ -317,20 +317,27 @@ def _annotated_phases(engine: Any) -> Iterator[None]:
 
 
 def _decode_busy(
-    llm: Any, prompts: list[list[int]], steps: int, top: int = 0, trace: str | None = None
-) -> tuple[float, float]:
+    llm: Any,
+    prompts: list[list[int]],
+    steps: int,
+    top: int = 0,
+    trace: str | None = None,
+    tokens_per_step: int = 1,
+) -> tuple[float, float, float]:
     """Wall and GPU-busy milliseconds per steady decode step (every request past its prefill), the
-    busy time being the sum of the CUDA kernels the profiler saw in those steps (0 on the CPU). `top`:
+    busy time being the sum of the CUDA kernels the profiler saw in those steps (0 on the CPU), and
+    the output tokens a step completed. `top`:
     print that many kernels, most GPU time first, with their time per step. `trace`: also record the
     host's calls, and write the steps' Chrome trace there (the host's share of the wall time grows a
-    little under the recording)."""
+    little under the recording). `tokens_per_step`: the most a step emits per sequence (speculation:
+    k + 1), so that no sequence ends before the profiled steps do."""
     from torch.profiler import ProfilerActivity, profile
 
     from pagoda.service.sampling_params import SamplingParams
 
     engine = llm.engine
     device = engine.runner.device
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=(steps + 64) * tokens_per_step, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"busy-{i}", prompt, params, final_only=True)  # as LLM.generate does
     for _ in range(32):  # prefills, and the ramp to a steady batch
@@ -338,15 +345,16 @@ def _decode_busy(
     activities = [ProfilerActivity.CUDA] if device.type == "cuda" else []
     activities += [ProfilerActivity.CPU] if trace else []
     sync(device)
-    with profile(activities=activities) as prof, _annotated_phases(engine) if trace else nullcontext():
-        start = time.perf_counter()
+    profiler = profile(activities=activities) if activities else nullcontext()  # the CPU: wall time alone
+    with profiler as prof, _annotated_phases(engine) if trace else nullcontext():
+        start, tokens = time.perf_counter(), engine.core.generation_tokens_total
         for _ in range(steps):
             engine.step()
         sync(device)
-        wall = time.perf_counter() - start
-    if trace:
+        wall, tokens = time.perf_counter() - start, engine.core.generation_tokens_total - tokens
+    if trace and prof is not None:
         prof.export_chrome_trace(trace)
-    kernels = device_work(prof.key_averages())
+    kernels = device_work(prof.key_averages()) if prof is not None else []
     busy_us = sum(e.self_device_time_total for e in kernels)
     for line in _top_kernels(kernels, steps, top):
         print(line)
@@ -354,7 +362,7 @@ def _decode_busy(
         engine.abort(f"busy-{i}")
     while engine.has_unfinished or engine.core.has_unfinished:
         engine.step()
-    return 1000 * wall / steps, busy_us / 1000 / steps
+    return 1000 * wall / steps, busy_us / 1000 / steps, tokens / steps
 
 
 def projection_params(mc: Any) -> int:

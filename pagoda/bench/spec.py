@@ -71,6 +71,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="draft with this checkpoint (same tokenizer) instead of prompt lookup; the target itself: a "
         "draft that always agrees at a draft model's full cost",
     )
+    parser.add_argument(
+        "--busy-steps",
+        type=int,
+        default=0,
+        help="also profile this many steady steps at each random-workload batch, plain and drafting at "
+        "every step (the measured rule off): wall and GPU-busy ms per step and tokens per step",
+    )
+    parser.add_argument(
+        "--busy-top", type=int, default=0, help="with --busy-steps: the K kernels with the most GPU time"
+    )
     parser.add_argument("--output", default=None, help="append the Markdown result to this file")
 
 
@@ -165,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
                 f"| {on_s and off_s / on_s:.2f} | {kept} | {per_step:.2f} | {same}/{batch} ({noise}) |"
             )
             print(lines[-1], flush=True)
+    if args.busy_steps > 0:
+        lines += _profile_steps(llm, config, propose, batches["random"], args)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.output:
@@ -172,6 +184,42 @@ def run(args: argparse.Namespace) -> int:
             f.write("\n" + text)
     llm.shutdown()
     return 0
+
+
+def _profile_steps(
+    llm: Any, config: Any, propose: Any, batches: list[int], args: argparse.Namespace
+) -> list[str]:
+    """Where a drafting step's time goes, against a plain one: `--busy-steps` steady steps at each batch
+    (random prompts), without drafts and drafting at every step the load rule allows (the measured rule
+    off), each as wall and GPU-busy ms per step (the idle is the host's share: a drafting step runs in
+    turn) and output tokens per step; `--busy-top` kernels under each."""
+    from dataclasses import replace
+
+    from pagoda.bench.offline import _decode_busy
+    from pagoda.service.engine.core.speculation import Speculator
+
+    core = llm.engine.core
+    always = replace(config, adaptive=False)
+    lines = [
+        "",
+        f"Steady steps profiled ({args.busy_steps} each, random prompts of {args.input_len} tokens):",
+        "",
+        "| batch | drafts | wall ms / step | GPU busy ms / step | idle ms / step | output tokens / step |",
+        "| ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
+    vocab = llm.engine.runner.model_config.vocab_size
+    for batch in batches:
+        prompts = _random_prompts(batch, args.input_len, vocab)
+        for drafting in (False, True):
+            core.speculator = Speculator(always, core.max_model_len, propose) if drafting else None
+            k = config.num_speculative_tokens
+            wall, busy, tokens = _decode_busy(llm, prompts, args.busy_steps, args.busy_top, None, k + 1)
+            lines.append(
+                f"| {batch} | {'on' if drafting else 'off'} | {wall:.2f} | {busy:.2f} | {wall - busy:.2f} | "
+                f"{tokens:.2f} |"
+            )
+            print(lines[-1], flush=True)
+    return lines
 
 
 def _make_echo(model: Any) -> None:
