@@ -277,21 +277,9 @@ def paged_runner() -> type[PagedRunner]:
 
 def hf_greedy_tokens(model: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """transformers `generate()`, greedy, one prompt at a time (no padding), new tokens only."""
-    import torch
+    from pagoda.bench.gpu_check import hf_generate
 
-    outputs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
+    return hf_generate(model, prompts, new_tokens)
 
 
 @pytest.fixture

@@ -181,18 +181,20 @@ def prompts(vocab: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in (1, 5, 16, 17, 33, 100, 257, 600)]
 
 
-def hf_generate(model: Any, batch: list[list[int]]) -> list[list[int]]:
+def hf_generate(model: Any, batch: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    """transformers `generate()`, greedy, one prompt at a time (no padding), new tokens only."""
     out = []
-    for p in batch:
-        ids = torch.tensor([p], device=model.device)
-        gen = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            pad_token_id=0,
-        )
-        out.append(gen[0, len(p) :].tolist())
+    with torch.inference_mode():
+        for p in batch:
+            ids = torch.tensor([p], device=model.device)
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            out.append(gen[0, len(p) :].tolist())
     return out
 
 
