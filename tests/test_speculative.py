@@ -56,6 +56,9 @@ def test_prompt_lookup_without_a_match_or_near_the_end() -> None:
     assert propose_ngram([7, 7, 7, 7], 3, 2, 2) == [7, 7]
     assert propose_ngram([1, 2, 5, 1, 2, 6, 8, 1, 2], 2, 2, 2) == [6, 8]  # the most recent with two after
     assert propose_ngram([3], 2, 4, 1) == []
+    assert propose_ngram([4, 4], 2, 4, 1) == [4]  # shorter than lookup_max: n starts at length - 1
+    # The most recent match with exactly k tokens after it (it ends where the suffix starts) is taken.
+    assert propose_ngram([1, 2, 9, 9, 9, 1, 2, 7, 1, 2], 3, 2, 2) == [7, 1, 2]
 
 
 def test_the_load_rule_drafts_less_as_the_batch_grows_and_none_past_half_the_cap() -> None:
@@ -628,6 +631,9 @@ def test_step_rates_decide_by_batch_bucket_and_keep_exploring() -> None:
     rates = StepRates()
     rates.record(8, drafted=False, tokens=8, seconds=0.010)  # 800 tok/s
     assert rates.worth_drafting(8)  # drafting at 8 still unmeasured
+    rates.record(2, drafted=False, tokens=2, seconds=0.010)
+    rates.record(2, drafted=True, tokens=2, seconds=0.010)
+    assert all(rates.worth_drafting(2) for _ in range(EXPLORE_EVERY))  # as fast: drafting, every step
     rates.record(8, drafted=True, tokens=20, seconds=0.020)  # 1,000 tok/s: drafting pays
     assert rates.worth_drafting(8) and rates.worth_drafting(15)  # 8-15 is one bucket
     assert rates.worth_drafting(64)  # another bucket, nothing measured there
