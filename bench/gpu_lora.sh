@@ -2,7 +2,8 @@
 # Multi-LoRA (issue 35) on one CUDA GPU, in one call: `pagoda bench lora` on the Llama-3.1-8B-shaped
 # random checkpoint, decode with 8 rank-16 adapters on every projection spread over the batch against
 # the base model alone (the goal: 85% of the base's tok/s at batch 64 in bf16), in bf16 and with an fp8
-# base; then the LoRA kernels' GPU check. (`pagoda bench kernels` times them against gather + bmm.)
+# base; then the LoRA kernels' GPU check, their timings against gather + bmm (`pagoda bench kernels
+# --only lora`) and the engine's LoRA check (graphs, eager and references; tests/gpu/check_engine.py).
 # Env: LORA_PRECISIONS (bf16 fp8), LORA_BATCHES (1,64).
 # Usage: bash bench/gpu_lora.sh TOKENIZER_DIR OUT_DIR   (carry .whl and out/tok: bench/device_wheels.sh)
 set -uo pipefail
@@ -22,3 +23,8 @@ done
 cd "$root" || exit 1
 python3 -m pytest -q -p no:cacheprovider tests/kernels/check_lora.py 2>&1 | tail -5
 step "kernel check"
+timeout 120 python3 -m pagoda.bench kernels --quick --only lora --markdown "$out/lora_kernels.md" 2>&1 | grep -E "lora|failed"
+step "kernel timings"
+PAGODA_GPU_TOKENIZER=$(realpath "$tok") timeout 200 python3 -m pytest -q -p no:cacheprovider -rA \
+    tests/gpu/check_engine.py -k lora 2>&1 | grep -E "graphs|passed|failed|Error" | tail -6
+step "engine check"
