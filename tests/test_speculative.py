@@ -395,12 +395,39 @@ def test_no_lookup_where_the_load_rule_forbids_drafts() -> None:
         r.num_computed_tokens = 4  # decoding
         speculator.after_token(r, num_running=3)  # 8 // 3 - 1 = 1
     assert speculator.lookups == 3 and three[0].draft_proposal == [2, 1]
+    assert speculator.plan(three)  # one draft each is still a drafting step
     assert speculator.draft(three) == 3 and [r.draft_token_ids for r in three] == [[2]] * 3  # cut to one
     logprobs = Request("q", [1, 2, 1, 2, 1], SamplingParams(logprobs=1), 0.0)
     speculator.after_token(logprobs, num_running=1)
     assert logprobs.draft_proposal == [] and speculator.lookups == 3  # never drafts: never looked up
     logprobs.num_computed_tokens = logprobs.num_tokens - 1
     assert not logprobs.wants_draft and not speculator.plan([logprobs])
+
+
+def test_a_draft_model_proposer_fills_the_slots_the_load_rule_gives() -> None:
+    """A draft model's speculator: every decoding sequence wants a draft (no lookup, no grammar check),
+    `draft` holds the load rule's number of zero slots, and `fill` writes the proposer's tokens there."""
+    from pagoda.service.engine.core.speculation import Speculator
+
+    asked: list[list[int]] = []
+
+    def propose(reqs: list[Request], k: list[int]) -> list[list[int]]:
+        asked.append(k)
+        return [[40 + i] * n for i, n in enumerate(k)]
+
+    config = SpeculativeConfig(method="draft_model", model="draft", max_batch_tokens=8, adaptive=False)
+    speculator = Speculator(config, max_model_len=1000, propose=propose, valid_drafts=lambda r, t: 0)
+    assert speculator.valid_drafts is None  # a draft model's drafts are not cut by a grammar
+    two = [Request(f"d{i}", [1, 2, 3], SamplingParams(), 0.0) for i in range(2)]
+    for r in two:
+        r.num_computed_tokens = 2
+        speculator.after_token(r, num_running=2)  # 8 // 2 - 1 = 3 drafts each
+    assert speculator.lookups == 0 and all(r.wants_draft for r in two) and speculator.plan(two)
+    assert speculator.draft(two) == 2 and [r.draft_token_ids for r in two] == [[0, 0, 0]] * 2
+    speculator.fill(two)
+    assert asked == [[3, 3]] and [r.draft_token_ids for r in two] == [[40] * 3, [41] * 3]
+    with pytest.raises(ValueError, match="proposer"):
+        Speculator(SpeculativeConfig(), max_model_len=1000, propose=propose)
 
 
 def test_tensor_parallel_drafts_give_the_single_rank_output(llama_ckpt: Path) -> None:

@@ -72,7 +72,7 @@ TARGETS: dict[str, Target] = {
         (
             "tests/test_speculative.py",
             "-k",
-            "lookup or load_rule or pause or config or flag or rates or short_of or every_token",
+            "lookup or load_rule or pause or config or flag or rates or short_of or every_token or proposer",
         ),
     ),
     "spec_verify": Target(
