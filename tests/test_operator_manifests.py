@@ -596,6 +596,9 @@ def test_uri_adapters_are_fetched_at_start_without_a_cache_each_with_its_own_cre
     volumes = {v["name"]: v for v in pod_spec["volumes"]}
     # Room for A and B of rank 64 in fp32 (640 MiB for an 8B) + 10%, in whole GiB: 1 GiB each.
     assert volumes["adapters"]["emptyDir"] == {"sizeLimit": "2Gi"}
+    # A 70B at rank 256: 12.3 GiB each, 13.6 with the 10%, rounded up: 14 GiB each.
+    big = _adapter_pod(model | {"name": "llama-3.1-70b"}, adapters, engine={"maxLoraRank": 256})
+    assert {v["name"]: v for v in big["volumes"]}["adapters"]["emptyDir"] == {"sizeLimit": "28Gi"}
     server_mounts = pod_spec["containers"][0]["volumeMounts"]
     assert {"name": "adapters", "mountPath": "/adapters/uri", "readOnly": True} in server_mounts
 
@@ -706,3 +709,16 @@ def test_a_pod_of_a_group_reserves_memory_for_its_stage() -> None:
     whole = manifests.default_requests(spec, group_decision(8, 1))
     # 2 GiB a GPU + half the weights a pod reads: 811.8 GB of bf16 over two stages, 405.9 GB each.
     assert one_stage == {"cpu": "8", "memory": f"{16 + 190}Gi"} and whole["memory"] == f"{16 + 379}Gi"
+
+
+def test_status_names_each_adapter_source_in_one_line() -> None:
+    """status.adapters' `source`: a claim with its path inside (or none), a URI as given, a node or image
+    path with its kind."""
+    from pagoda.operator.model_mounts import describe_source
+    from pagoda.operator.spec import ModelSource
+
+    assert describe_source(ModelSource("pvc", "loras", "sql/v2")) == "pvc:loras/sql/v2"
+    assert describe_source(ModelSource("pvc", "loras")) == "pvc:loras"
+    assert describe_source(ModelSource("uri", "s3://loras/chat/")) == "s3://loras/chat/"
+    assert describe_source(ModelSource("hostPath", "/mnt/loras/tarot")) == "hostPath:/mnt/loras/tarot"
+    assert describe_source(ModelSource("imagePath", "/opt/loras/baked")) == "imagePath:/opt/loras/baked"
