@@ -540,18 +540,19 @@ def _lora_modules(pod_spec: dict) -> dict[str, str]:
 
 def test_adapters_are_mounted_read_only_as_the_model_is() -> None:
     model = {"name": "llama-3.1-8b", "source": {"pvc": {"claimName": "weights", "path": "llama"}}}
+    # The other claim sorts after the model's ("zoo" > "weights"): only the same name is the model's.
     adapters = [
         {"name": "in-model-claim", "source": {"pvc": {"claimName": "weights", "path": "loras/a"}}},
-        {"name": "b", "source": {"pvc": {"claimName": "loras", "path": "b"}}},
-        {"name": "c", "source": {"pvc": {"claimName": "loras", "path": "c"}}},
+        {"name": "b", "source": {"pvc": {"claimName": "zoo", "path": "b"}}},
+        {"name": "c", "source": {"pvc": {"claimName": "zoo", "path": "c"}}},
         {"name": "tarot", "source": {"hostPath": "/mnt/loras/tarot"}},
         {"name": "baked", "source": {"imagePath": "/opt/loras/baked"}},
     ]
     pod_spec = _adapter_pod(model, adapters)
     assert _lora_modules(pod_spec) == {
         "in-model-claim": "/models/loras/a",  # the model's claim, mounted once at /models
-        "b": "/adapters/pvc/loras/b",
-        "c": "/adapters/pvc/loras/c",
+        "b": "/adapters/pvc/zoo/b",
+        "c": "/adapters/pvc/zoo/c",
         "tarot": "/adapters/host/tarot",
         "baked": "/opt/loras/baked",
     }
@@ -559,8 +560,8 @@ def test_adapters_are_mounted_read_only_as_the_model_is() -> None:
     mounts = {m["mountPath"]: m for m in pod_spec["containers"][0]["volumeMounts"]}
     # One volume per claim, however many adapters it holds (and none for the model's own).
     claims = [v["persistentVolumeClaim"] for v in volumes.values() if "persistentVolumeClaim" in v]
-    assert claims == [{"claimName": "weights", "readOnly": True}, {"claimName": "loras", "readOnly": True}]
-    assert mounts["/adapters/pvc/loras"]["name"] == "adapter-1"
+    assert claims == [{"claimName": "weights", "readOnly": True}, {"claimName": "zoo", "readOnly": True}]
+    assert mounts["/adapters/pvc/zoo"]["name"] == "adapter-1"
     assert volumes["adapter-3"]["hostPath"] == {"path": "/mnt/loras/tarot"}
     assert mounts["/adapters/host/tarot"]["name"] == "adapter-3"
     adapter_mounts = [m for path, m in mounts.items() if path.startswith("/adapters")]
