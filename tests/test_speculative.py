@@ -57,6 +57,7 @@ def test_prompt_lookup_without_a_match_or_near_the_end() -> None:
     assert propose_ngram([1, 2, 5, 1, 2, 6, 8, 1, 2], 2, 2, 2) == [6, 8]  # the most recent with two after
     assert propose_ngram([3], 2, 4, 1) == []
     assert propose_ngram([4, 4], 2, 4, 1) == [4]  # shorter than lookup_max: n starts at length - 1
+    assert propose_ngram([1, 2, 9, 1, 2], 2, 4, 3) == []  # "1 2" recurs, but lookup_min is 3
     # The most recent match with exactly k tokens after it (it ends where the suffix starts) is taken.
     assert propose_ngram([1, 2, 9, 9, 9, 1, 2, 7, 1, 2], 3, 2, 2) == [7, 1, 2]
 
@@ -422,10 +423,19 @@ def test_a_draft_model_proposer_fills_the_slots_the_load_rule_gives() -> None:
     for r in two:
         r.num_computed_tokens = 2
         speculator.after_token(r, num_running=2)  # 8 // 2 - 1 = 3 drafts each
-    assert speculator.lookups == 0 and all(r.wants_draft for r in two) and speculator.plan(two)
-    assert speculator.draft(two) == 2 and [r.draft_token_ids for r in two] == [[0, 0, 0]] * 2
+    prefilling = Request("p", list(range(7)), SamplingParams(), 0.0)
+    prefilling.num_computed_tokens = 3  # mid-prompt: neither decoding nor drafting
+    running = [*two, prefilling]
+    assert speculator.lookups == 0 and all(r.wants_draft for r in two) and speculator.plan(running)
+    assert speculator.draft(running) == 2 and [r.draft_token_ids for r in two] == [[0, 0, 0]] * 2
     speculator.fill(two)
-    assert asked == [[3, 3]] and [r.draft_token_ids for r in two] == [[40] * 3, [41] * 3]
+    assert asked == [[3, 3]] and [r.token_ids for r in two] == [[1, 2, 3, 40, 40, 40], [1, 2, 3, 41, 41, 41]]
+    assert prefilling.token_ids == list(range(7))
+    four = [Request(f"e{i}", [1, 2, 3], SamplingParams(), 0.0) for i in range(4)]
+    for r in four:
+        r.num_computed_tokens = 2
+        speculator.after_token(r, num_running=4)  # 8 // 4 - 1 = 1 draft each
+    assert speculator.plan([*four, prefilling])  # the prompt's rows are not a fifth drafter (8 // 5 - 1 = 0)
     with pytest.raises(ValueError, match="proposer"):
         Speculator(SpeculativeConfig(), max_model_len=1000, propose=propose)
 
