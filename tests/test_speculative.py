@@ -398,11 +398,31 @@ def test_no_lookup_where_the_load_rule_forbids_drafts() -> None:
     assert speculator.lookups == 3 and three[0].draft_proposal == [2, 1]
     assert speculator.plan(three)  # one draft each is still a drafting step
     assert speculator.draft(three) == 3 and [r.draft_token_ids for r in three] == [[2]] * 3  # cut to one
+    assert not any(r.wants_draft for r in three)  # until their next lookups: the next step does not draft
     logprobs = Request("q", [1, 2, 1, 2, 1], SamplingParams(logprobs=1), 0.0)
     speculator.after_token(logprobs, num_running=1)
     assert logprobs.draft_proposal == [] and speculator.lookups == 3  # never drafts: never looked up
     logprobs.num_computed_tokens = logprobs.num_tokens - 1
     assert not logprobs.wants_draft and not speculator.plan([logprobs])
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(presence_penalty=0.5),
+        SamplingParams(presence_penalty=-0.5),
+        SamplingParams(frequency_penalty=-0.5),
+        SamplingParams(repetition_penalty=0.9),
+        SamplingParams(repetition_penalty=1.1),
+        SamplingParams(logprobs=0),
+        SamplingParams(prompt_logprobs=0),
+    ],
+)
+def test_what_reads_the_history_or_log_probabilities_never_drafts(params: SamplingParams) -> None:
+    from pagoda.service.engine.core.speculation import can_draft
+
+    assert can_draft(Request("q", [1, 2], SamplingParams(), 0.0))
+    assert not can_draft(Request("q", [1, 2], params, 0.0))
 
 
 def test_a_draft_model_proposer_fills_the_slots_the_load_rule_gives() -> None:
