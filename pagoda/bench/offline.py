@@ -242,7 +242,7 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
             core.is_async = is_async
             prompts = _prompts(args.num_prompts, args.input_len, vocab)
             trace = _trace_path(args.busy_trace, is_async, len(modes[args.async_scheduling]) > 1)
-            wall, busy, _ = _decode_busy(llm, prompts, args.busy_steps, args.busy_top, trace)
+            wall, busy, _ = decode_busy(llm, prompts, args.busy_steps, args.busy_top, trace)
             line = f"decode at batch {args.num_prompts}{_mode_name(is_async)}: {wall:.2f} ms/step wall"
             if on_gpu:
                 idle = wall - busy
@@ -316,7 +316,7 @@ def _annotated_phases(engine: Any) -> Iterator[None]:
                 setattr(owner, name, own)
 
 
-def _decode_busy(
+def decode_busy(
     llm: Any,
     prompts: list[list[int]],
     steps: int,

@@ -195,7 +195,7 @@ def _profile_steps(
     turn) and output tokens per step; `--busy-top` kernels under each."""
     from dataclasses import replace
 
-    from pagoda.bench.offline import _decode_busy
+    from pagoda.bench.offline import decode_busy
     from pagoda.service.engine.core.speculation import Speculator
 
     core = llm.engine.core
@@ -213,7 +213,7 @@ def _profile_steps(
         for drafting in (False, True):
             core.speculator = Speculator(always, core.max_model_len, propose) if drafting else None
             k = config.num_speculative_tokens
-            wall, busy, tokens = _decode_busy(llm, prompts, args.busy_steps, args.busy_top, None, k + 1)
+            wall, busy, tokens = decode_busy(llm, prompts, args.busy_steps, args.busy_top, None, k + 1)
             lines.append(
                 f"| {batch} | {'on' if drafting else 'off'} | {wall:.2f} | {busy:.2f} | {wall - busy:.2f} | "
                 f"{tokens:.2f} |"
