@@ -26,6 +26,23 @@ def test_needs_a_gpu(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Mon
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+def test_pagoda_bench_kernels_takes_the_same_options(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`pagoda bench kernels --quick --only lora` reaches the kernels' own options (an argparse
+    REMAINDER under a subcommand dropped leading options: "unrecognized arguments: --quick --only")."""
+    from pagoda.bench import offline
+
+    seen: list[object] = []
+    monkeypatch.setattr(bench, "run", lambda args: seen.append(args) or 0)
+    assert offline.main(["kernels", "--quick", "--only", "lora", "--markdown", "t.md"]) == 0
+    args = seen[0]
+    assert args.quick and args.only == ["lora"] and args.markdown == "t.md" and args.sweep == []
+    with pytest.raises(SystemExit):
+        offline.main(["kernels", "--only", "gemm"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
 def test_lora_peer_computes_what_the_kernels_do() -> None:
     """The LoRA rows' gather + bmm peer computes the references' products (else the ratio would compare
     unlike work): every slice, slot -1 left alone, y added to."""

@@ -131,7 +131,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     bench_lora.add_arguments(lora)
     kernels = sub.add_parser("kernels", help="Triton kernels vs references and SDPA (needs a CUDA GPU)")
-    kernels.add_argument("args", nargs=argparse.REMAINDER, help="passed to pagoda.bench.kernels")
+    from pagoda.bench import kernels as bench_kernels
+
+    bench_kernels.add_arguments(kernels)
 
 
 def _at_least_one(text: str) -> int:
@@ -507,9 +509,9 @@ def run(args: argparse.Namespace) -> int:
 
         return bench_lora.run(args)
     if args.bench == "kernels":
-        from pagoda.bench.kernels import main as kernels_main
+        from pagoda.bench import kernels as bench_kernels
 
-        return kernels_main(args.args)
+        return bench_kernels.run(args)
     results, runner = bench_engine(args)
     if args.peer == "transformers":
         results += bench_transformers(args, runner)
