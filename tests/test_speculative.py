@@ -666,6 +666,47 @@ def test_a_draft_model_gives_the_target_output(
         assert stats.spec_num_draft_tokens_total > 0, stats
 
 
+def _counted(f: Any, calls: dict[str, int], name: str) -> Any:
+    def counting(*args: Any) -> Any:
+        calls[name] += 1
+        return f(*args)
+
+    return counting
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["in-turn", "async"])
+def test_a_draft_model_through_its_graph_paths_keeps_every_draft(
+    llama_ckpt: Path, async_scheduling: bool
+) -> None:
+    """The draft model's CUDA-graph paths on the CPU (`StepGraphs(capture=False)`: the same padded
+    forwards over the same static buffers as a replay): the target as its own draft still keeps every
+    draft and gives the target's output, so each proposal round (the decode ladder; fewer rows near
+    max_tokens) and each shadow run (decode steps, verify and prefill steps in the mixed ladder, with the
+    previous step's tokens filled in on the device under async scheduling) wrote the KV the eager
+    forwards would."""
+    common: dict[str, Any] = {
+        "dtype": "float32", "kv_cache_memory_bytes": 8 << 20, "max_num_batched_tokens": 160,
+        "async_scheduling": async_scheduling,
+    }  # fmt: skip
+    # the long prompt's second chunk runs beside the others' first decodes: a mixed shadow run
+    prompts = [[5, 6, 7, 8] * 5, *_repetitive_prompts(5), list(range(100, 300))]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in LLM(str(llama_ckpt), **common).generate(prompts, params)]
+    config = {"model": str(llama_ckpt), "num_speculative_tokens": 3, "adaptive": False}
+    with LLM(str(llama_ckpt), speculative_config=config, **common) as spec:
+        runner = spec.engine.runner.runner  # the executor's, in this process at one rank
+        calls = {"run": 0, "run_mixed": 0}
+        graphs = runner.step_graphs(runner.draft.model, None, capture=False)
+        for name in calls:
+            setattr(graphs, name, _counted(getattr(graphs, name), calls, name))
+        runner.draft.use_graphs(graphs)
+        got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
+        stats = _spec_stats(spec)
+    assert got == expected
+    assert stats.spec_num_accepted_tokens_total == stats.spec_num_draft_tokens_total > 30, stats
+    assert calls["run"] > 10 and calls["run_mixed"] > 3, calls
+
+
 def test_a_draft_model_of_another_vocabulary_is_refused(llama_ckpt: Path, tmp_path: Path) -> None:
     import shutil
 

@@ -126,6 +126,47 @@ def test_lora_graphs_eager_and_references_agree(
     print(f"{precision}: graphs == eager == references: {same}/{len(prompts)}")
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft-model"])
+def test_speculation_keeps_the_target_output_through_graphs(
+    method: str, tokenizer: Path, tmp_path: Path
+) -> None:
+    """Speculative decoding on the GPU, fp32, CUDA graphs and async scheduling on: greedy output with
+    drafts is the output without, prompt for prompt; the target as its own draft (its graphs included)
+    keeps (nearly) every draft. Prompts that repeat themselves, so prompt lookup finds drafts too."""
+    import gc
+    import random
+
+    from pagoda.service.llm import LLM
+    from pagoda.service.sampling_params import SamplingParams
+
+    folder = gpu_check.build_checkpoint(KINDS[0], tmp_path / "ckpt", tokenizer, 49152)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randrange(3, 40))] * 3 for _ in range(12)]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    common: dict = {"dtype": "float32", "gpu_memory_utilization": 0.3, "max_num_batched_tokens": 512}
+    speculative: dict = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    if method == "draft-model":
+        speculative = {"model": str(folder), "num_speculative_tokens": 3, "adaptive": False}
+
+    def run(**extra: object) -> tuple[list[list[int]], object]:
+        with LLM(str(folder), **common, **extra) as llm:  # type: ignore[arg-type]
+            out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            stats = llm.engine.core.stats()
+        del llm
+        gc.collect()
+        return out, stats
+
+    plain, _ = run()
+    drafted, stats = run(speculative_config=speculative)
+    same = sum(a == b for a, b in zip(plain, drafted, strict=True))
+    kept, made = stats.spec_num_accepted_tokens_total, stats.spec_num_draft_tokens_total  # type: ignore[attr-defined]
+    print(f"{method}: with drafts == without {same}/{len(prompts)}; kept {kept} of {made} drafts")
+    assert same == len(prompts), f"with drafts == without for {same}/{len(prompts)}"
+    assert made > 100, f"only {made} drafts"
+    if method == "draft-model":
+        assert kept >= 0.98 * made, f"the target as its own draft kept {kept} of {made}"
+
+
 def _scored(llm: object, prompts: list[list[int]], outs: list[list[int]], loras: list) -> tuple[float, float]:
     """Teacher-forced: each prompt + its continuation scored by `llm` (`prompt_logprobs`); the share of
     continuation tokens that are the scorer's top-1 and the worst log-probability gap to its top-1."""

@@ -7,8 +7,11 @@ the target has computed; a step that drafts first runs it k times on one row per
 (`propose`), each time on the token it chose before, greedily. An argmax draft is a one-hot q, so the
 verifier (spec_verify.py) keeps the target's distribution with the same rule as for prompt lookup.
 
-Unsharded and eager: under tensor parallelism only rank 0 holds it (it has no collectives), and its
-steps replay no CUDA graph. It must share the target's vocabulary (checked at load).
+Unsharded: under tensor parallelism only rank 0 holds it (it has no collectives). On a GPU it has
+CUDA graphs of its own (`use_graphs`, the target's two ladders): each proposal round replays a decode
+graph and each shadow run a decode or mixed one, else every drafting step would pay k + 1 eager
+forwards of host launches (~30 ms each for an 8B model on the GPU machine's host). Steps that fit no
+graph run eagerly. It must share the target's vocabulary (checked at load).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import numpy as np
 import torch
 
 from pagoda.service.engine.core.request import Request
+from pagoda.service.engine.runner.cuda_graphs import StepGraphs
 from pagoda.service.engine.runner.pipeline import attention_metadata
 from pagoda.service.engine.runner.sampler import to_device
 from pagoda.service.model.attention import allocate_kv_cache, copy_kv_blocks, kv_block_bytes
@@ -35,6 +39,13 @@ class DraftModel:
         self.device = device
         self.block_size = block_size
         self.kv_cache: torch.Tensor | None = None
+        self.graphs: StepGraphs | None = None
+
+    def use_graphs(self, graphs: StepGraphs) -> None:
+        """Run through these graphs (built over `self.model`) where a step fits them; captures them
+        (a `StepGraphs(capture=False)` runs the same padded forwards eagerly: the CPU tests' way)."""
+        self.graphs = graphs
+        graphs.capture()
 
     def bytes_per_block(self, kv_dtype: torch.dtype) -> int:
         layers = self.model.attention_layers()
@@ -68,6 +79,15 @@ class DraftModel:
         self, batch: dict[str, np.ndarray], fill_inputs: Callable[[torch.Tensor], None] | None
     ) -> None:
         """Run the target's flattened batch, for the KV it writes (no logits)."""
+        graphs = self.graphs
+        num_tokens, num_seqs = len(batch["input_ids"]), len(batch["seq_lens"])
+        if graphs is not None and num_tokens == num_seqs <= graphs.max_batch_size:
+            graphs.run(batch["input_ids"], batch["positions"], batch["slot_mapping"], batch["seq_lens"],
+                       batch["block_tables"], fill_inputs)  # fmt: skip
+            return
+        if graphs is not None and graphs.fits_mixed(num_tokens, num_seqs):
+            graphs.run_mixed(batch, np.zeros(0, dtype=np.int64), fill_inputs)
+            return
         input_ids = to_device(batch["input_ids"], torch.int64, self.device)
         if fill_inputs is not None:
             fill_inputs(input_ids)
@@ -86,12 +106,13 @@ class DraftModel:
         lengths = np.asarray([r.num_tokens - r.num_drafts for r in reqs], dtype=np.int64)  # before the drafts
         last = [r.token_ids[n - 1] for r, n in zip(reqs, lengths.tolist(), strict=True)]
         tokens = to_device(last, torch.int64, self.device)
-        drafts: list[list[int]] = [[] for _ in reqs]
+        rounds: list[tuple[list[int], torch.Tensor]] = []
         bs = self.block_size
         for j in range(max(k)):
             rows = [i for i, n in enumerate(k) if n > j]
             positions = lengths[rows] - 1 + j
             batch = {
+                "input_ids": np.zeros(len(rows), dtype=np.int64),  # `tokens`, on the device
                 "positions": positions,
                 "slot_mapping": block_tables[rows, positions // bs].astype(np.int64) * bs + positions % bs,
                 "block_tables": block_tables[rows],
@@ -99,13 +120,28 @@ class DraftModel:
                 "query_start_loc": np.arange(len(rows) + 1, dtype=np.int64),
                 "max_query_len": np.ones(1, dtype=np.int64),
             }
-            hidden = self.model(
-                tokens, to_device(positions, torch.int64, self.device), attention_metadata(batch, self.device)
-            )
-            chosen = self.model.compute_logits(hidden).argmax(dim=1)
-            for row, token in zip(rows, chosen.tolist(), strict=True):
-                drafts[row].append(token)
+            chosen = self._decode_logits(batch, tokens).argmax(dim=1)
+            rounds.append((rows, chosen))
             if j + 1 < max(k):
                 keep = [n for n, i in enumerate(rows) if k[i] > j + 1]
                 tokens = chosen[to_device(keep, torch.int64, self.device)]
+        drafts: list[list[int]] = [[] for _ in reqs]
+        for rows, chosen in rounds:  # one wait for the device, after the last round
+            for row, token in zip(rows, chosen.tolist(), strict=True):
+                drafts[row].append(token)
         return drafts
+
+    def _decode_logits(self, batch: dict[str, np.ndarray], tokens: torch.Tensor) -> torch.Tensor:
+        """Logits of a batch of one token per row whose input ids are `tokens` (on the device)."""
+        if self.graphs is not None and len(tokens) <= self.graphs.max_batch_size:
+            logits = self.graphs.run(
+                batch["input_ids"], batch["positions"], batch["slot_mapping"], batch["seq_lens"],
+                batch["block_tables"], lambda ids: ids.copy_(tokens),
+            )  # fmt: skip
+            return logits
+        hidden = self.model(
+            tokens,
+            to_device(batch["positions"], torch.int64, self.device),
+            attention_metadata(batch, self.device),
+        )
+        return self.model.compute_logits(hidden)

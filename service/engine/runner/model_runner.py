@@ -35,7 +35,9 @@ from pagoda.service.engine.runner.sampler import SampledBatch, Sampler, SampleRe
 from pagoda.service.engine.runner.spec_verify import verify_drafts
 from pagoda.service.model.attention import allocate_kv_cache, copy_kv_blocks, kv_block_bytes
 from pagoda.service.model.fp8 import quantize_model_fp8, run_cublaslt_without_workspace, supports_fp8_matmul
+from pagoda.service.model.llama import LlamaForCausalLM
 from pagoda.service.model.loader import load_model
+from pagoda.service.model.lora import LoRABatch
 from pagoda.service.model.parallel import SINGLE_RANK, TPGroup
 from pagoda.service.model.pipeline import SINGLE_STAGE, PPGroup
 
@@ -228,17 +230,10 @@ class ModelRunner:
             # built yet. Eager steps here cost the host's launches (~15 ms a step of an 8B model).
             logger.info("pipeline parallelism: CUDA graphs off, every step runs eagerly")
         elif self.device.type == "cuda" and not config.enforce_eager:
-            self.graphs = StepGraphs(
-                self.model,
-                self.device,
-                config.max_num_seqs,
-                config.max_num_batched_tokens,
-                self.max_model_len,
-                config.block_size,
-                max_mixed_tokens=config.cuda_graph_max_tokens,
-                lora=self.lora.batch if self.lora is not None else None,
-            )
+            self.graphs = self.step_graphs(self.model, self.lora.batch if self.lora is not None else None)
             self.graphs.capture()
+            if self.draft is not None:
+                self.draft.use_graphs(self.step_graphs(self.draft.model, None))
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s on %s)",
             self.kv.num_blocks,
@@ -281,6 +276,12 @@ class ModelRunner:
             # Activations of the largest step and the sampler's float32 logits stay outside the cache.
             activations = cfg.max_num_batched_tokens * (4 * mc.hidden_size + 3 * mc.intermediate_size)
             activations = activations * element_size + 3 * cfg.max_num_seqs * mc.vocab_size * 4
+            if self.draft is not None:  # its steps' activations too (its graphs' pool is its own)
+                dc = self.draft.config
+                draft_activations = cfg.max_num_batched_tokens * (
+                    4 * dc.hidden_size + 3 * dc.intermediate_size
+                )
+                activations += draft_activations * element_size + 3 * cfg.max_num_seqs * dc.vocab_size * 4
             budget = kv_cache_budget(total, free, cfg.gpu_memory_utilization, activations, cached)
         else:
             budget = _CPU_DEFAULT_KV_BYTES
@@ -296,6 +297,16 @@ class ModelRunner:
         if agree_num_blocks is not None:
             num_blocks = agree_num_blocks(int(num_blocks))
         return KVCacheLayout(int(num_blocks), cfg.block_size, bytes_per_block)
+
+    def step_graphs(
+        self, model: LlamaForCausalLM, lora: LoRABatch | None, capture: bool = True
+    ) -> StepGraphs:
+        """CUDA graphs of `model`'s steps at this engine's sizes (the target's, or the draft model's)."""
+        cfg = self.config
+        return StepGraphs(
+            model, self.device, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
+            cfg.block_size, capture=capture, max_mixed_tokens=cfg.cuda_graph_max_tokens, lora=lora,
+        )  # fmt: skip
 
     # ---- one step ------------------------------------------------------------------------------
 
