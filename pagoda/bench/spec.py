@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     propose = core.executor.propose_drafts if args.draft_model else None
     vocab = runner.model_config.vocab_size
     if args.echo:
-        _make_echo(runner.model)
+        make_echo(runner.model)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(_random_prompts(2, 16, vocab), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
 
@@ -222,7 +222,7 @@ def _profile_steps(
     return lines
 
 
-def _make_echo(model: Any) -> None:
+def make_echo(model: Any) -> None:
     """In place (CUDA graphs read the same storage): the LM head := the embedding, the embedding x64.
     The final norm then sees mostly the input token's embedding, whose dot product with itself beats
     every other row's (random rows of a wide embedding are near orthogonal)."""

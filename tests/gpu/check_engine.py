@@ -132,10 +132,12 @@ def test_speculation_keeps_the_target_output_through_graphs(
 ) -> None:
     """Speculative decoding on the GPU, fp32, CUDA graphs and async scheduling on: greedy output with
     drafts is the output without, prompt for prompt; the target as its own draft (its graphs included)
-    keeps (nearly) every draft. Prompts that repeat themselves, so prompt lookup finds drafts too."""
+    keeps (nearly) every draft. For prompt lookup the target is made an echo (`pagoda bench spec
+    --echo`: it repeats its last token), as random weights never repeat their context: it drafts."""
     import gc
     import random
 
+    from pagoda.bench.spec import make_echo
     from pagoda.service.llm import LLM
     from pagoda.service.sampling_params import SamplingParams
 
@@ -150,6 +152,8 @@ def test_speculation_keeps_the_target_output_through_graphs(
 
     def run(**extra: object) -> tuple[list[list[int]], object]:
         with LLM(str(folder), **common, **extra) as llm:  # type: ignore[arg-type]
+            if method == "ngram":
+                make_echo(llm.engine.runner.model)
             out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
             stats = llm.engine.core.stats()
         del llm
