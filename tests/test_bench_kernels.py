@@ -58,3 +58,12 @@ def test_lora_peer_computes_what_the_kernels_do() -> None:
     reference.lora_expand(v, inp.b, inp.token_slots, y_ref, inp.slice_starts)
     torch.testing.assert_close(y, y_ref)
     assert torch.equal(y[1:4], inp.y[1:4])
+
+
+def test_causal_chunk_flops_counts_each_query_against_the_keys_up_to_its_own() -> None:
+    """The long-prefill sweep's TFLOP/s: 2 queries last in a 4-token context see 3 and 4 keys."""
+    per_key = 4 * bench.HEADS * bench.HEAD_DIM
+    assert bench.causal_chunk_flops(2, 4) == 7 * per_key
+    assert bench.causal_chunk_flops(4, 4) == 10 * per_key  # a whole prompt: 1 + 2 + 3 + 4
+    with pytest.raises(SystemExit):
+        bench.main(["--sweep", "long"])  # the sweep is "long-prefill"

@@ -45,11 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument(
         "--sweep",
-        choices=["configs", "splits", "fp8"],
+        choices=["configs", "splits", "fp8", "long-prefill"],
         action="append",
         default=[],
-        help="also time tile/warp/stage variants (configs), decode split counts (splits) or decode over an "
-        "fp8 cache by operand and config (fp8)",
+        help="also time tile/warp/stage variants (configs), decode split counts (splits), decode over an "
+        "fp8 cache by operand and config (fp8) or prefill configs on 8k-token chunks of 8k-32k contexts "
+        "(long-prefill)",
     )
     parser.add_argument("--sweep-only", action="store_true", help="run the sweeps without the table")
     parser.add_argument(
@@ -480,6 +481,56 @@ def sweep_splits(copy_bw: float) -> list[str]:
     return lines
 
 
+def causal_chunk_flops(query_len: int, ctx_len: int) -> float:
+    """Attention FLOPs of a causal chunk: the last `query_len` tokens of a `ctx_len` context, each
+    against the keys up to its own (QK^T and PV, 2 FLOPs a multiply-add, every query head)."""
+    keys = query_len * (ctx_len - query_len) + query_len * (query_len + 1) / 2
+    return 4 * HEADS * HEAD_DIM * keys
+
+
+def sweep_long_prefill() -> list[str]:
+    """Prefill configs where long prompts spend their time: one 8k-token chunk (the engine's step
+    budget for long prompts) first in its context and last in a 32k one, over a bf16 cache and an fp8
+    cache with V token-major (the engine's fp8 layout). Each cell: us and TFLOP/s (causal FLOPs)."""
+    import torch
+
+    from pagoda.kernels.attention import PrefillConfig, paged_attention
+    from pagoda.kernels.kv_cache import token_major_copy
+
+    cases = [(8192, 8192), (8192, 32768)]
+    lines = ["long-prefill sweep (us, TFLOP/s) at query x ctx " + " | ".join(f"{q}x{c}" for q, c in cases)]
+    base = {c: _paged_batch([c[1]], [c[0]]) for c in cases}
+    variants: list[PrefillConfig | None] = [None]
+    variants += [
+        PrefillConfig(m, n, w, st)
+        for m, n, w, st in [
+            (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 2), (64, 128, 4, 2),
+            (64, 64, 4, 3), (256, 64, 8, 2), (128, 32, 4, 3),
+        ]
+    ]  # fmt: skip
+    for cache in ("bf16", "fp8 V token-major"):
+        for cfg in variants:
+            cells = []
+            for (q_len, ctx), b in base.items():
+                b = dict(b)
+                if cache != "bf16":
+                    b["k_cache"] = b["k_cache"].to(torch.float8_e4m3fn)
+                    b["v_cache"] = token_major_copy(b["v_cache"].to(torch.float8_e4m3fn))
+                try:
+                    us = _time(lambda b=b, cfg=cfg: paged_attention(**b, prefill_config=cfg))
+                    cells.append(f"{us:9.1f} {causal_chunk_flops(q_len, ctx) / us / 1e6:5.0f}")
+                except Exception as e:
+                    cells.append(f"error {type(e).__name__}")
+                del b
+            torch.cuda.empty_cache()
+            name = "default" if cfg is None else (
+                f"block_m {cfg.block_m} tile {cfg.tile_n} warps {cfg.num_warps} stages {cfg.num_stages}"
+            )  # fmt: skip
+            lines.append(f"  {cache}, {name}: " + " | ".join(cells))
+            print(lines[-1], flush=True)
+    return lines
+
+
 def sweep_fp8(copy_bw: float) -> list[str]:
     """Decode over an fp8 cache with bf16 q, as the engine runs it: V slot-major (widened by a cast or
     by PTX) against V token-major (`kv_cache.cache_view`, the engine's layout for an fp8 cache), by
@@ -602,6 +653,7 @@ def run(args: argparse.Namespace) -> int:
     sweep_lines = sweep(copy_bw) if "configs" in args.sweep else []
     sweep_lines += sweep_splits(copy_bw) if "splits" in args.sweep else []
     sweep_lines += sweep_fp8(copy_bw) if "fp8" in args.sweep else []
+    sweep_lines += sweep_long_prefill() if "long-prefill" in args.sweep else []
     if sweep_lines and args.markdown:
         with open(args.markdown, "a") as f:
             f.write("\n" + "\n".join(sweep_lines) + "\n")
