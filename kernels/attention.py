@@ -540,6 +540,27 @@ def _default_configs(
     return DecodeConfig(), PrefillConfig()
 
 
+# Prompt chunks of at least this many tokens take `long_prefill_config`'s tiles (eager steps only: a
+# mixed CUDA graph holds at most 2k tokens).
+LONG_PREFILL_TOKENS = 8192
+
+
+def long_prefill_config(
+    device_type: str, q_dtype: torch.dtype, head_dim: int, cache_dtype: torch.dtype
+) -> PrefillConfig | None:
+    """Tiles for chunks of LONG_PREFILL_TOKENS or more (long prompts), where the defaults, tuned on
+    128-2k-token prompts, leave 10-15% behind. One H100, an 8k-token chunk last in a 32k context,
+    Llama-3-8B heads (`pagoda bench kernels --sweep long-prefill`, BENCHMARKS.md 2026-12-05): bf16 cache
+    9.40 ms with 256/64/8/2 against the default's 10.47 (409 against 368 TFLOP/s); fp8 cache, V
+    token-major, 10.90 ms with 128/64/4/2 against 12.52 (353 against 307). None: keep the defaults
+    (other head sizes and fp32 were not measured)."""
+    if device_type != "cuda" or head_dim != 128 or q_dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if cache_dtype == FP8_CACHE:
+        return PrefillConfig(block_m=128, tile_n=64, num_warps=4, num_stages=2)
+    return PrefillConfig(block_m=256, tile_n=64, num_warps=8, num_stages=2)
+
+
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -690,6 +711,8 @@ def paged_attention(
     default_decode, default_prefill = _default_configs(q, k_cache, token_major)
     dcfg = decode_config or default_decode
     pcfg = prefill_config or default_prefill
+    if prefill_config is None and max_query_len >= LONG_PREFILL_TOKENS:
+        pcfg = long_prefill_config(q.device.type, q.dtype, head_dim, k_cache.dtype) or pcfg
     if token_major and any(block_size % t and t % block_size for t in (dcfg.tile_n, pcfg.tile_n)):
         raise ValueError(
             f"paged_attention: a token-major v_cache is read in runs of min(block_size, tile) slots: "

@@ -20,9 +20,11 @@ if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("needs TRITON_INTERPRET=1 or a CUDA GPU", allow_module_level=True)
 
 from pagoda.kernels.attention import (  # noqa: E402
+    LONG_PREFILL_TOKENS,
     DecodeConfig,
     PrefillConfig,
     decode_splits,
+    long_prefill_config,
     paged_attention,
 )
 
@@ -295,6 +297,35 @@ def test_token_major_v_cache(fp8: bool, block_size: int, num_splits: int) -> Non
     if batch["q"].is_cuda:
         check(batch, decode_config=DecodeConfig(num_splits=num_splits))
         check(batch)
+
+
+def test_long_prefill_config_choice() -> None:
+    """Chunks of LONG_PREFILL_TOKENS or more take the tiles measured on 8k chunks, on a GPU, at head
+    dim 128 and 16-bit q only (the cases the sweep ran)."""
+    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    assert long_prefill_config("cuda", bf16, 128, bf16) == PrefillConfig(256, 64, 8, 2)
+    assert long_prefill_config("cuda", torch.float16, 128, fp8) == PrefillConfig(128, 64, 4, 2)
+    assert long_prefill_config("cpu", bf16, 128, bf16) is None
+    assert long_prefill_config("cuda", torch.float32, 128, torch.float32) is None
+    assert long_prefill_config("cuda", bf16, 64, bf16) is None
+    assert LONG_PREFILL_TOKENS == 8192
+
+
+@pytest.mark.skipif(INTERPRET, reason="the long tiles at GPU sizes (and a chunk of 8k tokens)")
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-cache-token-major"])
+def test_long_prefill_tiles(fp8: bool) -> None:
+    """The long-prefill tiles against the reference: a chunk of LONG_PREFILL_TOKENS (which picks them)
+    after a 300-token context, beside a short chunk and a decode row."""
+    batch = make_batch(
+        [LONG_PREFILL_TOKENS, 20, 1], [LONG_PREFILL_TOKENS + 300, 70, 90], num_heads=4, num_kv_heads=1,
+        head_dim=128, dtype=torch.bfloat16, block_size=16, num_blocks=600, seed=9,
+    )  # fmt: skip
+    if fp8:
+        for name in ("k_cache", "v_cache"):
+            batch[name] = (batch[name].float() * 2).to(torch.float8_e4m3fn)
+        batch.update(k_scale=0.5, v_scale=0.5)
+        batch["v_cache"] = kv_cache.token_major_copy(batch["v_cache"])
+    check(batch)
 
 
 def test_bad_inputs_are_refused() -> None:
