@@ -351,11 +351,18 @@ class EngineCore:
             assert self.speculator is not None
             self.speculator.fill(out.requests)
         # A pure decode step (every row a sequence's next token, or its drafts) is timed for the
-        # speculator's rates once it completes.
-        timed = self.speculator is not None and all(
-            n == 1 + r.num_drafts for r, n in zip(out.requests, out.num_scheduled_tokens, strict=True)
-        )
+        # speculator's rates once it completes. But not an overlapped step launched with nothing in
+        # flight (the first after a step in turn): its period holds its own preparation, which the
+        # steady overlapped steps it stands for hide behind the step before; timed, it would make
+        # plain steps look slower than they run and keep a losing draft on.
         drafted = speculates and any(r.num_drafts for r in out.requests)
+        timed = (
+            self.speculator is not None
+            and (drafted or not overlap or before is not None)
+            and all(
+                n == 1 + r.num_drafts for r, n in zip(out.requests, out.num_scheduled_tokens, strict=True)
+            )
+        )
         if out.is_empty:
             if before is not None:
                 self._complete(before, outputs)
