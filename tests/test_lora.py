@@ -346,17 +346,34 @@ def test_graph_steps_with_adapters_give_the_eager_outputs(
     assert run(engine) == expected
 
 
-def test_pagoda_bench_lora_table(llama_ckpt: Path, tmp_path: Path) -> None:
+def test_pagoda_bench_lora_table(llama_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`pagoda bench lora` on the CPU: its adapters (written without PEFT) load, and each batch gets a
-    row with the base and the adapters' rates."""
-    from pagoda.bench.offline import main
+    row with the base and the adapters' rates; `--busy-steps` profiles steady steps of each batch, the
+    base's requests and the adapters' (each profiled request counted under its adapter)."""
+    from pagoda.bench import offline
 
+    profiled: list[dict[str, int]] = []
+    real_busy = offline.decode_busy
+
+    def busy(llm: Any, *args: Any) -> tuple[float, float, float]:
+        before = dict(llm.engine.core.stats().lora_requests_total)
+        got = real_busy(llm, *args)
+        after = llm.engine.core.stats().lora_requests_total
+        profiled.append(
+            {name: n - before.get(name, 0) for name, n in after.items() if n > before.get(name, 0)}
+        )
+        return got
+
+    monkeypatch.setattr(offline, "decode_busy", busy)
     out = tmp_path / "lora.md"
     args = ["lora", "--model", str(llama_ckpt), "--dtype", "float32", "--num-adapters", "3", "--rank", "4"]
-    assert (
-        main([*args, "--batches", "1,5", "--input-len", "8", "--output-len", "4", "--output", str(out)]) == 0
-    )
-    rows = [line for line in out.read_text().splitlines() if line.startswith("| ") and line[2].isdigit()]
+    args += ["--batches", "1,5", "--input-len", "8", "--output-len", "4", "--busy-steps", "3"]
+    assert offline.main([*args, "--output", str(out)]) == 0
+    lines = out.read_text().splitlines()
+    rows = [line for line in lines if line.startswith("| ") and line[2].isdigit() and line.count("|") == 5]
+    busy_rows = [line.split(" | ")[:2] for line in lines if line.startswith("| ") and line.count("|") == 6]
+    assert busy_rows[2:] == [["| 1", "none"], ["| 1", "1 of rank 4"], ["| 5", "none"], ["| 5", "3 of rank 4"]]
+    assert profiled == [{}, {"a0": 1}, {}, {"a0": 2, "a1": 2, "a2": 1}]
     assert [row.split(" | ")[0] for row in rows] == ["| 1", "| 5"]
     for row in rows:
         base, adapted, ratio = (float(cell) for cell in row.strip("| ").split(" | ")[1:])

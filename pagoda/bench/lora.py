@@ -35,6 +35,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument(
+        "--busy-steps",
+        type=int,
+        default=0,
+        help="also profile this many steady decode steps at each batch, the base alone and with the "
+        "adapters: wall, GPU-busy and idle ms per step (where the adapters' time goes)",
+    )
+    parser.add_argument(
+        "--busy-top",
+        type=int,
+        default=0,
+        help="with --busy-steps: print the K kernels with the most GPU time",
+    )
     parser.add_argument("--output", default=None, help="append the Markdown result to this file")
 
 
@@ -129,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
                 f"| {base_s / lora_s * lora_tokens / base_tokens:.2f} |"
             )
             print(lines[-1], flush=True)
+        if args.busy_steps > 0:
+            lines += _profile_steps(llm, adapters, batches, vocab, args)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.output:
@@ -136,3 +151,29 @@ def run(args: argparse.Namespace) -> int:
             f.write("\n" + text)
     llm.shutdown()
     return 0
+
+
+def _profile_steps(
+    llm: Any, adapters: list[Any], batches: list[int], vocab: int, args: argparse.Namespace
+) -> list[str]:
+    """`--busy-steps` steady decode steps at each batch, the base alone and the adapters round-robin
+    (`bench offline`'s `decode_busy`): wall, GPU-busy and idle ms a step, the top kernels under each."""
+    from pagoda.bench.offline import decode_busy
+
+    rng = random.Random(1)
+    lines = [
+        "",
+        f"Steady decode steps profiled ({args.busy_steps} each, prompts of {args.input_len} tokens):",
+        "",
+        "| batch | adapters | wall ms / step | GPU busy ms / step | idle ms / step |",
+        "| ---: | --- | ---: | ---: | ---: |",
+    ]
+    for batch in batches:
+        prompts = [[rng.randrange(3, vocab) for _ in range(args.input_len)] for _ in range(batch)]
+        mixed = [adapters[i % len(adapters)].lora_name for i in range(batch)]
+        for names in ([None] * batch, mixed):
+            wall, busy, _ = decode_busy(llm, prompts, args.busy_steps, args.busy_top, None, 1, names)
+            which = "none" if names[0] is None else f"{len(set(names))} of rank {args.rank}"
+            lines.append(f"| {batch} | {which} | {wall:.2f} | {busy:.2f} | {wall - busy:.2f} |")
+            print(lines[-1], flush=True)
+    return lines

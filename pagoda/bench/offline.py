@@ -325,6 +325,7 @@ def decode_busy(
     top: int = 0,
     trace: str | None = None,
     tokens_per_step: int = 1,
+    lora_names: list[str | None] | None = None,
 ) -> tuple[float, float, float]:
     """Wall and GPU-busy milliseconds per steady decode step (every request past its prefill), the
     busy time being the sum of the CUDA kernels the profiler saw in those steps (0 on the CPU), and
@@ -332,7 +333,8 @@ def decode_busy(
     print that many kernels, most GPU time first, with their time per step. `trace`: also record the
     host's calls, and write the steps' Chrome trace there (the host's share of the wall time grows a
     little under the recording). `tokens_per_step`: the most a step emits per sequence (speculation:
-    k + 1), so that no sequence ends before the profiled steps do."""
+    k + 1), so that no sequence ends before the profiled steps do. `lora_names`: each prompt's LoRA
+    adapter (None: the base), of those the engine serves already."""
     from torch.profiler import ProfilerActivity, profile
 
     from pagoda.service.sampling_params import SamplingParams
@@ -340,8 +342,11 @@ def decode_busy(
     engine = llm.engine
     device = engine.runner.device
     params = SamplingParams(temperature=0.0, max_tokens=(steps + 64) * tokens_per_step, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"busy-{i}", prompt, params, final_only=True)  # as LLM.generate does
+    names = lora_names or [None] * len(prompts)
+    for i, (prompt, name) in enumerate(zip(prompts, names, strict=True)):
+        engine.add_request(
+            f"busy-{i}", prompt, params, final_only=True, lora_name=name
+        )  # as LLM.generate does
     for _ in range(32):  # prefills, and the ramp to a steady batch
         engine.step()
     activities = [ProfilerActivity.CUDA] if device.type == "cuda" else []
