@@ -170,8 +170,9 @@ def _profile_steps(
     ]
     for batch in batches:
         prompts = [[rng.randrange(3, vocab) for _ in range(args.input_len)] for _ in range(batch)]
-        mixed = [adapters[i % len(adapters)].lora_name for i in range(batch)]
-        for names in ([None] * batch, mixed):
+        base: list[str | None] = [None] * batch
+        mixed: list[str | None] = [adapters[i % len(adapters)].lora_name for i in range(batch)]
+        for names in (base, mixed):
             wall, busy, _ = decode_busy(llm, prompts, args.busy_steps, args.busy_top, None, 1, names)
             which = "none" if names[0] is None else f"{len(set(names))} of rank {args.rank}"
             lines.append(f"| {batch} | {which} | {wall:.2f} | {busy:.2f} | {wall - busy:.2f} |")
