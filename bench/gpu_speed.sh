@@ -9,7 +9,8 @@
 # workspace, bench --sweep splits --sweep fp8), kchecks (tests/kernels on the GPU; KCHECKS_K: a -k expression), bs1, offline, grid, serve.
 # Precision names: bf16, fp8 (W8A8 projections), either with "-kv8" (an fp8 KV cache).
 # Env: BS1_PRECISIONS (bf16 fp8), OFFLINE_VARIANTS (";"-separated extra arguments), GRID_PRECISIONS
-# (fp8-kv8 bf16), GRID_SHAPES (";"-separated "in out prompts"), SERVE_PRECISIONS (bf16), SERVE_CONCURRENCY (1 16 64 128 256), API_SERVERS (1),
+# (fp8-kv8 bf16), GRID_SHAPES (";"-separated "in out prompts"), GRID_ARGS (extra `bench offline` flags for
+# the grid, e.g. "--max-cudagraph-capture-size 1024"), SERVE_PRECISIONS (bf16), SERVE_CONCURRENCY (1 16 64 128 256), API_SERVERS (1),
 # CLIENT_PROCESSES (auto), BUSY_TRACE (set: bs1 and offline write Chrome traces of their profiled steps,
 # trace_*.json), SERVE_VARIANTS (";"-separated extra `pagoda serve` arguments, a server each). With a py-spy wheel in the carried wheels, c >= 256 also profiles the API
 # process for 6 s (pyspy_api_*.raw).
@@ -88,8 +89,9 @@ if has grid; then  # issue 11's grid: in / out lengths, enough requests for a st
         for shape in "${shapes[@]}"; do
             read -r in_len out_len n <<< "$shape"
             [[ $q == *-kv8 && $n == 384 ]] && n=640  # an fp8 cache holds more (768 x 2.2k tokens overflowed it: preemptions)
+            # shellcheck disable=SC2086  # GRID_ARGS: extra flags, split on purpose
             timeout 200 python3 -m pagoda.bench offline "${model[@]}" "${extra[@]}" --num-prompts "$n" \
-                --input-len "$in_len" --output-len "$out_len" --max-num-batched-tokens 8192 \
+                --input-len "$in_len" --output-len "$out_len" --max-num-batched-tokens 8192 ${GRID_ARGS:-} \
                 --output "$out/bench.md" 2>&1 | grep -v Loading | tail -4
             step "grid $q $shape"
         done

@@ -228,6 +228,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         int,
     )
     flag(
+        "--max-cudagraph-capture-size",
+        "Largest decode batch that replays a CUDA graph (vLLM's compilation config field); larger ones "
+        "run eagerly. Past 256 the captured sizes step by 64.",
+        256,
+        int,
+    )
+    flag(
         "--gpu-memory-utilization",
         "Fraction of the GPU memory the engine uses, weights and KV cache included (as vLLM's).",
         0.9,
@@ -455,6 +462,7 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         block_size=args.block_size,
         kv_cache_dtype=args.kv_cache_dtype,
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
+        max_cudagraph_capture_size=args.max_cudagraph_capture_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         enable_prefix_caching=args.enable_prefix_caching,

@@ -12,7 +12,7 @@ import pytest
 
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.llm_engine import LLMEngine
-from pagoda.service.engine.runner.cuda_graphs import StepGraphs, mixed_token_sizes
+from pagoda.service.engine.runner.cuda_graphs import StepGraphs, graph_batch_sizes, mixed_token_sizes
 from pagoda.service.sampling_params import SamplingParams
 
 Work = list[tuple[str, list[int], SamplingParams]]
@@ -85,6 +85,16 @@ def test_padded_graph_steps_give_the_eager_outputs(llama_ckpt: Path, is_async: b
     assert {rid: tokens for rid, (tokens, _) in got.items()} == {rid: t for rid, (t, _) in expected.items()}
     for rid, (_, logprobs) in expected.items():
         assert got[rid][1] == pytest.approx(logprobs, abs=1e-4)
+
+
+def test_decode_sizes_stop_at_the_batch_and_the_capture_limit() -> None:
+    assert graph_batch_sizes(24) == [1, 2, 4, 8, 16]
+    assert graph_batch_sizes(1024)[-3:] == [224, 240, 256]  # the default limit: 256, as vLLM's was
+    assert graph_batch_sizes(1024, 640)[19:] == [256, 320, 384, 448, 512, 576, 640]
+    assert graph_batch_sizes(600, 1024)[-2:] == [512, 576]  # never above max_num_seqs
+    assert graph_batch_sizes(1, 1024) == [1]
+    with pytest.raises(ValueError, match="max_cudagraph_capture_size"):
+        EngineConfig(max_cudagraph_capture_size=0)
 
 
 def test_mixed_sizes_stop_at_the_step_budget() -> None:

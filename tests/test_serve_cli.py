@@ -26,6 +26,7 @@ FLAGS = [
     "--max-num-batched-tokens",
     "--block-size",
     "--cuda-graph-max-tokens",
+    "--max-cudagraph-capture-size",
     "--gpu-memory-utilization",
     "--kv-cache-memory-bytes",
     "--enable-prefix-caching",
@@ -77,6 +78,7 @@ def test_environment_sets_flags_and_command_line_wins(monkeypatch: pytest.Monkey
     monkeypatch.setenv("PAGODA_PRECISION", "fp32")
     monkeypatch.setenv("PAGODA_KV_CACHE_MEMORY_BYTES", "1048576")
     monkeypatch.setenv("PAGODA_CUDA_GRAPH_MAX_TOKENS", "0")
+    monkeypatch.setenv("PAGODA_MAX_CUDAGRAPH_CAPTURE_SIZE", "512")
     monkeypatch.setenv("PAGODA_API_SERVER_COUNT", "3")
     server, engine = serve_cli.build_configs(parse("--max-num-seqs", "9"))
     assert server.port == 9000
@@ -86,6 +88,7 @@ def test_environment_sets_flags_and_command_line_wins(monkeypatch: pytest.Monkey
     assert engine.dtype == "float32"
     assert engine.kv_cache_memory_bytes == 1048576
     assert engine.cuda_graph_max_tokens == 0
+    assert engine.max_cudagraph_capture_size == 512
 
 
 @pytest.mark.parametrize(
@@ -95,6 +98,7 @@ def test_environment_sets_flags_and_command_line_wins(monkeypatch: pytest.Monkey
         (["--model", "/no/such/model"], "no such checkpoint"),
         (["--block-size", "12"], "block_size must be a power of two"),
         (["--cuda-graph-max-tokens", "-5"], "cuda_graph_max_tokens must be at least 0"),
+        (["--max-cudagraph-capture-size", "0"], "max_cudagraph_capture_size must be at least 1, got 0"),
         (["--max-mixed-prefill-tokens", "-1"], "max_mixed_prefill_tokens must be at least 0, got -1"),
         (["--max-waiting-requests", "-1"], "--max-waiting-requests"),
         (["--api-server-count", "0"], "--api-server-count must be at least 1, got 0"),

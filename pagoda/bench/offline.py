@@ -50,6 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     offline.add_argument(
         "--cuda-graph-max-tokens", type=int, default=2048, help="0: only decode steps replay CUDA graphs"
     )
+    offline.add_argument(
+        "--max-cudagraph-capture-size",
+        type=int,
+        default=256,
+        help="largest decode batch that replays a CUDA graph (past 256 the sizes step by 64)",
+    )
     offline.add_argument("--peer", choices=["transformers", "none"], default="transformers")
     offline.add_argument(
         "--repeat",
@@ -186,6 +192,7 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         tensor_parallel_size=args.tensor_parallel_size,
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
+        max_cudagraph_capture_size=args.max_cudagraph_capture_size,
     )
     runner = llm.engine.runner
     vocab = runner.model_config.vocab_size

@@ -194,6 +194,9 @@ class EngineConfig:
     # The largest step (in tokens) that mixes prefill chunks with decodes and still replays a CUDA graph;
     # 0: decode-only steps alone (cuda_graphs.py).
     cuda_graph_max_tokens: int = 2048
+    # The largest decode batch that replays a CUDA graph (vLLM's `max_cudagraph_capture_size`); a
+    # larger one runs eagerly. Past 256 the ladder steps by 64 (cuda_graphs.py).
+    max_cudagraph_capture_size: int = 256
     tensor_parallel_size: int = 1  # ranks the model is sharded over: GPUs (NCCL), or CPU processes (gloo)
     # Stages the layers are split over, each of tensor_parallel_size ranks: P x T ranks in all
     # (docs/parallelism.md).
@@ -263,6 +266,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if self.max_cudagraph_capture_size < 1:
+            raise ValueError(
+                f"max_cudagraph_capture_size must be at least 1, got {self.max_cudagraph_capture_size}"
+            )
         for name in ("cuda_graph_max_tokens", "max_mixed_prefill_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be at least 0, got {getattr(self, name)}")

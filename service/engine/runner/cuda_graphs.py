@@ -5,7 +5,8 @@ on a slow host CPU the launches dominate (the GPU machine's host needs ~15 ms to
 step). So the runner captures, once at start-up, the whole forward pass plus the logits over static
 input buffers, for two ladders of sizes:
 
-- decode: `bs` rows of one token each, for batch sizes 1, 2, 4, 8, 16, ... `max_num_seqs`;
+- decode: `bs` rows of one token each, for batch sizes 1, 2, 4, 8, 16, ... up to `max_num_seqs` or
+  `--max-cudagraph-capture-size` (256 by default; larger batches run eagerly);
 - mixed: `T` tokens of up to `max_num_seqs` sequences, any of them prefill chunks, for token counts
   up to the step budget. Under load, requests arrive while others decode, so most steps carry a
   prefill chunk or two beside hundreds of decodes; without these graphs every such step runs eager.
@@ -39,9 +40,12 @@ from pagoda.service.model.lora import LoRABatch
 logger = logging.getLogger(__name__)
 
 
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    ladder = [1, 2, 4, 8, *range(16, 257, 16)]
-    return [bs for bs in ladder if bs <= max_num_seqs] or [1]
+def graph_batch_sizes(max_num_seqs: int, max_capture: int = 256) -> list[int]:
+    """The decode graphs' batch sizes: 1, 2, 4, 8, then every 16 to 256 and every 64 past it, none
+    above `max_num_seqs` or `max_capture` (`EngineConfig.max_cudagraph_capture_size`)."""
+    limit = min(max_num_seqs, max_capture)
+    ladder = [1, 2, 4, 8, *range(16, 257, 16), *range(320, limit + 1, 64)]
+    return [bs for bs in ladder if bs <= limit] or [1]
 
 
 def mixed_token_sizes(max_num_batched_tokens: int, limit: int = 2048) -> list[int]:
@@ -73,13 +77,14 @@ class StepGraphs:
         capture: bool = True,
         max_mixed_tokens: int = 2048,
         lora: LoRABatch | None = None,
+        max_capture: int = 256,
     ) -> None:
         self.model = model
         self.lora = lora
         self.device = device
         self.max_model_len = max_model_len
         self.capture_graphs = capture
-        self.sizes = graph_batch_sizes(max_num_seqs)
+        self.sizes = graph_batch_sizes(max_num_seqs, max_capture)
         self.mixed_sizes = mixed_token_sizes(max_num_batched_tokens, max_mixed_tokens)
         self.max_seqs = max_num_seqs
         max_tokens = max([self.sizes[-1], *self.mixed_sizes])

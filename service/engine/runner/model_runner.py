@@ -306,6 +306,7 @@ class ModelRunner:
         return StepGraphs(
             model, self.device, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len,
             cfg.block_size, capture=capture, max_mixed_tokens=cfg.cuda_graph_max_tokens, lora=lora,
+            max_capture=cfg.max_cudagraph_capture_size,
         )  # fmt: skip
 
     # ---- one step ------------------------------------------------------------------------------
