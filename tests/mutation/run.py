@@ -79,6 +79,13 @@ TARGETS: dict[str, Target] = {
     "spec_verify": Target(
         "service/engine/runner/spec_verify.py", ("tests/test_speculative.py", "-k", "verif"), 120.0
     ),
+    # The draft model: its proposal rounds and shadow runs, eager and through its graph paths (the target
+    # as its own draft must keep every draft and give the target's output).
+    "draft_model": Target(
+        "service/engine/runner/draft_model.py",
+        ("tests/test_speculative.py", "-k", "graph_paths or (draft_model_gives and not tp2) or vocabulary"),
+        120.0,
+    ),
     # Multi-LoRA: the core's slot books (a unit test, then the engine's mixed batches against PEFT).
     "lora_slots": Target(
         "service/engine/core/lora_slots.py", ("tests/test_lora.py", "-k", "slots or mixed or run_time"), 120.0
