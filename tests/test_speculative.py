@@ -666,6 +666,33 @@ def test_a_draft_model_gives_the_target_output(
         assert stats.spec_num_draft_tokens_total > 0, stats
 
 
+def test_a_verify_step_shadows_only_the_rows_the_proposal_did_not_write() -> None:
+    """A prompt chunk (5 rows, not sampled), a sequence with 3 drafts (its last real token at 9, drafts
+    at 10-12) and a plain decode: the draft's shadow run keeps the chunk, the drafting sequence's last
+    row (position 12: its proposal rounds wrote 9-11) and the decode, at the same context lengths."""
+    import numpy as np
+
+    from pagoda.service.engine.runner.draft_model import rows_it_lacks
+
+    batch = {
+        "input_ids": np.arange(100, 110),
+        "positions": np.array([0, 1, 2, 3, 4, 9, 10, 11, 12, 6]),
+        "slot_mapping": np.arange(200, 210),
+        "query_start_loc": np.array([0, 5, 9, 10]),
+        "seq_lens": np.array([5, 13, 7]),
+        "block_tables": np.arange(6).reshape(3, 2),
+        "max_query_len": np.asarray(5),
+    }
+    sub = rows_it_lacks(batch, [1, 2], [3, 0])
+    assert sub["input_ids"].tolist() == [100, 101, 102, 103, 104, 108, 109]
+    assert sub["positions"].tolist() == [0, 1, 2, 3, 4, 12, 6]
+    assert sub["slot_mapping"].tolist() == [200, 201, 202, 203, 204, 208, 209]
+    assert sub["query_start_loc"].tolist() == [0, 5, 6, 7] and int(sub["max_query_len"]) == 5
+    assert sub["seq_lens"] is batch["seq_lens"] and sub["block_tables"] is batch["block_tables"]
+    decodes = rows_it_lacks({**batch, "query_start_loc": np.array([0, 4, 8, 10])}, [0, 1, 2], [3, 3, 1])
+    assert decodes["input_ids"].tolist() == [103, 107, 109] and int(decodes["max_query_len"]) == 1
+
+
 def _counted(f: Any, calls: dict[str, int], name: str) -> Any:
     def counting(*args: Any) -> Any:
         calls[name] += 1
@@ -685,11 +712,12 @@ def test_a_draft_model_through_its_graph_paths_keeps_every_draft(
     previous step's tokens filled in on the device under async scheduling) wrote the KV the eager
     forwards would."""
     common: dict[str, Any] = {
-        "dtype": "float32", "kv_cache_memory_bytes": 8 << 20, "max_num_batched_tokens": 160,
+        "dtype": "float32", "kv_cache_memory_bytes": 8 << 20, "max_num_batched_tokens": 128,
         "async_scheduling": async_scheduling,
     }  # fmt: skip
-    # the long prompt's second chunk runs beside the others' first decodes: a mixed shadow run
-    prompts = [[5, 6, 7, 8] * 5, *_repetitive_prompts(5), list(range(100, 300))]
+    # the long prompt's later chunks run beside the others' first drafting steps: mixed shadow runs of a
+    # chunk and the drafting sequences' last rows (`rows_it_lacks`)
+    prompts = [[5, 6, 7, 8] * 5, *_repetitive_prompts(5), list(range(100, 400))]
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in LLM(str(llama_ckpt), **common).generate(prompts, params)]
     config = {"model": str(llama_ckpt), "num_speculative_tokens": 3, "adaptive": False}

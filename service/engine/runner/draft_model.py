@@ -33,6 +33,27 @@ from pagoda.service.model.loader import load_model
 logger = logging.getLogger(__name__)
 
 
+def rows_it_lacks(
+    batch: dict[str, np.ndarray], sample_rows: list[int], num_drafts: list[int]
+) -> dict[str, np.ndarray]:
+    """The part of a verify step's batch whose KV the draft's cache lacks: of a drafting sequence's
+    1 + k rows (its last real token, then its drafts) only the last, since its proposal rounds wrote
+    the others with the same tokens at the same positions; every other sequence's rows whole. A pure
+    drafting step becomes one row a sequence: a decode-shaped shadow run instead of a k + 1-row one.
+    `sample_rows`, `num_drafts`: `StepInput`'s (the sampled sequences, their drafts)."""
+    qsl = batch["query_start_loc"]
+    keep = np.ones(len(batch["input_ids"]), dtype=bool)
+    for seq, k in zip(sample_rows, num_drafts, strict=True):
+        if k:
+            keep[qsl[seq] : qsl[seq + 1] - 1] = False
+    counts = np.add.reduceat(keep, qsl[:-1]) if len(keep) else np.zeros(len(qsl) - 1, dtype=np.int64)
+    sub = {name: batch[name][keep] for name in ("input_ids", "positions", "slot_mapping")}
+    sub["query_start_loc"] = np.concatenate([[0], np.cumsum(counts)]).astype(qsl.dtype)
+    sub["max_query_len"] = np.asarray(counts.max(), dtype=np.int64)
+    sub["seq_lens"], sub["block_tables"] = batch["seq_lens"], batch["block_tables"]
+    return sub
+
+
 class DraftModel:
     def __init__(self, path: str, dtype: torch.dtype, device: torch.device, block_size: int) -> None:
         self.model, self.config = load_model(path, dtype, device)

@@ -23,7 +23,7 @@ from pagoda.service.engine.core.request import PLACEHOLDER, Request
 from pagoda.service.engine.core.scheduler import GrammarBitmask, SchedulerOutput
 from pagoda.service.engine.runner.block_tables import BlockTables
 from pagoda.service.engine.runner.cuda_graphs import StepGraphs
-from pagoda.service.engine.runner.draft_model import DraftModel
+from pagoda.service.engine.runner.draft_model import DraftModel, rows_it_lacks
 from pagoda.service.engine.runner.lora import LoRARunner
 from pagoda.service.engine.runner.pipeline import (
     attention_metadata,
@@ -459,7 +459,12 @@ class ModelRunner:
         logits = self._forward_target(step, fill_inputs)
         if self.draft is not None:
             self.draft.copy_blocks(step.copy_ops)
-            self.draft.shadow(step.batch, fill_inputs)
+            batch = step.batch
+            # A drafting step's rows the proposal wrote are skipped, unless a copy-on-write just
+            # replaced the blocks it wrote them into (a fork), or placeholders address rows by index.
+            if any(step.num_drafts) and not step.copy_ops and fill_inputs is None:
+                batch = rows_it_lacks(batch, step.sample_rows, step.num_drafts)
+            self.draft.shadow(batch, fill_inputs)
         return logits
 
     def propose_drafts(self, reqs: list[Request], k: list[int]) -> list[list[int]]:
