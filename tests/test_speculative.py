@@ -693,6 +693,54 @@ def test_a_verify_step_shadows_only_the_rows_the_proposal_did_not_write() -> Non
     assert decodes["input_ids"].tolist() == [103, 107, 109] and int(decodes["max_query_len"]) == 1
 
 
+def test_a_shadow_run_takes_the_decode_graph_the_mixed_graph_or_runs_eagerly() -> None:
+    """`DraftModel.shadow` by the batch's shape: one token a sequence replays the decode ladder, other
+    batches that fit the mixed ladder replay it (computing no logits), the rest run eagerly. Test doubles
+    stand in for the graphs and the model (only the choice is under test; the paths' outputs are the
+    engine tests')."""
+    import numpy as np
+
+    from pagoda.service.engine.runner.draft_model import DraftModel
+
+    calls: list[tuple[str, int]] = []
+
+    class Graphs:  # a test double of StepGraphs
+        max_batch_size = 4
+
+        def run(self, input_ids: Any, *rest: Any) -> None:
+            calls.append(("decode", len(input_ids)))
+
+        def fits_mixed(self, num_tokens: int, num_seqs: int) -> bool:
+            return num_tokens <= 8
+
+        def run_mixed(self, batch: Any, logits_rows: Any, fill: Any) -> None:
+            calls.append(("mixed", len(logits_rows)))
+
+    def model(input_ids: Any, positions: Any, meta: Any) -> None:  # a test double of the draft's model
+        calls.append(("eager", len(input_ids)))
+
+    draft = DraftModel.__new__(DraftModel)
+    draft.graphs, draft.model, draft.device = Graphs(), model, torch.device("cpu")  # type: ignore[assignment]
+
+    def batch(query_lens: list[int]) -> dict[str, Any]:
+        qsl = np.concatenate([[0], np.cumsum(query_lens)])
+        n = int(qsl[-1])
+        return {
+            "input_ids": np.zeros(n, dtype=np.int64), "positions": np.arange(n), "slot_mapping": np.arange(n),
+            "seq_lens": np.asarray(query_lens) + 5, "block_tables": np.zeros((len(query_lens), 1), np.int32),
+            "query_start_loc": qsl, "max_query_len": np.asarray(max(query_lens)),
+        }  # fmt: skip
+
+    for lens in ([1, 1, 1], [1, 1, 1, 1], [1] * 5, [1, 3], [8], [9], [2, 1, 1, 1]):
+        draft.shadow(batch(lens), None)
+    assert calls == [
+        ("decode", 3), ("decode", 4), ("mixed", 0), ("mixed", 0), ("mixed", 0), ("eager", 9), ("mixed", 0)
+    ]  # fmt: skip
+    draft.graphs = None
+    draft.shadow(batch([1, 1]), None)
+    assert calls[-1] == ("eager", 2)
+
+
 def _counted(f: Any, calls: dict[str, int], name: str) -> Any:
     def counting(*args: Any) -> Any:
         calls[name] += 1
@@ -718,7 +766,9 @@ def test_a_draft_model_through_its_graph_paths_keeps_every_draft(
     # the long prompt's later chunks run beside the others' first drafting steps: mixed shadow runs of a
     # chunk and the drafting sequences' last rows (`rows_it_lacks`)
     prompts = [[5, 6, 7, 8] * 5, *_repetitive_prompts(5), list(range(100, 400))]
-    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    # Unequal lengths: near each one's end its drafts are cut short (never past max_tokens), so a
+    # proposal's later rounds run fewer rows than its first.
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (30, 31, 33, 29, 32)]
     expected = [o.outputs[0].token_ids for o in LLM(str(llama_ckpt), **common).generate(prompts, params)]
     config = {"model": str(llama_ckpt), "num_speculative_tokens": 3, "adaptive": False}
     with LLM(str(llama_ckpt), speculative_config=config, **common) as spec:

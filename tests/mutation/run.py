@@ -83,7 +83,12 @@ TARGETS: dict[str, Target] = {
     # as its own draft must keep every draft and give the target's output).
     "draft_model": Target(
         "service/engine/runner/draft_model.py",
-        ("tests/test_speculative.py", "-k", "graph_paths or (draft_model_gives and not tp2) or vocabulary"),
+        (
+            "tests/test_speculative.py",
+            "-k",
+            "graph_paths or (draft_model_gives and not tp2) or vocabulary or shadow_run_takes"
+            " or rows_the_proposal",
+        ),
         120.0,
     ),
     # Multi-LoRA: the core's slot books (a unit test, then the engine's mixed batches against PEFT).

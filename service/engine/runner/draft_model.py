@@ -143,9 +143,10 @@ class DraftModel:
             }
             chosen = self._decode_logits(batch, tokens).argmax(dim=1)
             rounds.append((rows, chosen))
-            if j + 1 < max(k):
-                keep = [n for n, i in enumerate(rows) if k[i] > j + 1]
-                tokens = chosen[to_device(keep, torch.int64, self.device)]
+            keep = [
+                n for n, i in enumerate(rows) if k[i] > j + 1
+            ]  # the next round's rows (none after the last)
+            tokens = chosen[to_device(keep, torch.int64, self.device)]
         drafts: list[list[int]] = [[] for _ in reqs]
         for rows, chosen in rounds:  # one wait for the device, after the last round
             for row, token in zip(rows, chosen.tolist(), strict=True):
