@@ -773,16 +773,19 @@ def test_a_draft_model_through_its_graph_paths_keeps_every_draft(
     config = {"model": str(llama_ckpt), "num_speculative_tokens": 3, "adaptive": False}
     with LLM(str(llama_ckpt), speculative_config=config, **common) as spec:
         runner = spec.engine.runner.runner  # the executor's, in this process at one rank
-        calls = {"run": 0, "run_mixed": 0}
+        calls = {"run": 0, "run_mixed": 0, "eager": 0}
         graphs = runner.step_graphs(runner.draft.model, None, capture=False)
-        for name in calls:
+        for name in ("run", "run_mixed"):
             setattr(graphs, name, _counted(getattr(graphs, name), calls, name))
         runner.draft.use_graphs(graphs)
+        # The graphs hold the model itself; calls through the draft's own reference are eager forwards.
+        runner.draft.model = _counted(runner.draft.model, calls, "eager")
         got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
         stats = _spec_stats(spec)
     assert got == expected
     assert stats.spec_num_accepted_tokens_total == stats.spec_num_draft_tokens_total > 30, stats
-    assert calls["run"] > 10 and calls["run_mixed"] > 3, calls
+    # Every step fits a ladder (at most 128 tokens, at most 5 sequences): nothing runs eagerly.
+    assert calls["run"] > 10 and calls["run_mixed"] > 3 and calls["eager"] == 0, calls
 
 
 def test_a_draft_model_of_another_vocabulary_is_refused(llama_ckpt: Path, tmp_path: Path) -> None:
