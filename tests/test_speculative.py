@@ -741,6 +741,53 @@ def test_a_shadow_run_takes_the_decode_graph_the_mixed_graph_or_runs_eagerly() -
     assert calls[-1] == ("eager", 2)
 
 
+def test_a_proposal_replays_the_decode_ladder_round_by_round() -> None:
+    """`DraftModel.propose` on a test double of its graphs (a "model" whose greedy token is its input
+    + 1): k = [3, 1, 2, 4] runs rounds of 4, 3, 2 and 1 rows, each replayed from the decode ladder with
+    the round's tokens filled in on the device (4 rows: exactly the largest graph), and returns each
+    sequence's chain; a round larger than the ladder runs eagerly."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from pagoda.service.engine.runner.draft_model import DraftModel
+
+    vocab, rounds = 50, []
+
+    class Graphs:  # a test double of StepGraphs
+        max_batch_size = 4
+
+        def run(
+            self, input_ids: Any, positions: Any, slots: Any, seq_lens: Any, tables: Any, fill: Any
+        ) -> Any:
+            ids = torch.zeros(len(input_ids), dtype=torch.int64)
+            fill(ids)
+            rounds.append((ids.tolist(), positions.tolist(), seq_lens.tolist()))
+            return torch.nn.functional.one_hot((ids + 1) % vocab, vocab).float()
+
+    def eager(*args: Any) -> Any:
+        raise AssertionError("a round that fits the ladder ran eagerly")
+
+    draft = DraftModel.__new__(DraftModel)
+    draft.graphs, draft.model = Graphs(), eager  # type: ignore[assignment]
+    draft.device, draft.block_size = torch.device("cpu"), 16
+    reqs = [
+        SimpleNamespace(token_ids=t, num_tokens=len(t), num_drafts=0) for t in ([4, 5], [8, 9], [1], [6, 7])
+    ]
+    tables = np.arange(8, dtype=np.int32).reshape(4, 2)
+    drafts = draft.propose(reqs, tables, [3, 1, 2, 4])  # type: ignore[arg-type]
+    assert drafts == [[6, 7, 8], [10], [2, 3], [8, 9, 10, 11]]
+    assert rounds == [
+        ([5, 9, 1, 7], [1, 1, 0, 1], [2, 2, 1, 2]),
+        ([6, 2, 8], [2, 1, 2], [3, 2, 3]),
+        ([7, 9], [3, 3], [4, 4]),
+        ([10], [4], [5]),
+    ]
+    draft.graphs.max_batch_size = 3  # type: ignore[attr-defined]
+    with pytest.raises(AssertionError, match="ran eagerly"):
+        draft.propose(reqs, tables, [1, 1, 1, 1])  # type: ignore[arg-type]
+
+
 def _counted(f: Any, calls: dict[str, int], name: str) -> Any:
     def counting(*args: Any) -> Any:
         calls[name] += 1
@@ -798,6 +845,15 @@ def test_a_draft_model_of_another_vocabulary_is_refused(llama_ckpt: Path, tmp_pa
     (other / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"vocabulary \(1000 tokens\) is not the target's \(49152\)"):
         LLM(str(llama_ckpt), dtype="float32", speculative_config={"model": str(other)})
+    from types import SimpleNamespace
+
+    from pagoda.service.engine.runner.draft_model import DraftModel
+
+    draft = DraftModel.__new__(DraftModel)  # the check alone: a larger vocabulary is refused too
+    draft.config = SimpleNamespace(vocab_size=50000)  # type: ignore[assignment]
+    with pytest.raises(ValueError, match=r"vocabulary \(50000 tokens\) is not the target's \(49152\)"):
+        draft.check_vocabulary(SimpleNamespace(vocab_size=49152))  # type: ignore[arg-type]
+    draft.check_vocabulary(SimpleNamespace(vocab_size=50000))  # type: ignore[arg-type]
 
 
 def test_step_rates_decide_by_batch_bucket_and_keep_exploring() -> None:

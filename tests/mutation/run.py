@@ -87,7 +87,7 @@ TARGETS: dict[str, Target] = {
             "tests/test_speculative.py",
             "-k",
             "graph_paths or (draft_model_gives and not tp2) or vocabulary or shadow_run_takes"
-            " or rows_the_proposal",
+            " or rows_the_proposal or proposal_replays",
         ),
         120.0,
     ),

@@ -46,7 +46,7 @@ def rows_it_lacks(
     for seq, k in zip(sample_rows, num_drafts, strict=True):
         if k:
             keep[qsl[seq] : qsl[seq + 1] - 1] = False
-    counts = np.add.reduceat(keep, qsl[:-1]) if len(keep) else np.zeros(len(qsl) - 1, dtype=np.int64)
+    counts = np.add.reduceat(keep, qsl[:-1])  # every sequence of a step has a row
     sub = {name: batch[name][keep] for name in ("input_ids", "positions", "slot_mapping")}
     sub["query_start_loc"] = np.concatenate([[0], np.cumsum(counts)]).astype(qsl.dtype)
     sub["max_query_len"] = np.asarray(counts.max(), dtype=np.int64)
