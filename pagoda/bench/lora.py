@@ -128,8 +128,7 @@ def run(args: argparse.Namespace) -> int:
             "| ---: | ---: | ---: | ---: |",
         ]
         for batch in batches:
-            prompts = [[rng.randrange(3, vocab) for _ in range(args.input_len)] for _ in range(batch)]
-            mixed = [adapters[i % len(adapters)] for i in range(batch)]
+            prompts, mixed = _batch(rng, batch, vocab, args.input_len, adapters)
             # Untimed, both ways: the batch's prefill and decode shapes compile their kernels here, not
             # in the timed runs (on an H100 the bf16 run, first in its call, gave 0.52 at batch 64 and
             # the fp8-base run after it 0.78: compiles inside the timing are the likely difference).
@@ -153,6 +152,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _batch(
+    rng: random.Random, batch: int, vocab: int, input_len: int, adapters: list[Any]
+) -> tuple[list[list[int]], list[Any]]:
+    """`batch` random prompts of `input_len` tokens, and the adapters spread over them round-robin."""
+    prompts = [[rng.randrange(3, vocab) for _ in range(input_len)] for _ in range(batch)]
+    return prompts, [adapters[i % len(adapters)] for i in range(batch)]
+
+
 def _profile_steps(
     llm: Any, adapters: list[Any], batches: list[int], vocab: int, args: argparse.Namespace
 ) -> list[str]:
@@ -169,9 +176,9 @@ def _profile_steps(
         "| ---: | --- | ---: | ---: | ---: |",
     ]
     for batch in batches:
-        prompts = [[rng.randrange(3, vocab) for _ in range(args.input_len)] for _ in range(batch)]
+        prompts, loras = _batch(rng, batch, vocab, args.input_len, adapters)
         base: list[str | None] = [None] * batch
-        mixed: list[str | None] = [adapters[i % len(adapters)].lora_name for i in range(batch)]
+        mixed: list[str | None] = [lora.lora_name for lora in loras]
         for names in (base, mixed):
             wall, busy, _ = decode_busy(llm, prompts, args.busy_steps, args.busy_top, None, 1, names)
             which = "none" if names[0] is None else f"{len(set(names))} of rank {args.rank}"
