@@ -143,9 +143,8 @@ class DraftModel:
             }
             chosen = self._decode_logits(batch, tokens).argmax(dim=1)
             rounds.append((rows, chosen))
-            keep = [
-                n for n, i in enumerate(rows) if k[i] > j + 1
-            ]  # the next round's rows (none after the last)
+            # The next round's rows (none after the last).
+            keep = [n for n, i in enumerate(rows) if k[i] > j + 1]
             tokens = chosen[to_device(keep, torch.int64, self.device)]
         drafts: list[list[int]] = [[] for _ in reqs]
         for rows, chosen in rounds:  # one wait for the device, after the last round
@@ -156,11 +155,10 @@ class DraftModel:
     def _decode_logits(self, batch: dict[str, np.ndarray], tokens: torch.Tensor) -> torch.Tensor:
         """Logits of a batch of one token per row whose input ids are `tokens` (on the device)."""
         if self.graphs is not None and len(tokens) <= self.graphs.max_batch_size:
-            logits = self.graphs.run(
+            return self.graphs.run(
                 batch["input_ids"], batch["positions"], batch["slot_mapping"], batch["seq_lens"],
                 batch["block_tables"], lambda ids: ids.copy_(tokens),
             )  # fmt: skip
-            return logits
         hidden = self.model(
             tokens,
             to_device(batch["positions"], torch.int64, self.device),
