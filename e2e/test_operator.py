@@ -125,8 +125,13 @@ def condition(isvc: dict | None, kind: str) -> str | None:
 
 
 def ready_service(cluster, namespace: str, name: str, op: Operator, timeout: float = 90.0) -> dict:
+    """Ready=True in a status written for the current spec: right after a change (`kubectl scale`, a
+    patch) the status still says what it said of the previous generation."""
+
     def check() -> dict | None:
         isvc = get(cluster, namespace, "inferenceservice", name)
+        if isvc is None or isvc.get("status", {}).get("observedGeneration") != isvc["metadata"]["generation"]:
+            return None
         return isvc if condition(isvc, "Ready") == "True" else None
 
     def context() -> str:
