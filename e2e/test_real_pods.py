@@ -143,6 +143,7 @@ def test_embedded_model_serves_from_a_real_pod(cluster, real_node, real_images, 
         "InferenceService smol Ready=True",
         lambda: (
             (i := get(cluster, namespace, "inferenceservice", "smol"))
+            and i.get("status", {}).get("observedGeneration") == i["metadata"]["generation"]
             and conditions(i).get("Ready", {}).get("status") == "True"
             and i
         ),
@@ -553,11 +554,13 @@ def test_the_router_against_a_plain_service_and_under_scaling_and_a_rolling_upda
 
 
 def ready_service(cluster, namespace: str, name: str, operator: Any, timeout: float = 300) -> dict:
+    """Ready=True in a status written for the current spec (after a change the old one lingers)."""
     context = describe(cluster, namespace, operator)
     return wait_for(
         f"InferenceService {name} Ready=True",
         lambda: (
             (i := get(cluster, namespace, "inferenceservice", name))
+            and i.get("status", {}).get("observedGeneration") == i["metadata"]["generation"]
             and conditions(i).get("Ready", {}).get("status") == "True"
             and i
         ),
