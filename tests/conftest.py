@@ -16,6 +16,12 @@ from typing import Any
 
 import pytest
 
+# Every process the tests start (servers, engine cores, workers, transformers in a subprocess) gets one
+# OpenMP thread too: with xdist's workers on both cores, a server's second thread made its forward
+# passes up to 60x slower (tests/test_structured_output.py: 168 s with two threads, 22 s with one, beside
+# a busy core). The engine leaves a set OMP_NUM_THREADS alone (service/engine/runner/cpu_threads.py).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 @pytest.fixture(autouse=True)
 def _one_torch_thread() -> None:

@@ -32,6 +32,7 @@ from pagoda.operator.gpus import KNOWN_GPUS, GpuGroup
 from pagoda.operator.profile import MAX_AUTO_NODES, PRECISIONS, TP_DEGREES, Decision, select_profile
 from pagoda.operator.reserved import MULTI_NODE_FLAGS, OPERATOR_FLAGS, operator_flag
 from pagoda.operator.spec import OperatorConfig, ServiceSpec, Speculative, parse_spec
+from pagoda.service.engine.runner.cpu_threads import cpu_budget
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD = ROOT / "crds" / "serving.pagoda.dev_inferenceservices.yaml"
@@ -469,6 +470,7 @@ def test_the_profiles_serve_on_the_cpu(
     for var in container["env"]:
         if var["name"].startswith("PAGODA_") and "value" in var:
             monkeypatch.setenv(var["name"], var["value"])
+    monkeypatch.delenv("OMP_NUM_THREADS")  # the engine's own rule shares the CPUs among its ranks
     with ServeProcess(args, log_path=tmp_path / "serve.log") as server:
         body = {"model": spec.model_name, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
         response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
@@ -477,6 +479,12 @@ def test_the_profiles_serve_on_the_cpu(
         assert choice["finish_reason"] in ("length", "stop") and isinstance(choice["text"], str)
         if decision.tensor_parallel_size != 1:  # really sharded, over that many gloo ranks
             assert f"tensor parallel over {decision.tensor_parallel_size} ranks" in server.log()
+            if cpu_budget() > 1:  # not a thread more than the CPUs, whatever torch would start
+                share = max(1, cpu_budget() // decision.tensor_parallel_size)
+                assert (
+                    f"-> {share}: {decision.tensor_parallel_size} rank(s) on {cpu_budget()} usable CPUs"
+                    in server.log()
+                )
 
 
 # --- a model over several pods: LeaderWorkerSet groups ------------------------------------------------

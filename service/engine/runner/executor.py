@@ -51,6 +51,7 @@ from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.core.engine_core import PendingResult
 from pagoda.service.engine.core.request import Request
 from pagoda.service.engine.core.scheduler import GrammarBitmask, SchedulerOutput
+from pagoda.service.engine.runner.cpu_threads import cpu_budget, threads_per_rank
 from pagoda.service.engine.runner.cuda_graphs import StepGraphs
 from pagoda.service.engine.runner.model_runner import (
     ForwardedStep,
@@ -173,6 +174,8 @@ class Executor:
             device = torch.device("cuda", 0)
             torch.cuda.set_device(device)
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cpu":
+            _share_cpus(self.ranks_per_node)
         self._store = self._start_store(config)
         if self.nnodes > 1:  # the other nodes' ranks find its port in the store
             self._listener = StepListener(send_timeout_s=COLLECTIVE_TIMEOUT_S)
@@ -460,6 +463,22 @@ class _WatchedStep:
         except Exception as exc:
             raise self.executor._step_failed(exc) from exc
         return self.step.result()
+
+
+def _share_cpus(ranks: int) -> None:
+    """Each CPU rank's torch threads: its share of the CPUs this process may use (`cpu_threads.py`), only
+    ever fewer than torch chose (a caller's own smaller setting stays); the workers take rank 0's."""
+    threads = threads_per_rank(ranks)
+    if threads is not None and threads < torch.get_num_threads():
+        usable = cpu_budget()
+        logger.info(
+            "torch threads %d -> %d: %d rank(s) on %d usable CPUs",
+            torch.get_num_threads(),
+            threads,
+            ranks,
+            usable,
+        )
+        torch.set_num_threads(threads)
 
 
 def _process_name(rank: int, tp_size: int, pp_size: int) -> str:

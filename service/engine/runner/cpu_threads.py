@@ -1,0 +1,53 @@
+"""How many intra-op threads torch gets in each rank of an engine that runs on the CPU.
+
+torch starts one OpenMP thread per core of the machine, whatever the process may use: in a container
+limited to 2 CPUs on a 64-core node it starts 64 and the CFS quota stalls them, and each rank of an
+engine over several ranks on one machine starts that many again. An OpenMP thread that waits for a
+descheduled peer is worse than no thread: a 576 x 1536 linear at one row (the embedded model's) took
+0.10 ms with one thread and 6.7 ms with two, on this project's 2-core machine with the other core busy.
+
+So the engine divides what the process may run on, the smaller of its CPU affinity and its cgroup's CPU
+quota (v2 `cpu.max`, v1 `cpu.cfs_quota_us`), among the ranks on this machine. OMP_NUM_THREADS, when
+set, wins: torch reads it itself, and the engine changes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def cgroup_cpu_quota(root: Path = CGROUP) -> float | None:
+    """CPUs the cgroup may use per period (2.5 for "250000 100000"); None when unlimited or unknown."""
+    v2 = root / "cpu.max"
+    try:
+        if v2.exists():
+            quota, period = v2.read_text().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota_us <= 0 else quota_us / period_us
+
+
+def cpu_budget(
+    affinity: Callable[[], set[int]] = lambda: os.sched_getaffinity(0), root: Path = CGROUP
+) -> int:
+    """Whole CPUs this process may keep busy: its affinity, capped by its cgroup's quota rounded up."""
+    cpus = len(affinity())
+    quota = cgroup_cpu_quota(root)
+    return max(1, min(cpus, math.ceil(quota)) if quota is not None else cpus)
+
+
+def threads_per_rank(
+    ranks: int, budget: int | None = None, environ: Mapping[str, str] = os.environ
+) -> int | None:
+    """Each of `ranks` CPU ranks' share of the budget (at least 1); None when OMP_NUM_THREADS is set."""
+    if environ.get("OMP_NUM_THREADS"):
+        return None
+    return max(1, (cpu_budget() if budget is None else budget) // ranks)
