@@ -130,14 +130,9 @@ def describe(cluster, namespace: str, operator: HostOperator | Callable[[], str]
 
 
 def test_embedded_model_serves_from_a_real_pod(cluster, real_node, real_images, operator, namespace) -> None:
-    cluster.kubectl(
-        "apply",
-        "-n",
-        namespace,
-        "-f",
-        "-",
-        input=json.dumps(inference_service("smol", real_images["server"])),
-    )
+    smol = inference_service("smol", real_images["server"])
+    smol["spec"]["resources"]["limits"]["cpu"] = "1"  # the engine reads it from the container's cgroup
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(smol))
     context = describe(cluster, namespace, operator)
     isvc = wait_for(
         "InferenceService smol Ready=True",
@@ -177,6 +172,12 @@ def test_embedded_model_serves_from_a_real_pod(cluster, real_node, real_images, 
     with urllib.request.urlopen(req, timeout=120) as r:
         answer = json.load(r)["choices"][0]["message"]["content"]
     assert answer == "The capital of France is Paris."
+
+    # The CPU limit reached the engine through the container's real cgroup: one torch thread, not one
+    # per core of the node (service/engine/runner/cpu_threads.py).
+    if len(os.sched_getaffinity(0)) > 1:
+        logs = cluster.kubectl("logs", "-n", namespace, pods[0]["metadata"]["name"], "-c", "server").stdout
+        assert "-> 1: 1 rank(s) on 1 usable CPUs" in logs, logs[-3000:]
 
 
 def test_refused_args_end_in_crash_loop(cluster, real_node, real_images, operator, namespace) -> None:

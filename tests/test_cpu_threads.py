@@ -75,3 +75,23 @@ def test_this_machine_has_a_budget() -> None:
     import os
 
     assert 1 <= cpu_budget() <= len(os.sched_getaffinity(0))
+
+
+def test_an_engine_of_one_rank_on_the_cpu_takes_its_share(
+    monkeypatch: pytest.MonkeyPatch, llama_ckpt: Path
+) -> None:
+    """One rank runs in place (no workers, no `_start`): it, too, keeps to the CPUs it may use."""
+    from pagoda.service.engine.config import EngineConfig
+
+    asked: list[int] = []
+    monkeypatch.setattr(executor, "threads_per_rank", lambda ranks: asked.append(ranks) or 1)
+    torch.set_num_threads(2)
+    try:
+        config = EngineConfig(
+            model=str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=4 << 20, device="cpu"
+        )
+        run = executor.Executor(config, config.model_path, {2})
+        assert asked == [1] and torch.get_num_threads() == 1
+        run.shutdown()
+    finally:
+        torch.set_num_threads(1)

@@ -110,6 +110,8 @@ class Executor:
         self._has_group = False
         self._poller = select.poll()
         self._finalizer: weakref.finalize[Any, Executor] | None = None
+        if resolve_device(config.device).type == "cpu":
+            _share_cpus(self.ranks_per_node)
         if self.size == 1:
             self.runner = ModelRunner(config, model_path, eos_token_ids)
             return
@@ -174,8 +176,6 @@ class Executor:
             device = torch.device("cuda", 0)
             torch.cuda.set_device(device)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cpu":
-            _share_cpus(self.ranks_per_node)
         self._store = self._start_store(config)
         if self.nnodes > 1:  # the other nodes' ranks find its port in the store
             self._listener = StepListener(send_timeout_s=COLLECTIVE_TIMEOUT_S)
