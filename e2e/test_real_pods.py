@@ -100,6 +100,9 @@ def inference_service(name: str, image: str, extra_args: list[str] | None = None
         "nodeSelector": {"kubernetes.io/hostname": "pagoda-real-0"},
         "tolerations": [TOLERATION],
         "resources": {"requests": {"cpu": "100m", "memory": "512Mi"}, "limits": {"memory": "4Gi"}},
+        # One torch thread: the node's two cores also run the control plane, the tests and other pods
+        # (docs/parallelism.md; the first test below gives its pod a CPU limit instead).
+        "env": [{"name": "OMP_NUM_THREADS", "value": "1"}],
     }
     if extra_args:
         spec["engine"] = {"extraArgs": extra_args}
@@ -132,6 +135,7 @@ def describe(cluster, namespace: str, operator: HostOperator | Callable[[], str]
 def test_embedded_model_serves_from_a_real_pod(cluster, real_node, real_images, operator, namespace) -> None:
     smol = inference_service("smol", real_images["server"])
     smol["spec"]["resources"]["limits"]["cpu"] = "1"  # the engine reads it from the container's cgroup
+    del smol["spec"]["env"]
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(smol))
     context = describe(cluster, namespace, operator)
     isvc = wait_for(
@@ -537,7 +541,7 @@ def test_the_router_against_a_plain_service_and_under_scaling_and_a_rolling_upda
                 lambda: context("fleet"),
             )
         before = {p["metadata"]["name"] for p in server_pods(cluster, namespace, "fleet")}
-        isvc["spec"]["env"] = [{"name": "PAGODA_E2E_ROLL", "value": "2"}]
+        isvc["spec"]["env"] = [*isvc["spec"]["env"], {"name": "PAGODA_E2E_ROLL", "value": "2"}]
         cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(isvc))
 
         def rolled() -> bool:
@@ -640,7 +644,7 @@ def test_rolling_update_fails_no_request(cluster, real_node, real_images, operat
         w.start()
     try:
         changed = inference_service("roll", real_images["server"])
-        changed["spec"]["env"] = [{"name": "PAGODA_E2E_ROLL", "value": "2"}]
+        changed["spec"]["env"] = [*changed["spec"]["env"], {"name": "PAGODA_E2E_ROLL", "value": "2"}]
         cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(changed))
         context = describe(cluster, namespace, operator)
 
