@@ -54,6 +54,8 @@ def test_prompt_lookup_without_a_match_or_near_the_end() -> None:
     # has the most after it.
     assert propose_ngram([7, 7, 7, 7, 7], 3, 2, 2) == [7, 7, 7]
     assert propose_ngram([7, 7, 7, 7], 3, 2, 2) == [7, 7]
+    # The longest suffix first, though a shorter one would leave more to draft ("7 7 7 7" only at 0).
+    assert propose_ngram([7, 7, 7, 7, 7], 3, 4, 2) == [7]
     assert propose_ngram([1, 2, 5, 1, 2, 6, 8, 1, 2], 2, 2, 2) == [6, 8]  # the most recent with two after
     assert propose_ngram([3], 2, 4, 1) == []
     assert propose_ngram([4, 4], 2, 4, 1) == [4]  # shorter than lookup_max: n starts at length - 1
@@ -404,6 +406,12 @@ def test_no_lookup_where_the_load_rule_forbids_drafts() -> None:
     assert logprobs.draft_proposal == [] and speculator.lookups == 3  # never drafts: never looked up
     logprobs.num_computed_tokens = logprobs.num_tokens - 1
     assert not logprobs.wants_draft and not speculator.plan([logprobs])
+    # Drafts found while the batch was small, then more sequences decode: the load rule now says none.
+    five = [*three, *(Request(f"n{i}", [1, 2, 1, 2, 1], SamplingParams(), 0.0) for i in range(2))]
+    for r in five:
+        r.num_computed_tokens, r.wants_draft = r.num_tokens - 1, True  # 8 // 5 - 1 = 0 drafts each
+    assert not speculator.plan(five)
+    assert speculator.plan(five[:3])  # three decoding: one draft each
 
 
 @pytest.mark.parametrize(
