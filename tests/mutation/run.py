@@ -76,6 +76,18 @@ TARGETS: dict[str, Target] = {
             " or never_drafts or grammar_request_drafts",
         ),
     ),
+    # The step loop (in turn and async, failures kept to their request, stops, forks, preemption): the
+    # engine tests on the tiny checkpoints, fastest first.
+    "engine_core": Target(
+        "service/engine/core/engine_core.py",
+        (
+            "tests/test_engine_isolation.py",
+            "tests/test_engine_sampling.py",
+            "tests/test_engine_greedy.py",
+            "tests/test_engine_async.py",
+        ),
+        120.0,
+    ),
     "spec_verify": Target(
         "service/engine/runner/spec_verify.py", ("tests/test_speculative.py", "-k", "verif"), 120.0
     ),
