@@ -60,6 +60,7 @@ def test_prompt_lookup_without_a_match_or_near_the_end() -> None:
     assert propose_ngram([3], 2, 4, 1) == []
     assert propose_ngram([4, 4], 2, 4, 1) == [4]  # shorter than lookup_max: n starts at length - 1
     assert propose_ngram([1, 2, 9, 1, 2], 2, 4, 3) == []  # "1 2" recurs, but lookup_min is 3
+    assert propose_ngram([7, 6, 8, 5, 6], 2, 2, 2) == []  # "7 6" ends like "5 6": the first token counts too
     # The most recent match with exactly k tokens after it (it ends where the suffix starts) is taken.
     assert propose_ngram([1, 2, 9, 9, 9, 1, 2, 7, 1, 2], 3, 2, 2) == [7, 1, 2]
 
@@ -414,12 +415,52 @@ def test_no_lookup_where_the_load_rule_forbids_drafts() -> None:
     assert speculator.plan(five[:3])  # three decoding: one draft each
 
 
+def test_only_decoding_sequences_draft_and_never_past_max_tokens() -> None:
+    """Sequences with one token to compute draft; a prompt still in chunks (here more than half computed)
+    neither drafts nor counts in the load rule; a draft stops one short of max_tokens (the last kept row
+    samples the last token). Token counts even and odd."""
+    from pagoda.service.engine.core.speculation import Speculator
+
+    speculator = Speculator(
+        SpeculativeConfig(num_speculative_tokens=4, max_batch_tokens=4), max_model_len=1000
+    )
+    even = Request("even", [1, 2, 3] * 4, SamplingParams(), 0.0)  # 12 tokens, the last one to compute
+    even.num_computed_tokens = 11
+    speculator.after_token(even, num_running=1)
+    assert even.draft_proposal == [1, 2, 3, 1]  # "3 1 2 3" last at 2 with four after it
+    chunked = [Request(f"c{i}", list(range(3, 23)), SamplingParams(), 0.0) for i in range(2)]
+    for r in chunked:
+        r.num_computed_tokens, r.wants_draft, r.draft_proposal = 12, True, [5, 5]  # 8 prompt tokens left
+    running = [even, *chunked]
+    assert speculator.plan(running)  # one decoding sequence: 4 // 1 - 1 = 3 drafts
+    assert speculator.draft(running) == 1
+    assert even.draft_token_ids == [1, 2, 3] and [r.num_drafts for r in chunked] == [0, 0]
+
+    short = Speculator(SpeculativeConfig(num_speculative_tokens=4), max_model_len=1000)
+    capped = Request("capped", [1, 2, 3] * 4, SamplingParams(max_tokens=4), 0.0)
+    capped.num_computed_tokens = 11
+    short.after_token(capped, num_running=1)
+    assert short.draft([capped]) == 1 and capped.draft_token_ids == [1, 2, 3]  # 4 - 0 outputs - 1
+
+
+def test_a_draft_models_speculator_needs_its_proposer_and_prompt_lookup_none() -> None:
+    from pagoda.service.engine.core.speculation import Speculator
+
+    draft = SpeculativeConfig.from_json('{"model": "/models/draft", "num_speculative_tokens": 2}')
+    with pytest.raises(ValueError, match="takes its proposer"):
+        Speculator(draft, max_model_len=100)
+    with pytest.raises(ValueError, match="takes its proposer"):
+        Speculator(SpeculativeConfig(**NGRAM), max_model_len=100, propose=lambda reqs, k: [[]] * len(reqs))  # type: ignore[arg-type]
+    assert Speculator(draft, max_model_len=100, propose=lambda reqs, k: [[]] * len(reqs)).propose is not None
+
+
 @pytest.mark.parametrize(
     "params",
     [
         SamplingParams(presence_penalty=0.5),
         SamplingParams(presence_penalty=-0.5),
         SamplingParams(frequency_penalty=-0.5),
+        SamplingParams(frequency_penalty=0.5),
         SamplingParams(repetition_penalty=0.9),
         SamplingParams(repetition_penalty=1.1),
         SamplingParams(logprobs=0),

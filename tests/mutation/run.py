@@ -73,7 +73,7 @@ TARGETS: dict[str, Target] = {
             "tests/test_speculative.py",
             "-k",
             "lookup or load_rule or pause or config or flag or rates or short_of or every_token or proposer"
-            " or never_drafts or grammar_request_drafts",
+            " or never_drafts or grammar_request_drafts or decoding_sequences",
         ),
     ),
     # The step loop (in turn and async, failures kept to their request, stops, forks, preemption): the
