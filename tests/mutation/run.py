@@ -76,15 +76,20 @@ TARGETS: dict[str, Target] = {
             " or never_drafts or grammar_request_drafts or decoding_sequences",
         ),
     ),
-    # The step loop (in turn and async, failures kept to their request, stops, forks, preemption): the
-    # engine tests on the tiny checkpoints, fastest first.
+    # The step loop (in turn and async, failures kept to their request, stops, forks, preemption, KV events,
+    # adapters, the speculator's step timing): the engine tests on the tiny checkpoints, fastest first.
     "engine_core": Target(
         "service/engine/core/engine_core.py",
         (
             "tests/test_engine_isolation.py",
+            "tests/test_kv_events.py",
+            "tests/test_speculative.py::test_step_rates_time_each_step_from_the_completion_before_it",
+            "tests/test_lora.py::test_an_adapter_is_loaded_at_run_time_then_unloaded",
+            "tests/test_lora.py::test_a_mixed_batch_of_two_adapters_and_the_base_equals_peft",
             "tests/test_engine_sampling.py",
             "tests/test_engine_greedy.py",
             "tests/test_engine_async.py",
+            "tests/test_speculative.py::test_greedy_output_is_token_for_token_the_same_with_drafts",
         ),
         120.0,
     ),
