@@ -177,6 +177,18 @@ def test_slots_go_to_the_least_recently_used_adapter_no_running_request_holds() 
     assert slots.take_loads() == [(0, "c", "/elsewhere")]
 
 
+def test_an_adapter_unloaded_before_its_step_drops_only_its_own_load() -> None:
+    slots = LoRASlots(3)
+    for name in ("one", "two", "zoo"):
+        slots.register(name, f"/{name}")
+    assert [slots.place(name, set()) for name in ("one", "two", "zoo")] == [0, 1, 2]
+    slots.unregister("".join(["t", "wo"]))  # the API's name: equal, not the same object
+    assert slots.take_loads() == [(0, "one", "/one"), (2, "zoo", "/zoo")]  # names both sides of "two"
+    assert slots.adapters == {"one": "/one", "zoo": "/zoo"}
+    slots.register("ten", "/ten")
+    assert slots.place("ten", {"one", "zoo"}) == 1  # its slot is free again
+
+
 def test_tensor_parallel_adapters_give_the_single_rank_output(
     llama_ckpt: Path, adapters: dict[str, Path]
 ) -> None:
