@@ -174,3 +174,17 @@ def test_each_new_longest_step_past_the_threshold_is_logged(
     assert logged and logged == sorted(logged)
     assert logged[-1] == pytest.approx(engine.core.longest_step_s, abs=0.006)
     assert "(1 sequences, 50 tokens)" in caplog.records[0].getMessage()  # the prefill comes first
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["in-turn", "async"])
+def test_each_step_is_counted_once_in_its_kind(llama_ckpt: Path, is_async: bool) -> None:
+    """`pagoda:step_seconds` by kind: one prompt of 3 tokens and 5 new ones is a mixed step (the
+    prefill) and 4 decode steps, each counted once; async scheduling runs one decode step more (the one
+    queued before the last token's stop is seen, whose token is dropped)."""
+    engine = _engine(llama_ckpt, is_async, kv_cache_memory_bytes=8 << 20)
+    engine.add_request("r", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    while engine.has_unfinished:
+        engine.step()
+    stats = engine.core.stats()
+    assert {k: sum(v) for k, v in stats.step_bucket_counts.items()} == {"mixed": 1, "decode": 4 + is_async}
+    assert stats.step_seconds_sum["decode"] > 0 and stats.step_seconds_sum["mixed"] > 0

@@ -92,6 +92,17 @@ def test_steps_where_everything_fails_alone_fail_the_engine(engine: LLMEngine) -
         engine.step()
 
 
+def test_a_good_step_starts_the_count_of_failed_steps_again(engine: LLMEngine) -> None:
+    """Failed steps count only in a row: one step that runs ends the run."""
+    for rounds in range(2):
+        for i in range(core_module.MAX_FAILED_STEPS_IN_A_ROW - 1):
+            engine.add_request(f"h{rounds}{i}", [42, 43], greedy(seed=HOSTILE_SEED))
+            assert engine.step()[0].outputs[0].finish_reason == "error"
+        engine.add_request(f"ok{rounds}", [5, 6], SamplingParams(temperature=0.0, max_tokens=1))
+        finals = run(engine, {})
+        assert finals[f"ok{rounds}"].outputs[0].finish_reason == "length"
+
+
 def test_another_model_side_is_named_explicitly_or_refused(llama_ckpt: Path) -> None:
     """`executor_class` is the only way to a stand-in for the model (no environment variable switches
     one on): a malformed or unknown name is refused with what was asked for."""

@@ -88,6 +88,12 @@ def test_a_mixed_batch_of_two_adapters_and_the_base_equals_peft(
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=requests)]
     assert got == [expected[k][i] for i, k in enumerate(kinds)]
+    stats = llm.engine.core.stats()  # per adapter, as pagoda_lora_*_total
+    assert stats.lora_requests_total == {"every": 2, "qv": 2}
+    tokens = {
+        k: sum(len(t) for t, kind in zip(got, kinds, strict=True) if kind == k) for k in ("every", "qv")
+    }
+    assert stats.lora_generation_tokens_total == tokens
     # The adapters change the output: a base-model engine would not pass.
     assert expected["every"] != expected[None] and expected["qv"] != expected[None]
     bm = llm.engine.block_manager
