@@ -396,3 +396,33 @@ def test_pagoda_bench_lora_table(llama_ckpt: Path, tmp_path: Path, monkeypatch: 
     for row in rows:
         base, adapted, ratio = (float(cell) for cell in row.strip("| ").split(" | ")[1:])
         assert base > 0 and adapted > 0 and ratio == pytest.approx(adapted / base, rel=0.02)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_adapters_under_speculative_decoding_give_the_same_greedy_output(
+    llama_ckpt: Path, adapters: dict[str, Path], method: str
+) -> None:
+    """Drafts verified under each sequence's adapter, beside the base model's: the same tokens as
+    without speculation. A draft model drafts without the adapters (the base as its own draft here),
+    so it is kept less often, never wrongly."""
+    spec: dict[str, Any] = {"num_speculative_tokens": 3, "adaptive": False}
+    spec |= (
+        {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+        if method == "ngram"
+        else {"model": str(llama_ckpt)}
+    )
+    common: dict[str, Any] = {
+        "dtype": "float32", "kv_cache_memory_bytes": 8 << 20, "enable_lora": True, "max_loras": 2,
+        "max_lora_rank": 8,
+    }  # fmt: skip
+    prompts = [[5, 6, 7, 8] * 5, [9, 10, 11] * 6, [12, 13] * 8]
+    kinds = ["every", None, "qv"]
+    requests = [LoRARequest(k, i, str(adapters[k])) if k else None for i, k in enumerate(kinds, 1)]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    plain = LLM(str(llama_ckpt), **common).generate(prompts, params, lora_request=requests)
+    llm = LLM(str(llama_ckpt), speculative_config=spec, **common)
+    got = llm.generate(prompts, params, lora_request=requests)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    stats = llm.engine.core.stats()
+    assert stats.spec_num_accepted_tokens_total > 0  # drafts were made and kept
+    assert stats.spec_num_draft_tokens_total > stats.spec_num_accepted_tokens_total  # and some refused
