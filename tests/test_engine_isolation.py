@@ -101,6 +101,12 @@ def test_a_good_step_starts_the_count_of_failed_steps_again(engine: LLMEngine) -
         engine.add_request(f"ok{rounds}", [5, 6], SamplingParams(temperature=0.0, max_tokens=1))
         finals = run(engine, {})
         assert finals[f"ok{rounds}"].outputs[0].finish_reason == "length"
+    for i in range(core_module.MAX_FAILED_STEPS_IN_A_ROW - 1):  # and a whole run fails the engine again
+        engine.add_request(f"again{i}", [42, 43], greedy(seed=HOSTILE_SEED))
+        assert engine.step()[0].outputs[0].finish_reason == "error"
+    engine.add_request("last", [42, 43], greedy(seed=HOSTILE_SEED))
+    with pytest.raises(InjectedFailure):
+        engine.step()
 
 
 def test_another_model_side_is_named_explicitly_or_refused(llama_ckpt: Path) -> None:

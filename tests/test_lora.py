@@ -4,6 +4,7 @@ adapters), and the refusals: what does not fit the model or the limits, and what
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +115,13 @@ def test_an_adapter_is_loaded_at_run_time_then_unloaded(
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
     every = LoRARequest("every", 1, str(adapters["every"]))
     qv = LoRARequest("qv", 2, str(adapters["qv"]))
+    started = time.monotonic()
     got = llm.generate(prompt * 3, params, lora_request=[every, qv, None])
+    wall = time.monotonic() - started
+    # pagoda_lora_load_seconds_total: each adapter's read and check, inside the call that asked for it
+    loads = llm.engine.core.stats().lora_load_seconds_total
+    assert set(loads) == {"every", "qv"} and 0 < loads["every"] + loads["qv"] <= wall, (loads, wall)
+    assert min(loads.values()) > 0
     assert [o.outputs[0].token_ids for o in got] == [
         _peft_greedy(llama_ckpt, adapters["every"], prompt, hf_greedy)[0],
         _peft_greedy(llama_ckpt, adapters["qv"], prompt, hf_greedy)[0],
