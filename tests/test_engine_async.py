@@ -188,3 +188,26 @@ def test_each_step_is_counted_once_in_its_kind(llama_ckpt: Path, is_async: bool)
     stats = engine.core.stats()
     assert {k: sum(v) for k, v in stats.step_bucket_counts.items()} == {"mixed": 1, "decode": 4 + is_async}
     assert stats.step_seconds_sum["decode"] > 0 and stats.step_seconds_sum["mixed"] > 0
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["in-turn", "async"])
+def test_a_grammar_that_fails_to_compile_fails_its_request_alone(llama_ckpt: Path, is_async: bool) -> None:
+    """The core's own guard (the API process refuses such a grammar first): a grammar the compile
+    thread refuses ends its request with the reason, and nothing else; the request beside it runs, and
+    the core is left with nothing unfinished."""
+    from pagoda.service.engine.messages import AddRequest
+
+    core = _engine(llama_ckpt, is_async, kv_cache_memory_bytes=8 << 20).core
+    bad = SamplingParams(max_tokens=4, grammar=Grammar("regex", "(unclosed"))
+    core.add_request(AddRequest("bad", [5, 6, 7], bad, 0.0))
+    core.add_request(AddRequest("good", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), 0.0))
+    failures, tokens = [], []
+    for _ in range(500):
+        out = core.step()
+        failures += out.failures
+        tokens += [t.request_id for t in out.tokens]
+        if not core.has_unfinished:
+            break
+    assert not core.has_unfinished and tokens == ["good"] * 4
+    assert [(f.request_id, "failed to compile" in f.message) for f in failures] == [("bad", True)]
+    assert core.failed_requests_total == 1
