@@ -7,8 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagoda.service.engine.runner import executor
-from pagoda.service.engine.runner.cpu_threads import cgroup_cpu_quota, cpu_budget, threads_per_rank
+from pagoda.service.engine.runner import cpu_threads, executor
+from pagoda.service.engine.runner.cpu_threads import (
+    cgroup_cpu_quota,
+    cpu_budget,
+    share_cpus,
+    threads_per_rank,
+)
 
 
 def cgroup(root: Path, v2: str | None = None, v1: tuple[str, str] | None = None) -> Path:
@@ -61,10 +66,10 @@ def test_the_engine_only_ever_lowers_torch_threads(
     monkeypatch: pytest.MonkeyPatch, share: int | None, before: int, after: int
 ) -> None:
     asked: list[int] = []
-    monkeypatch.setattr(executor, "threads_per_rank", lambda ranks: asked.append(ranks) or share)
+    monkeypatch.setattr(cpu_threads, "threads_per_rank", lambda ranks: asked.append(ranks) or share)
     torch.set_num_threads(before)
     try:
-        executor._share_cpus(3)
+        share_cpus(3)
         assert asked == [3] and torch.get_num_threads() == after
     finally:
         torch.set_num_threads(1)
@@ -84,7 +89,7 @@ def test_an_engine_of_one_rank_on_the_cpu_takes_its_share(
     from pagoda.service.engine.config import EngineConfig
 
     asked: list[int] = []
-    monkeypatch.setattr(executor, "threads_per_rank", lambda ranks: asked.append(ranks) or 1)
+    monkeypatch.setattr(cpu_threads, "threads_per_rank", lambda ranks: asked.append(ranks) or 1)
     torch.set_num_threads(2)
     try:
         config = EngineConfig(

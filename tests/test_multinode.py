@@ -27,6 +27,7 @@ from process_group import children, cmdline, group_members, status, wait_for
 
 from pagoda.service.cli import build_configs, node_placement
 from pagoda.service.engine.config import EngineConfig, LoRAConfig
+from pagoda.service.engine.runner.cpu_threads import cpu_budget
 from pagoda.service.serve_process import ServeProcess
 
 # One intra-op thread per process: up to five processes compute on two cores.
@@ -46,18 +47,18 @@ def free_port() -> int:
 class Group:
     """The leader and the headless node of one engine, each in a process group of its own."""
 
-    def __init__(self, ckpt: Path, tmp_path: Path, pp: int, tp: int) -> None:
+    def __init__(self, ckpt: Path, tmp_path: Path, pp: int, tp: int, env: dict[str, str]) -> None:
         common = ["--model", str(ckpt), *ENGINE, "--pipeline-parallel-size", str(pp)]
         common += ["--tensor-parallel-size", str(tp), "--nnodes", "2", "--master-addr", "127.0.0.1"]
         common += ["--master-port", str(free_port())]
         self.leader = ServeProcess(
-            [*common, "--node-rank", "0"], log_path=tmp_path / "leader.log", new_session=True, env=ENV
+            [*common, "--node-rank", "0"], log_path=tmp_path / "leader.log", new_session=True, env=env
         )
         self.worker = ServeProcess(
             [*common, "--node-rank", "1", "--headless"],
             log_path=tmp_path / "worker.log",
             new_session=True,
-            env=ENV,
+            env=env,
         )
 
     def start(self, is_leader_first: bool) -> Group:
@@ -98,8 +99,8 @@ class Group:
 def group_of(llama_ckpt: Path, tmp_path: Path) -> Iterator[Any]:
     made: list[Group] = []
 
-    def make(pp: int, tp: int = 1, is_leader_first: bool = False) -> Group:
-        made.append(Group(llama_ckpt, tmp_path, pp, tp))
+    def make(pp: int, tp: int = 1, is_leader_first: bool = False, env: dict[str, str] = ENV) -> Group:
+        made.append(Group(llama_ckpt, tmp_path, pp, tp, env))
         return made[-1].start(is_leader_first)
 
     yield make
@@ -166,10 +167,14 @@ def test_pp2_tp2_over_two_nodes_answers_as_one_node_and_sigterm_to_the_leader_st
     group_of: Any, one_node_texts: list[str]
 ) -> None:
     """Two stages of two tensor-parallel ranks, a stage per node; SIGTERM to the leader's process group
-    drains it (exit 0) and rank 0 stops node 1's ranks in order (exit 0)."""
-    group = group_of(pp=2, tp=2)
+    drains it (exit 0) and rank 0 stops node 1's ranks in order (exit 0). No OMP_NUM_THREADS (set empty):
+    each node's ranks share its CPUs by the engine's own rule, the headless node's too."""
+    group = group_of(pp=2, tp=2, env={"OMP_NUM_THREADS": ""})
     assert completions(group.leader) == one_node_texts, group.logs()
     assert len(ranks_of(group.worker)) == 2
+    if cpu_budget() > 1:  # two ranks a node: each its half
+        share = f"-> {max(1, cpu_budget() // 2)}: 2 rank(s) on {cpu_budget()} usable CPUs"
+        assert group.worker.log().count(share) == 2 and group.leader.log().count(share) == 1, group.logs()
     assert re.search(r"KV blocks per rank \[\d+, \d+, \d+, \d+\]: all use", group.leader.log())
     os.killpg(group.pgids[0], signal.SIGTERM)
     assert group.leader.wait(30) == 0, group.logs()

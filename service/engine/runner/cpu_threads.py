@@ -8,17 +8,20 @@ descheduled peer is worse than no thread: a 576 x 1536 linear at one row (the em
 
 So the engine divides what the process may run on, the smaller of its CPU affinity and its cgroup's CPU
 quota (v2 `cpu.max`, v1 `cpu.cfs_quota_us`), among the ranks on this machine. OMP_NUM_THREADS, when
-set, wins: torch reads it itself, and the engine changes nothing.
+set, wins: torch reads it itself, and the engine changes nothing. torch is imported only by
+`share_cpus`, so the API process can read the budget without it.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 CGROUP = Path("/sys/fs/cgroup")
+logger = logging.getLogger(__name__)
 
 
 def cgroup_cpu_quota(root: Path = CGROUP) -> float | None:
@@ -51,3 +54,18 @@ def threads_per_rank(
     if environ.get("OMP_NUM_THREADS"):
         return None
     return max(1, (cpu_budget() if budget is None else budget) // ranks)
+
+
+def share_cpus(ranks: int) -> None:
+    """Set this rank's torch threads to its share of `ranks` on this machine, only ever fewer than torch
+    chose (a caller's own smaller setting stays). Rank 0 calls it for its node (its workers take its
+    count), a headless node's ranks each for theirs."""
+    import torch
+
+    threads = threads_per_rank(ranks)
+    if threads is not None and threads < torch.get_num_threads():
+        logger.info(
+            "torch threads %d -> %d: %d rank(s) on %d usable CPUs", torch.get_num_threads(), threads, ranks,
+            cpu_budget(),
+        )  # fmt: skip
+        torch.set_num_threads(threads)

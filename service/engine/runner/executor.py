@@ -51,7 +51,7 @@ from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.core.engine_core import PendingResult
 from pagoda.service.engine.core.request import Request
 from pagoda.service.engine.core.scheduler import GrammarBitmask, SchedulerOutput
-from pagoda.service.engine.runner.cpu_threads import cpu_budget, threads_per_rank
+from pagoda.service.engine.runner.cpu_threads import share_cpus
 from pagoda.service.engine.runner.cuda_graphs import StepGraphs
 from pagoda.service.engine.runner.model_runner import (
     ForwardedStep,
@@ -111,7 +111,7 @@ class Executor:
         self._poller = select.poll()
         self._finalizer: weakref.finalize[Any, Executor] | None = None
         if resolve_device(config.device).type == "cpu":
-            _share_cpus(self.ranks_per_node)
+            share_cpus(self.ranks_per_node)
         if self.size == 1:
             self.runner = ModelRunner(config, model_path, eos_token_ids)
             return
@@ -463,22 +463,6 @@ class _WatchedStep:
         except Exception as exc:
             raise self.executor._step_failed(exc) from exc
         return self.step.result()
-
-
-def _share_cpus(ranks: int) -> None:
-    """Each CPU rank's torch threads: its share of the CPUs this process may use (`cpu_threads.py`), only
-    ever fewer than torch chose (a caller's own smaller setting stays); the workers take rank 0's."""
-    threads = threads_per_rank(ranks)
-    if threads is not None and threads < torch.get_num_threads():
-        usable = cpu_budget()
-        logger.info(
-            "torch threads %d -> %d: %d rank(s) on %d usable CPUs",
-            torch.get_num_threads(),
-            threads,
-            ranks,
-            usable,
-        )
-        torch.set_num_threads(threads)
 
 
 def _process_name(rank: int, tp_size: int, pp_size: int) -> str:

@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from pagoda.service.engine.parent_death import die_with_parent
+from pagoda.service.engine.runner.cpu_threads import share_cpus
 from pagoda.service.engine.runner.nodes import STEP_PORT_KEY, connect, tell, wait_for_leader
 from pagoda.service.stop_relay import relay_stop_signals
 
@@ -94,6 +95,8 @@ def worker_main(args: WorkerArgs, conn: Connection) -> None:
         if args.num_threads is not None:
             torch.set_num_threads(args.num_threads)
         backend = args.backend or _backend(args.config)
+        if args.num_threads is None and backend == "gloo":  # a headless node's CPU rank: as rank 0's node
+            share_cpus(args.config.ranks_per_node)
         if args.is_remote:
             rank0, store = _join_remote(args, backend)
             told.append(rank0)
