@@ -188,6 +188,8 @@ def test_each_step_is_counted_once_in_its_kind(llama_ckpt: Path, is_async: bool)
     stats = engine.core.stats()
     assert {k: sum(v) for k, v in stats.step_bucket_counts.items()} == {"mixed": 1, "decode": 4 + is_async}
     assert stats.step_seconds_sum["decode"] > 0 and stats.step_seconds_sum["mixed"] > 0
+    # No pause counter in-process (the core process starts one): the counters say none, not -1.
+    assert stats.gc_collections_total == 0 and stats.gc_pause_seconds_total == 0.0
 
 
 @pytest.mark.parametrize("is_async", [False, True], ids=["in-turn", "async"])
