@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -77,8 +78,6 @@ def test_the_engine_only_ever_lowers_torch_threads(
 
 def test_this_machine_has_a_budget() -> None:
     """The real files: whatever this machine has, at least one CPU and no more than its affinity."""
-    import os
-
     assert 1 <= cpu_budget() <= len(os.sched_getaffinity(0))
 
 
@@ -100,3 +99,10 @@ def test_an_engine_of_one_rank_on_the_cpu_takes_its_share(
         run.shutdown()
     finally:
         torch.set_num_threads(1)
+
+
+def test_without_an_affinity_call_every_cpu_counts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """macOS has no sched_getaffinity: the budget is the CPU count (and no cgroup files there)."""
+    monkeypatch.delattr(os, "sched_getaffinity")
+    monkeypatch.setattr(os, "cpu_count", lambda: 6)
+    assert cpu_budget(root=cgroup(tmp_path / "none")) == 6

@@ -38,9 +38,13 @@ def cgroup_cpu_quota(root: Path = CGROUP) -> float | None:
     return None if quota_us <= 0 else quota_us / period_us
 
 
-def cpu_budget(
-    affinity: Callable[[], set[int]] = lambda: os.sched_getaffinity(0), root: Path = CGROUP
-) -> int:
+def _affinity() -> set[int]:
+    if hasattr(os, "sched_getaffinity"):  # Linux
+        return os.sched_getaffinity(0)
+    return set(range(os.cpu_count() or 1))  # macOS: no affinity call; every CPU
+
+
+def cpu_budget(affinity: Callable[[], set[int]] = _affinity, root: Path = CGROUP) -> int:
     """Whole CPUs this process may keep busy: its affinity, capped by its cgroup's quota rounded up."""
     cpus = len(affinity())
     quota = cgroup_cpu_quota(root)
