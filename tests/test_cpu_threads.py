@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -64,16 +65,29 @@ def test_each_rank_gets_its_share_unless_omp_num_threads_is_set() -> None:
 
 @pytest.mark.parametrize(("share", "before", "after"), [(1, 2, 1), (4, 2, 2), (None, 2, 2), (2, 2, 2)])
 def test_the_engine_only_ever_lowers_torch_threads(
-    monkeypatch: pytest.MonkeyPatch, share: int | None, before: int, after: int
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    share: int | None,
+    before: int,
+    after: int,
 ) -> None:
+    """torch's own count (a thread a physical core) may be below a share counted in hyperthreads."""
     asked: list[int] = []
     monkeypatch.setattr(cpu_threads, "threads_per_rank", lambda ranks: asked.append(ranks) or share)
     torch.set_num_threads(before)
     try:
-        share_cpus(3)
+        with caplog.at_level(logging.INFO, logger=cpu_threads.__name__):
+            share_cpus(3)
         assert asked == [3] and torch.get_num_threads() == after
     finally:
         torch.set_num_threads(1)
+    said = [r.getMessage() for r in caplog.records]
+    if share is None:  # OMP_NUM_THREADS set: torch's, untouched and unsaid
+        assert said == []
+    else:
+        assert said == [
+            f"torch threads {after} a rank (3 rank(s) on {cpu_budget()} usable CPUs; torch chose {before})"
+        ]
 
 
 def test_this_machine_has_a_budget() -> None:

@@ -479,12 +479,12 @@ def test_the_profiles_serve_on_the_cpu(
         assert choice["finish_reason"] in ("length", "stop") and isinstance(choice["text"], str)
         if decision.tensor_parallel_size != 1:  # really sharded, over that many gloo ranks
             assert f"tensor parallel over {decision.tensor_parallel_size} ranks" in server.log()
-            if cpu_budget() > 1:  # not a thread more than the CPUs, whatever torch would start
-                share = max(1, cpu_budget() // decision.tensor_parallel_size)
-                assert (
-                    f"-> {share}: {decision.tensor_parallel_size} rank(s) on {cpu_budget()} usable CPUs"
-                    in server.log()
-                )
+            # Not a thread more than its share of the CPUs, whatever torch would start.
+            tp, usable = decision.tensor_parallel_size, cpu_budget()
+            chose = re.search(
+                rf"torch threads (\d+) a rank \({tp} rank\(s\) on {usable} usable CPUs", server.log()
+            )
+            assert chose and 1 <= int(chose[1]) <= max(1, usable // tp), server.log()[-2000:]
 
 
 # --- a model over several pods: LeaderWorkerSet groups ------------------------------------------------

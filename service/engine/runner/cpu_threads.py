@@ -62,14 +62,18 @@ def threads_per_rank(
 
 def share_cpus(ranks: int) -> None:
     """Set this rank's torch threads to its share of `ranks` on this machine, only ever fewer than torch
-    chose (a caller's own smaller setting stays). Rank 0 calls it for its node (its workers take its
-    count), a headless node's ranks each for theirs."""
+    chose: torch starts one a physical core (so a share counted in hyperthreads may be more), and a
+    caller's own smaller setting stays. Rank 0 calls it for its node (its workers take its count), a
+    headless node's ranks each for theirs. Logged either way, once a process."""
     import torch
 
-    threads = threads_per_rank(ranks)
-    if threads is not None and threads < torch.get_num_threads():
-        logger.info(
-            "torch threads %d -> %d: %d rank(s) on %d usable CPUs", torch.get_num_threads(), threads, ranks,
-            cpu_budget(),
-        )  # fmt: skip
-        torch.set_num_threads(threads)
+    share = threads_per_rank(ranks)
+    if share is None:
+        return
+    before = torch.get_num_threads()
+    logger.info(
+        "torch threads %d a rank (%d rank(s) on %d usable CPUs; torch chose %d)", min(share, before), ranks,
+        cpu_budget(), before,
+    )  # fmt: skip
+    if share < before:
+        torch.set_num_threads(share)
