@@ -12,6 +12,7 @@ import pytest
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.core.request import PLACEHOLDER
 from pagoda.service.engine.llm_engine import LLMEngine
+from pagoda.service.engine.messages import STEP_SECONDS_BUCKETS
 from pagoda.service.grammar import Grammar
 from pagoda.service.sampling_params import SamplingParams
 
@@ -187,6 +188,9 @@ def test_each_step_is_counted_once_in_its_kind(llama_ckpt: Path, is_async: bool)
         engine.step()
     stats = engine.core.stats()
     assert {k: sum(v) for k, v in stats.step_bucket_counts.items()} == {"mixed": 1, "decode": 4 + is_async}
+    # A bucket per bound and the last one past them all (Prometheus' +Inf)
+    assert [len(v) for v in stats.step_bucket_counts.values()] == [len(STEP_SECONDS_BUCKETS) + 1] * 2
+    assert (stats.prompt_tokens_total, stats.generation_tokens_total) == (3, 5)  # the extra step's: dropped
     assert stats.step_seconds_sum["decode"] > 0 and stats.step_seconds_sum["mixed"] > 0
     # No pause counter in-process (the core process starts one): the counters say none, not -1.
     assert stats.gc_collections_total == 0 and stats.gc_pause_seconds_total == 0.0
@@ -213,3 +217,39 @@ def test_a_grammar_that_fails_to_compile_fails_its_request_alone(llama_ckpt: Pat
     assert not core.has_unfinished and tokens == ["good"] * 4
     assert [(f.request_id, "failed to compile" in f.message) for f in failures] == [("bad", True)]
     assert core.failed_requests_total == 1
+
+
+@pytest.mark.parametrize("is_async", [False, True], ids=["in-turn", "async"])
+def test_the_core_ends_sequences_at_eos_and_at_the_context_and_counts_cached_tokens_once(
+    llama_ckpt: Path, is_async: bool
+) -> None:
+    """EOS ends a sequence unless ignore_eos; the context length ends one with "length" at exactly
+    max_model_len tokens; the first token of a request whose prompt was cached says how much was."""
+    from pagoda.service.engine.core.engine_core import EngineCore
+
+    engine = _engine(llama_ckpt, is_async, kv_cache_memory_bytes=8 << 20, max_model_len=40, block_size=4)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompt = list(range(10, 30))
+    engine.add_request("first", prompt, greedy)
+    first = [o for o in _drain(engine) if o.request_id == "first"][-1].outputs[0].token_ids
+    core: EngineCore = engine.core
+    at = next(i for i in range(1, len(first)) if first[i] not in first[:i])  # a token new at position `at`
+    core.eos_token_ids = frozenset({first[at]})  # is now an end-of-sequence token
+    engine.add_request("eos", prompt, SamplingParams(temperature=0.0, max_tokens=8))
+    engine.add_request("ignored", prompt, greedy)
+    engine.add_request("long", prompt, SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True))
+    finals = {o.request_id: o for o in _drain(engine) if o.finished}
+    assert finals["eos"].outputs[0].token_ids == first[: at + 1]
+    assert finals["eos"].outputs[0].finish_reason == "stop"
+    assert finals["ignored"].outputs[0].token_ids == first
+    assert len(finals["long"].outputs[0].token_ids) == 40 - len(prompt)
+    assert finals["long"].outputs[0].finish_reason == "length"
+    # 20 prompt tokens in blocks of 4: the first 4 blocks come from the cache, the last is computed
+    assert [finals[r].metrics.num_cached_tokens for r in ("eos", "ignored", "long")] == [16, 16, 16]
+
+
+def _drain(engine: LLMEngine) -> list:  # every output until nothing is left
+    outputs = []
+    while engine.has_unfinished:
+        outputs += engine.step()
+    return outputs
