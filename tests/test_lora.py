@@ -137,6 +137,33 @@ def test_an_adapter_is_loaded_at_run_time_then_unloaded(
     assert [o.request_id for o in outputs] == ["gone"] and outputs[0].finished
 
 
+def test_unloading_an_adapter_ends_only_its_own_running_requests(
+    llama_ckpt: Path, adapters: dict[str, Path]
+) -> None:
+    llm = LLM(
+        str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=8 << 20, enable_lora=True, max_loras=2,
+        max_lora_rank=8,
+    )  # fmt: skip
+    for name in ("every", "qv"):
+        assert llm.engine.core.lora_op(name, str(adapters[name])) is None
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for name in ("every", "qv", None):  # "every" sorts before "qv", the base after neither
+        llm.engine.add_request(f"r-{name}", [5, 6, 7], params, lora_name=name)
+    llm.engine.step()
+    llm.unload_lora("qv")
+    finals = {}
+    for _ in range(20):  # bounded: a request left unfinished fails the test, not the run
+        finals |= {o.request_id: o for o in llm.engine.step() if o.finished}
+        if not llm.engine.has_unfinished:
+            break
+    assert not llm.engine.has_unfinished
+    assert {r: o.outputs[0].finish_reason for r, o in finals.items()} == {
+        "r-every": "length", "r-qv": "error", "r-None": "length",
+    }  # fmt: skip
+    assert finals["r-qv"].error == "the LoRA adapter 'qv' was unloaded"
+    assert [len(finals[r].outputs[0].token_ids) for r in ("r-every", "r-None")] == [6, 6]
+
+
 def test_adapters_that_do_not_fit_are_refused_with_the_reason(
     llama_ckpt: Path, qwen2_ckpt: Path, adapters: dict[str, Path], tmp_path: Path
 ) -> None:
