@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pagoda.service.engine.config import EngineConfig
+from pagoda.service.engine.core.engine_core import EngineCore
 from pagoda.service.engine.core.request import PLACEHOLDER
 from pagoda.service.engine.llm_engine import LLMEngine
 from pagoda.service.engine.messages import STEP_SECONDS_BUCKETS
@@ -225,7 +226,6 @@ def test_the_core_ends_sequences_at_eos_and_at_the_context_and_counts_cached_tok
 ) -> None:
     """EOS ends a sequence unless ignore_eos; the context length ends one with "length" at exactly
     max_model_len tokens; the first token of a request whose prompt was cached says how much was."""
-    from pagoda.service.engine.core.engine_core import EngineCore
 
     engine = _engine(llama_ckpt, is_async, kv_cache_memory_bytes=8 << 20, max_model_len=40, block_size=4)
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -253,3 +253,28 @@ def _drain(engine: LLMEngine) -> list:  # every output until nothing is left
     while engine.has_unfinished:
         outputs += engine.step()
     return outputs
+
+
+def test_aborting_one_sequence_of_a_request_frees_it_alone(llama_ckpt: Path) -> None:
+    """What the API process does when one of n completions hits a stop string: that sequence ends, its
+    blocks come back, the others run on."""
+    engine = _engine(llama_ckpt, False, kv_cache_memory_bytes=8 << 20)
+    engine.add_request(
+        "n3", [5, 6, 7], SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=6, ignore_eos=True)
+    )
+    engine.step()
+    engine.step()
+    core = engine.core
+    core.abort("n3", index=1)
+    assert [s.status.name for s in core._requests["n3"]] == ["RUNNING", "FINISHED", "RUNNING"]
+    _drain_core(core)
+    bm = core.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and "n3" not in core._requests
+
+
+def _drain_core(core: EngineCore) -> None:
+    for _ in range(50):
+        if not core.has_unfinished:
+            return
+        core.step()
+    raise AssertionError("the core did not finish")
