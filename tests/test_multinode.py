@@ -47,7 +47,7 @@ def free_port() -> int:
 class Group:
     """The leader and the headless node of one engine, each in a process group of its own."""
 
-    def __init__(self, ckpt: Path, tmp_path: Path, pp: int, tp: int, env: dict[str, str]) -> None:
+    def __init__(self, ckpt: Path, tmp_path: Path, pp: int, tp: int, env: dict[str, str] = ENV) -> None:
         common = ["--model", str(ckpt), *ENGINE, "--pipeline-parallel-size", str(pp)]
         common += ["--tensor-parallel-size", str(tp), "--nnodes", "2", "--master-addr", "127.0.0.1"]
         common += ["--master-port", str(free_port())]
