@@ -137,18 +137,7 @@ def test_embedded_model_serves_from_a_real_pod(cluster, real_node, real_images, 
     smol["spec"]["resources"]["limits"]["cpu"] = "1"  # the engine reads it from the container's cgroup
     del smol["spec"]["env"]
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(smol))
-    context = describe(cluster, namespace, operator)
-    isvc = wait_for(
-        "InferenceService smol Ready=True",
-        lambda: (
-            (i := get(cluster, namespace, "inferenceservice", "smol"))
-            and i.get("status", {}).get("observedGeneration") == i["metadata"]["generation"]
-            and conditions(i).get("Ready", {}).get("status") == "True"
-            and i
-        ),
-        timeout=300,
-        context=lambda: context("smol"),
-    )
+    isvc = ready_service(cluster, namespace, "smol", operator)
     assert "NVIDIA-A10" in json.dumps(isvc["status"])  # the profile picked the real node's GPU
     pods = get(cluster, namespace, "pods", "-l", "app.kubernetes.io/instance=smol")["items"]
     assert [p["spec"]["nodeName"] for p in pods] == [real_node.name]

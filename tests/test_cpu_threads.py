@@ -73,7 +73,9 @@ def test_the_engine_only_ever_lowers_torch_threads(
 ) -> None:
     """torch's own count (a thread a physical core) may be below a share counted in hyperthreads."""
     asked: list[int] = []
-    monkeypatch.setattr(cpu_threads, "threads_per_rank", lambda ranks: asked.append(ranks) or share)
+    monkeypatch.setattr(
+        cpu_threads, "threads_per_rank", lambda ranks, budget=None: asked.append(ranks) or share
+    )
     torch.set_num_threads(before)
     try:
         with caplog.at_level(logging.INFO, logger=cpu_threads.__name__):
@@ -102,7 +104,7 @@ def test_an_engine_of_one_rank_on_the_cpu_takes_its_share(
     from pagoda.service.engine.config import EngineConfig
 
     asked: list[int] = []
-    monkeypatch.setattr(cpu_threads, "threads_per_rank", lambda ranks: asked.append(ranks) or 1)
+    monkeypatch.setattr(cpu_threads, "threads_per_rank", lambda ranks, budget=None: asked.append(ranks) or 1)
     torch.set_num_threads(2)
     try:
         config = EngineConfig(

@@ -67,13 +67,14 @@ def share_cpus(ranks: int) -> None:
     headless node's ranks each for theirs. Logged either way, once a process."""
     import torch
 
-    share = threads_per_rank(ranks)
+    budget = cpu_budget()  # read once: the share and the log line
+    share = threads_per_rank(ranks, budget)
     if share is None:
         return
     before = torch.get_num_threads()
     logger.info(
         "torch threads %d a rank (%d rank(s) on %d usable CPUs; torch chose %d)", min(share, before), ranks,
-        cpu_budget(), before,
+        budget, before,
     )  # fmt: skip
     if share < before:
         torch.set_num_threads(share)
