@@ -45,12 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument(
         "--sweep",
-        choices=["configs", "splits", "fp8", "long-prefill"],
+        choices=["configs", "splits", "fp8", "long-prefill", "long-prefill-sdpa"],
         action="append",
         default=[],
         help="also time tile/warp/stage variants (configs), decode split counts (splits), decode over an "
         "fp8 cache by operand and config (fp8) or prefill configs on 8k-token chunks of 8k-32k contexts "
-        "(long-prefill)",
+        "(long-prefill), or PyTorch SDPA's backends on those chunks as a prefix part and a causal part, with "
+        "the paged prefix's gather (long-prefill-sdpa)",
     )
     parser.add_argument("--sweep-only", action="store_true", help="run the sweeps without the table")
     parser.add_argument(
@@ -117,27 +118,27 @@ def _paged_batch(seq_lens: list[int], query_lens: list[int]) -> dict:
     )
 
 
-def _sdpa(q, k, v, *, is_causal: bool, flash: bool) -> tuple[Callable[[], object], str]:
+def _sdpa(q, k, v, *, is_causal: bool, backend=None) -> tuple[Callable[[], object], str]:
     """SDPA with native GQA if the backend takes it, else on K/V expanded beforehand (not timed).
 
-    flash pins the flash backend; otherwise PyTorch picks, as a plain call would.
+    backend (an `SDPBackend`) pins that backend; None lets PyTorch pick, as a plain call would.
     """
     import contextlib
 
     import torch
     import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
-    def backend() -> contextlib.AbstractContextManager:
-        return sdpa_kernel([SDPBackend.FLASH_ATTENTION]) if flash else contextlib.nullcontext()
+    def pinned() -> contextlib.AbstractContextManager:
+        return sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext()
 
     try:
-        with backend():
+        with pinned():
             F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
         torch.cuda.synchronize()
 
         def gqa() -> object:
-            with backend():
+            with pinned():
                 return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=True)
 
         return gqa, "gqa"
@@ -146,7 +147,7 @@ def _sdpa(q, k, v, *, is_causal: bool, flash: bool) -> tuple[Callable[[], object
         k2, v2 = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
 
         def expanded() -> object:
-            with backend():
+            with pinned():
                 return F.scaled_dot_product_attention(q, k2, v2, is_causal=is_causal)
 
         return expanded, "K/V expanded"
@@ -171,7 +172,7 @@ def bench_decode(quick: bool) -> list[Row]:
         q = b["q"].view(batch, HEADS, 1, HEAD_DIM)
         k = torch.randn(batch, KV_HEADS, ctx, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
         v = torch.randn_like(k)
-        peer, how = _sdpa(q, k, v, is_causal=False, flash=False)
+        peer, how = _sdpa(q, k, v, is_causal=False)
         row = Row("paged decode", f"batch {batch} x ctx {ctx}", us, io_bytes, peer="SDPA " + how)
         row.peer_us = _time(peer)
         row.note = f"eager {eager_us:.0f} us"
@@ -222,6 +223,7 @@ def _eager(fn: Callable[[], object]) -> float:
 
 def bench_prefill(quick: bool) -> list[Row]:
     import torch
+    from torch.nn.attention import SDPBackend
 
     from pagoda.kernels.attention import paged_attention
 
@@ -236,7 +238,7 @@ def bench_prefill(quick: bool) -> list[Row]:
         q = b["q"].view(batch, length, HEADS, HEAD_DIM).transpose(1, 2).contiguous()
         k = torch.randn(batch, KV_HEADS, length, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
         v = torch.randn_like(k)
-        peer, how = _sdpa(q, k, v, is_causal=True, flash=True)
+        peer, how = _sdpa(q, k, v, is_causal=True, backend=SDPBackend.FLASH_ATTENTION)
         row = Row(
             "paged prefill", f"{batch} x {length} causal", us, 0.0, flops / us / 1e6, "SDPA flash " + how
         )
@@ -531,6 +533,58 @@ def sweep_long_prefill() -> list[str]:
     return lines
 
 
+def sweep_long_prefill_sdpa() -> list[str]:
+    """What a library attention would give the long chunks of `sweep_long_prefill`: the chunk's queries
+    against the cached prefix (no mask) plus against the chunk itself (causal), each an SDPA call on
+    contiguous K/V, two calls a chunk as an engine would merge them by log-sum-exp (the merge not timed:
+    one pass over the output). Beside them, the gather of the paged prefix into contiguous K/V, from a
+    bf16 cache and from an fp8 one (widened on the way). Each cell: us and TFLOP/s (causal FLOPs)."""
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    cases = [(8192, 8192), (8192, 32768)]
+    shapes = " | ".join(f"{q}x{c}" for q, c in cases)
+    lines = [f"long-prefill SDPA peers (us, TFLOP/s) at query x ctx {shapes}"]
+    backends = {
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }
+    for name, backend in backends.items():
+        cells = []
+        for q_len, ctx in cases:
+            q = torch.randn(1, HEADS, q_len, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+            k = torch.randn(1, KV_HEADS, ctx, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            prefix = ctx - q_len
+            try:
+                chunk, how = _sdpa(q, k[:, :, prefix:], v[:, :, prefix:], is_causal=True, backend=backend)
+                us = _time(chunk)
+                if prefix:
+                    head, _ = _sdpa(q, k[:, :, :prefix], v[:, :, :prefix], is_causal=False, backend=backend)
+                    us += _time(head)
+                cells.append(f"{us:9.1f} {causal_chunk_flops(q_len, ctx) / us / 1e6:5.0f} ({how})")
+            except Exception as e:
+                cells.append(f"error {type(e).__name__}")
+            del q, k, v
+            torch.cuda.empty_cache()
+        lines.append(f"  SDPA {name}: " + " | ".join(cells))
+        print(lines[-1], flush=True)
+    # The gather an engine would add: a 24k-token prefix's blocks (shuffled) into [KV_HEADS, tokens, D].
+    b = _paged_batch([32768], [8192])
+    blocks = b["block_tables"][0, : 24576 // BLOCK_SIZE].long()
+    for cache, k_cache in (("bf16", b["k_cache"]), ("fp8", b["k_cache"].to(torch.float8_e4m3fn))):
+
+        def gather(k_cache: torch.Tensor = k_cache) -> torch.Tensor:
+            rows = k_cache.index_select(0, blocks).flatten(0, 1)  # [tokens, KV_HEADS, D]
+            return rows.to(torch.bfloat16).transpose(0, 1).contiguous()
+
+        us = _time(gather)
+        lines.append(f"  gather a 24k-token prefix's K (V the same again), {cache} cache: {us:9.1f} us")
+        print(lines[-1], flush=True)
+    return lines
+
+
 def sweep_fp8(copy_bw: float) -> list[str]:
     """Decode over an fp8 cache with bf16 q, as the engine runs it: V slot-major (widened by a cast or
     by PTX) against V token-major (`kv_cache.cache_view`, the engine's layout for an fp8 cache), by
@@ -654,6 +708,7 @@ def run(args: argparse.Namespace) -> int:
     sweep_lines += sweep_splits(copy_bw) if "splits" in args.sweep else []
     sweep_lines += sweep_fp8(copy_bw) if "fp8" in args.sweep else []
     sweep_lines += sweep_long_prefill() if "long-prefill" in args.sweep else []
+    sweep_lines += sweep_long_prefill_sdpa() if "long-prefill-sdpa" in args.sweep else []
     if sweep_lines and args.markdown:
         with open(args.markdown, "a") as f:
             f.write("\n" + "\n".join(sweep_lines) + "\n")
