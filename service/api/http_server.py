@@ -27,6 +27,8 @@ from pagoda.service.api.openai_protocol import (
 )
 from pagoda.service.api.openai_responses import ErrorBody, ErrorResponse, encode
 from pagoda.service.api.openai_serving import OpenAIServing
+from pagoda.service.api.responses_protocol import ResponsesRequest
+from pagoda.service.api.responses_serving import ResponsesServing
 from pagoda.service.metrics import CONTENT_TYPE
 
 # APIError kind -> (HTTP status, OpenAI error type).
@@ -72,6 +74,7 @@ def build_app(
     `body_read_timeout_s`: 0 for no limit."""
     app = FastAPI(title="Pagoda", version=__version__, docs_url=None, redoc_url=None)
     serving = OpenAIServing(client)
+    responses = ResponsesServing(serving)
     # Added innermost first: CORS answers preflights, then the key is checked, then the body read.
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes, timeout_s=body_read_timeout_s)
     if api_keys:
@@ -183,6 +186,10 @@ def build_app(
     async def completions(request: CompletionRequest, raw: Request) -> Response:
         return _respond(await _unless_disconnected(raw, serving.completions(request)))
 
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw: Request) -> Response:
+        return _respond(await _unless_disconnected(raw, responses.create(request)))
+
     return app
 
 
@@ -214,5 +221,7 @@ def _respond(result: Any) -> Response:
         return result
     if isinstance(result, Struct):
         return json_response(result)
+    if isinstance(result, dict):  # a Responses API object (responses_serving.py)
+        return Response(encode(result), media_type="application/json")
     # A client that goes away cancels this stream; closing it aborts the engine request.
     return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

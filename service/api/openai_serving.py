@@ -64,11 +64,23 @@ def error_event(exc: APIError) -> ErrorResponse:
     return ErrorResponse(ErrorBody(exc.message, exc.kind, exc.param, exc.code))
 
 
-def _usage(outputs: list[RequestOutput]) -> Usage:
+def usage_of(outputs: list[RequestOutput]) -> Usage:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = sum(o.metrics.num_cached_tokens for o in outputs)
     return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached))
+
+
+@dataclass(frozen=True)
+class StartedChat:
+    """A chat request running in the engine: its output stream (the first output already read), the
+    tool plan and parser its text is read with, and the model name responses carry."""
+
+    stream: AsyncIterator[RequestOutput]
+    first: RequestOutput
+    plan: ToolPlan
+    parser: ParserName | None
+    model: str
 
 
 @dataclass(frozen=True)
@@ -90,7 +102,7 @@ class StreamChunks:
         return sse(Chunk(self.response_id, self.object, self.created, self.model, choices, usage))
 
     def usage(self, outputs: list[RequestOutput]) -> bytes:
-        return sse(Chunk(self.response_id, self.object, self.created, self.model, [], _usage(outputs)))
+        return sse(Chunk(self.response_id, self.object, self.created, self.model, [], usage_of(outputs)))
 
 
 def _chat_logprobs(logprobs: list[Logprob] | None) -> ChatLogprobs | None:
@@ -268,7 +280,9 @@ class OpenAIServing:
         return streams, results
 
     # ---- chat -----------------------------------------------------------------------------------------
-    async def chat(self, request: ChatCompletionRequest) -> ChatCompletion | AsyncIterator[bytes]:
+    async def start_chat(self, request: ChatCompletionRequest) -> StartedChat:
+        """Check a chat request, render its prompt and start it in the engine (the Responses API's
+        path too); every error surfaces here, before a response begins."""
         lora = self.client.check_model(request.model)
         try:
             messages, plan, params = request.chat_messages(), request.tool_plan, request.sampling_params()
@@ -277,20 +291,26 @@ class OpenAIServing:
             raise APIError("invalid_request", str(exc), param=exc.param) from exc
         prompt = await self.client.render_chat(messages, request.add_generation_prompt, plan.template_tools)
         streams, firsts = await self._start([prompt], params, lora)
-        response_id, created, model = f"chatcmpl-{uuid.uuid4().hex}", now_s(), lora or self.client.model_name
-        parser = self.client.tool_parser
+        return StartedChat(
+            streams[0], firsts[0], plan, self.client.tool_parser, lora or self.client.model_name
+        )
+
+    async def chat(self, request: ChatCompletionRequest) -> ChatCompletion | AsyncIterator[bytes]:
+        started = await self.start_chat(request)
+        response_id, created, model = f"chatcmpl-{uuid.uuid4().hex}", now_s(), started.model
+        plan, parser = started.plan, started.parser
         if request.stream:
             return self._chat_stream(
-                streams[0], firsts[0], request, plan, parser, response_id, created, model
+                started.stream, started.first, request, plan, parser, response_id, created, model
             )
-        final = await _drain(streams[0], firsts[0])
+        final = await drain(started.stream, started.first)
         choices = []
         for c in final.outputs:
             content, calls = parse_calls(c.text, plan, parser)
             message = ChatMessage("assistant", content, calls or UNSET)
             finish = _tool_finish(c.finish_reason, bool(calls))
             choices.append(ChatChoice(c.index, message, _chat_logprobs(c.logprobs), finish, c.stop_reason))
-        return ChatCompletion(response_id, created, model, choices, _usage([final]))
+        return ChatCompletion(response_id, created, model, choices, usage_of([final]))
 
     async def _chat_stream(
         self,
@@ -319,7 +339,7 @@ class OpenAIServing:
         try:
             for c in first.outputs:
                 yield chunk(c.index, {"role": "assistant", "content": ""})
-            async for out in _chain(first, stream):
+            async for out in chain(first, stream):
                 last = out
                 for c in out.outputs:
                     tools = tool_streams.get(c.index)
@@ -358,7 +378,7 @@ class OpenAIServing:
         n = request.n
         if request.stream:
             return self._completion_stream(streams, firsts, echoes, n, request, response_id, created, model)
-        finals = await asyncio.gather(*(_drain(s, f) for s, f in zip(streams, firsts, strict=True)))
+        finals = await asyncio.gather(*(drain(s, f) for s, f in zip(streams, firsts, strict=True)))
         choices = []
         for p, final in enumerate(finals):
             for c in final.outputs:
@@ -371,7 +391,7 @@ class OpenAIServing:
                         p * n + c.index, echoes[p] + c.text, logprobs, c.finish_reason, c.stop_reason
                     )
                 )
-        return Completion(response_id, created, model, choices, _usage(list(finals)))
+        return Completion(response_id, created, model, choices, usage_of(list(finals)))
 
     def _echo_text(self, prompt: str | list[int]) -> str:
         return prompt if isinstance(prompt, str) else self.client.decode(prompt)
@@ -394,7 +414,7 @@ class OpenAIServing:
         done: set[tuple[int, int]] = set()
 
         try:
-            async for p, out in _merge([_chain(f, s) for f, s in zip(firsts, streams, strict=True)]):
+            async for p, out in _merge([chain(f, s) for f, s in zip(firsts, streams, strict=True)]):
                 lasts[p] = out
                 for c in out.outputs:
                     key = (p, c.index)
@@ -420,7 +440,7 @@ class OpenAIServing:
                 await stream.aclose()  # type: ignore[attr-defined]
 
 
-async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+async def chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
     yield first
     if first.finished:
         return
@@ -428,9 +448,9 @@ async def _chain(first: RequestOutput, rest: AsyncIterator[RequestOutput]) -> As
         yield out
 
 
-async def _drain(stream: AsyncIterator[RequestOutput], first: RequestOutput) -> RequestOutput:
+async def drain(stream: AsyncIterator[RequestOutput], first: RequestOutput) -> RequestOutput:
     last = first
-    async for out in _chain(first, stream):
+    async for out in chain(first, stream):
         last = out
     return last
 

@@ -1,0 +1,211 @@
+"""The Responses API's request as the chat request it means, and its stream events, without a server
+(tests/test_serve_responses.py runs them through a real `pagoda serve` and the `openai` client)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from pagoda.service.api.responses_protocol import ResponsesRequest
+from pagoda.service.api.responses_serving import ResponseEvents
+from pagoda.service.errors import InvalidRequestError
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+
+
+def text(kind: str, value: str) -> dict[str, str]:
+    return {"type": kind, "text": value}
+
+
+def call_item(call_id: str, city: str) -> dict[str, str]:
+    arguments = json.dumps({"city": city})
+    return {"type": "function_call", "call_id": call_id, "name": "get_weather", "arguments": arguments}
+
+
+def chat_call(call_id: str, city: str) -> dict[str, Any]:
+    arguments = json.dumps({"city": city})
+    return {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+
+
+def tool_delta(index: int, arguments: str, name: str | None = None) -> dict[str, Any]:
+    call: dict[str, Any] = {"index": index, "function": {"arguments": arguments}}
+    if name is not None:  # a call's first delta: its id, type and name
+        call = {
+            "index": index,
+            "id": f"call_{index + 1}",
+            "type": "function",
+            "function": {"name": name, **call["function"]},
+        }
+    return {"tool_calls": [call]}
+
+
+def chat_of(**body: Any) -> Any:
+    return ResponsesRequest.model_validate(body).chat_request()
+
+
+def test_a_string_input_is_one_user_turn_after_the_instructions() -> None:
+    chat = chat_of(model="m", input="Hello", instructions="Be brief.", max_output_tokens=7, temperature=0.5)
+    assert chat.chat_messages() == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hello"},
+    ]
+    params = chat.sampling_params()
+    assert (params.max_tokens, params.temperature, chat.model) == (7, 0.5, "m")
+
+
+def test_items_become_turns_an_agent_loop_sends_back() -> None:
+    """An agent SDK's second turn: the user's message, the assistant's text and its two calls (one
+    assistant turn), both outputs, a reasoning item (dropped)."""
+    chat = chat_of(
+        input=[
+            {"role": "developer", "content": "Use tools."},
+            {"role": "user", "content": [text("input_text", "Paris"), text("text", " and Rome?")]},
+            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {"type": "message", "role": "assistant", "content": [text("output_text", "Looking.")]},
+            call_item("call_a", "Paris"),
+            call_item("call_b", "Rome"),
+            {"type": "function_call_output", "call_id": "call_a", "output": "sunny"},
+            {"type": "function_call_output", "call_id": "call_b", "output": [text("input_text", "rain")]},
+        ],
+        tools=[WEATHER],
+    )  # fmt: skip
+    calls = [chat_call("call_a", "Paris"), chat_call("call_b", "Rome")]
+    assert chat.chat_messages() == [
+        {"role": "developer", "content": "Use tools."},
+        {"role": "user", "content": "Paris and Rome?"},
+        {"role": "assistant", "content": "Looking.", "tool_calls": calls},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_a"},
+        {"role": "tool", "content": "rain", "tool_call_id": "call_b"},
+    ]  # fmt: skip
+
+
+def test_calls_without_text_open_their_own_assistant_turn() -> None:
+    chat = chat_of(
+        input=[
+            {"role": "user", "content": "Paris?"},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+            {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "{}"},
+        ],
+        tools=[WEATHER],
+    )
+    roles = [(m["role"], [c["id"] for c in m.get("tool_calls", ())]) for m in chat.chat_messages()]
+    assert roles == [("user", []), ("assistant", ["c1"]), ("tool", []), ("assistant", ["c2"])]
+
+
+def test_tools_choice_and_text_format_take_the_chat_shapes() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    chat = chat_of(
+        input="x",
+        tools=[{**WEATHER, "strict": True}],
+        tool_choice={"type": "function", "name": "get_weather"},
+        parallel_tool_calls=False,
+    )
+    assert chat.tools is not None and chat.tools[0].function.name == "get_weather"
+    assert chat.tools[0].function.parameters == WEATHER["parameters"] and chat.tools[0].function.strict
+    plan = chat.tool_plan
+    assert (plan.mode, plan.name, chat.parallel_tool_calls) == ("named", "get_weather", False)
+    assert chat_of(input="x", tools=[WEATHER], tool_choice="required").tool_plan.mode == "required"
+    fmt = chat_of(input="x", text={"format": {"type": "json_schema", "name": "n", "schema": schema}})
+    assert fmt.response_format is not None and fmt.response_format.json_schema is not None
+    assert fmt.response_format.json_schema.json_schema == schema
+    grammar = fmt.sampling_params().grammar
+    assert grammar is not None and grammar.param == "response_format"
+    assert chat_of(input="x", text={"format": {"type": "json_object"}}).sampling_params().grammar is not None
+    assert chat_of(input="x", text={"format": {"type": "text"}}).sampling_params().grammar is None
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
+        ({"conversation": "conv_1"}, "conversation", "keeps no responses"),
+        ({"background": True}, "background", "background"),
+        ({"prompt": {"id": "pmpt_1"}}, "prompt", "prompt templates"),
+        ({"top_logprobs": 2}, "top_logprobs", "top_logprobs"),
+        ({"truncation": "auto"}, "truncation", "only disabled"),
+        ({"input": []}, "input", "at least one item"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0", "keeps no responses"),
+        ({"input": [{"type": "web_search_call", "id": "ws"}]}, "input.0.type", "web_search_call"),
+        ({"input": [{"role": "tool", "content": "x"}]}, "input.0.role", "user, system, developer or"),
+        ({"input": [{"role": "user", "content": 3}]}, "input.0.content", "string or a list of parts"),
+        (
+            {"input": [{"role": "user", "content": [text("input_text", "a"), {"type": "input_image"}]}]},
+            "input.0.content.1.type",
+            "input_image",
+        ),
+        ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input.0", "call_id"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": 3}]}, "input.0", "output"),
+        ({"tools": [{"type": "web_search"}]}, "tools.0.type", "function tools only"),
+        ({"tools": [{"type": "function"}]}, "tools.0.name", "needs a name"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools"}}, "tool_choice", "must be none"),
+        ({"text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format.schema", "needs schema"),
+    ],
+)  # fmt: skip
+def test_what_it_cannot_honour_is_refused_by_name(body: dict[str, Any], param: str, words: str) -> None:
+    with pytest.raises(InvalidRequestError, match=words) as raised:
+        chat_of(**{"input": "x", **body})
+    assert raised.value.param == param
+
+
+def events_of(chunks: list[bytes]) -> list[dict[str, Any]]:
+    out = []
+    for chunk in chunks:
+        head, data = chunk.decode().removesuffix("\n\n").split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert head == f"event: {event['type']}"
+        out.append(event)
+    return out
+
+
+def test_deltas_become_items_opened_and_closed_in_order() -> None:
+    """Text, then a call streamed by pieces (a named tool), then a whole call (as `required` ends):
+    each item closes before the next opens; the done events carry the whole text and arguments."""
+    events = ResponseEvents()
+    chunks = [events.emit("response.created", response={})]
+    for delta in [
+        {"content": "Hel"},
+        {"content": ""},
+        {"content": "lo"},
+        tool_delta(0, '{"a"', name="f"),
+        tool_delta(0, ": 1}"),
+        tool_delta(1, "{}", name="g"),
+    ]:  # fmt: skip
+        chunks += events.delta(delta)
+    chunks += events.close()
+    assert events.close() == []  # nothing open any more
+    seen = events_of(chunks)
+    assert [e["sequence_number"] for e in seen] == list(range(len(seen)))
+    brief = [(e["type"].removeprefix("response."), e.get("output_index")) for e in seen]
+    assert brief == [
+        ("created", None),
+        ("output_item.added", 0), ("content_part.added", 0),
+        ("output_text.delta", 0), ("output_text.delta", 0),
+        ("output_text.done", 0), ("content_part.done", 0), ("output_item.done", 0),
+        ("output_item.added", 1), ("function_call_arguments.delta", 1), ("function_call_arguments.delta", 1),
+        ("function_call_arguments.done", 1), ("output_item.done", 1),
+        ("output_item.added", 2), ("function_call_arguments.delta", 2),
+        ("function_call_arguments.done", 2), ("output_item.done", 2),
+    ]  # fmt: skip
+    message, first, second = events.items
+    assert message["content"][0]["text"] == "Hello" and seen[5]["text"] == "Hello"
+    assert seen[3]["item_id"] == message["id"] == seen[7]["item"]["id"]
+    assert (first["call_id"], first["name"], first["arguments"]) == ("call_1", "f", '{"a": 1}')
+    assert seen[11]["arguments"] == '{"a": 1}' and seen[11]["name"] == "f"
+    assert seen[8]["item"]["arguments"] == "" and seen[8]["item"]["status"] == "in_progress"
+    assert (second["call_id"], second["arguments"], second["status"]) == ("call_2", "{}", "completed")
+
+
+def test_an_empty_output_is_one_empty_message() -> None:
+    events = ResponseEvents()
+    seen = events_of(events.empty_message())
+    kinds = [e["type"] for e in seen]
+    assert kinds[0] == "response.output_item.added" and kinds[-1] == "response.output_item.done"
+    assert events.items[0]["content"][0]["text"] == "" and events.items[0]["type"] == "message"
