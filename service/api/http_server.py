@@ -140,6 +140,10 @@ def build_app(
     async def render_chat(request: ChatCompletionRequest) -> Response:
         return json_response(await serving.render_chat(request))
 
+    @app.post("/v1/responses/render")
+    async def render_response(request: ResponsesRequest) -> Response:
+        return json_response(await responses.render(request))
+
     @app.post("/v1/completions/render")
     async def render_completion(request: CompletionRequest) -> Response:
         return Response(encode(await serving.render_completion(request)), media_type="application/json")

@@ -22,6 +22,8 @@ import msgspec
 from pydantic import ValidationError
 
 from pagoda.service.api.engine_client import APIError, now_s
+from pagoda.service.api.openai_protocol import ChatCompletionRequest
+from pagoda.service.api.openai_responses import Rendered
 from pagoda.service.api.openai_serving import OpenAIServing, StartedChat, chain, drain
 from pagoda.service.api.responses_protocol import ResponsesRequest
 from pagoda.service.api.tool_calls import ToolCallStream, parse_calls
@@ -115,10 +117,10 @@ class ResponsesServing:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
 
-    async def create(self, request: ResponsesRequest) -> dict[str, Any] | AsyncIterator[bytes]:
+    def _chat_request(self, request: ResponsesRequest) -> ChatCompletionRequest:
         metrics = self.serving.client.metrics
         try:
-            chat_request = request.chat_request()
+            return request.chat_request()
         except InvalidRequestError as exc:
             metrics.count_error("invalid_request")
             raise APIError("invalid_request", str(exc), param=exc.param) from exc
@@ -127,7 +129,14 @@ class ResponsesServing:
             first = exc.errors()[0]
             param = ".".join(str(part) for part in first["loc"])
             raise APIError("invalid_request", f"{param}: {first['msg']}", param=param) from exc
-        started = await self.serving.start_chat(chat_request)
+
+    async def render(self, request: ResponsesRequest) -> Rendered:
+        """`POST /v1/responses/render` (vLLM's): the token ids the request would run on; routers key
+        prefix affinity on them."""
+        return await self.serving.render_chat(self._chat_request(request))
+
+    async def create(self, request: ResponsesRequest) -> dict[str, Any] | AsyncIterator[bytes]:
+        started = await self.serving.start_chat(self._chat_request(request))
         shell = ResponseShell(request, started.model)
         if request.stream:
             return self._stream(started, shell)
