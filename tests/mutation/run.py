@@ -61,6 +61,14 @@ TARGETS: dict[str, Target] = {
     "http_guards": Target("service/api/http_guards.py", ("tests/test_api_guards.py",), 30.0),
     "grammar": Target("service/grammar.py", ("tests/test_grammar.py",)),
     "tool_calls": Target("service/api/tool_calls.py", ("tests/test_tool_calls.py",)),
+    # The Responses API: the request as a chat request (unit tests), and the output items and stream
+    # events (the unit tests, then a real serve with the openai client and the Agents SDK).
+    "responses_protocol": Target("service/api/responses_protocol.py", ("tests/test_responses_protocol.py",)),
+    "responses_serving": Target(
+        "service/api/responses_serving.py",
+        ("tests/test_responses_protocol.py", "tests/test_serve_responses.py"),
+        120.0,
+    ),
     "profile": Target("operator/profile.py", ("tests/test_profile.py",)),
     "status": Target(
         "operator/status.py", ("tests/test_operator_status.py", "tests/test_operator_reconcile.py")
