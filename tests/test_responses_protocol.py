@@ -7,7 +7,9 @@ import json
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
+from pagoda.service.api.openai_protocol import ChatCompletionRequest
 from pagoda.service.api.responses_protocol import ResponsesRequest
 from pagoda.service.api.responses_serving import ResponseEvents
 from pagoda.service.errors import InvalidRequestError
@@ -58,6 +60,22 @@ def test_a_string_input_is_one_user_turn_after_the_instructions() -> None:
     ]
     params = chat.sampling_params()
     assert (params.max_tokens, params.temperature, chat.model) == (7, 0.5, "m")
+
+
+def test_unset_fields_sample_as_the_chat_api_does() -> None:
+    """Neither streamed nor parallel-less by default, and every sampling default the chat API's."""
+    request = ResponsesRequest.model_validate({"input": "x"})
+    assert request.stream is False and request.chat_request().parallel_tool_calls is True
+    ours = request.chat_request().sampling_params()
+    chat = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}]}
+    ).sampling_params()
+    assert ours == chat
+
+
+def test_lone_surrogates_are_refused() -> None:
+    with pytest.raises(ValidationError, match="lone surrogate"):
+        ResponsesRequest.model_validate({"input": [{"role": "user", "content": "a\ud800"}]})
 
 
 def test_items_become_turns_an_agent_loop_sends_back() -> None:
@@ -134,6 +152,10 @@ def test_tools_choice_and_text_format_take_the_chat_shapes() -> None:
         ({"input": []}, "input", "at least one item"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0", "keeps no responses"),
         ({"input": [{"type": "web_search_call", "id": "ws"}]}, "input.0.type", "web_search_call"),
+        # Types that sort before or between the ones taken (a comparison made of `==` would take them).
+        ({"input": [{"type": "computer_call", "call_id": "c", "output": "x"}]}, "input.0.type", "computer"),
+        ({"input": [{"type": "file_search_call", "call_id": "c"}]}, "input.0.type", "file_search_call"),
+        ({"input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]}, "input.0", "call_id"),
         ({"input": [{"role": "tool", "content": "x"}]}, "input.0.role", "user, system, developer or"),
         ({"input": [{"role": "user", "content": 3}]}, "input.0.content", "string or a list of parts"),
         (
@@ -144,6 +166,10 @@ def test_tools_choice_and_text_format_take_the_chat_shapes() -> None:
         ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input.0", "call_id"),
         ({"input": [{"type": "function_call_output", "call_id": "c", "output": 3}]}, "input.0", "output"),
         ({"tools": [{"type": "web_search"}]}, "tools.0.type", "function tools only"),
+        ({"tools": [{"type": "file_search", "name": "f"}]}, "tools.0.type", "function tools only"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice", "must be none"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "allowed", "name": "f"}}, "tool_choice", "must be"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "mcp", "name": "f"}}, "tool_choice", "must be none"),
         ({"tools": [{"type": "function"}]}, "tools.0.name", "needs a name"),
         ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools"}}, "tool_choice", "must be none"),
         ({"text": {"format": {"type": "json_schema", "name": "n"}}}, "text.format.schema", "needs schema"),

@@ -80,7 +80,6 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
     stream: bool = False
-    store: bool = True
     metadata: dict[str, str] | None = None
     reasoning: dict[str, Any] | None = None
     truncation: str | None = None
