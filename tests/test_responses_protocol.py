@@ -3,16 +3,28 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
+from pagoda.service.api.engine_client import APIError
 from pagoda.service.api.openai_protocol import ChatCompletionRequest
+from pagoda.service.api.openai_serving import StartedChat
 from pagoda.service.api.responses_protocol import ResponsesRequest
-from pagoda.service.api.responses_serving import ResponseEvents
+from pagoda.service.api.responses_serving import (
+    ResponseEvents,
+    ResponseShell,
+    ResponsesServing,
+    output_items,
+    response_usage,
+)
+from pagoda.service.api.tool_calls import plan_tools
 from pagoda.service.errors import InvalidRequestError
+from pagoda.service.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 WEATHER = {
     "type": "function",
@@ -229,9 +241,149 @@ def test_deltas_become_items_opened_and_closed_in_order() -> None:
     assert (second["call_id"], second["arguments"], second["status"]) == ("call_2", "{}", "completed")
 
 
-def test_an_empty_output_is_one_empty_message() -> None:
+def test_finish_closes_the_last_item_or_gives_an_empty_message() -> None:
     events = ResponseEvents()
-    seen = events_of(events.empty_message())
+    seen = events_of(events.finish())  # nothing was written
+    kinds = [e["type"].removeprefix("response.") for e in seen]
+    assert kinds == [
+        "output_item.added", "content_part.added", "output_text.done", "content_part.done", "output_item.done"
+    ]  # fmt: skip
+    assert events.items == [{**events.items[0], "type": "message", "status": "completed"}]
+    assert events.items[0]["content"][0]["text"] == ""
+
+    written = ResponseEvents()
+    written.delta({"content": "Hi"})
+    closing = events_of(written.finish())
+    assert [e["type"] for e in closing][-1] == "response.output_item.done" and len(written.items) == 1
+    assert written.items[0]["content"][0]["text"] == "Hi" and written.finish() == []
+
+
+def test_text_after_a_call_opens_a_new_message_and_empty_pieces_say_nothing() -> None:
+    events = ResponseEvents()
+    events.delta(tool_delta(0, "{}", name="f"))
+    assert events.delta(tool_delta(0, "")) == [] and events.delta({"content": ""}) == []
+    seen = events_of(events.delta({"content": "done"}) + events.close())
+    assert [e["type"] for e in seen][:5] == [
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+    ]
+    call, message = events.items
+    assert call["arguments"] == "{}" and message["content"][0]["text"] == "done"
+    assert all(e["content_index"] == 0 for e in seen if "content_index" in e)
+
+
+def test_output_items_text_then_calls() -> None:
+    call = chat_call("call_a", "Paris")
+    assert [i["type"] for i in output_items("Looking.", [call])] == ["message", "function_call"]
+    assert [i["type"] for i in output_items(None, [call])] == ["function_call"]
+    (empty,) = output_items(None, [])
+    assert empty["content"][0]["text"] == "" and empty["id"].startswith("msg_")
+    (item,) = output_items(None, [call])
+    assert item["id"].startswith("fc_") and item["id"] != "fc_"
+    assert (item["call_id"], item["name"], item["status"]) == ("call_a", "get_weather", "completed")
+    assert json.loads(item["arguments"]) == {"city": "Paris"}
+
+
+def test_the_response_object_echoes_the_request() -> None:
+    plain = ResponseShell(ResponsesRequest.model_validate({"input": "x"}), "m").body("completed", [], None)
+    assert (plain["temperature"], plain["top_p"], plain["tool_choice"], plain["metadata"]) == (
+        1.0,
+        1.0,
+        "auto",
+        {},
+    )
+    assert (plain["background"], plain["store"], plain["incomplete_details"], plain["error"]) == (
+        False,
+        False,
+        None,
+        None,
+    )
+    assert plain["text"] == {"format": {"type": "text"}} and plain["tools"] == [] and plain["model"] == "m"
+    schema = {"type": "object"}
+    asked = ResponsesRequest.model_validate(
+        {
+            "input": "x", "temperature": 0.3, "top_p": 0.5, "tool_choice": "required", "metadata": {"k": "v"},
+            "tools": [{"type": "function", "name": "f"}], "max_output_tokens": 9, "instructions": "I",
+            "text": {"format": {"type": "json_schema", "name": "n", "schema": schema}}, "user": "u",
+        }
+    )  # fmt: skip
+    body = ResponseShell(asked, "m").body("incomplete", [], None)
+    assert (body["temperature"], body["top_p"], body["tool_choice"], body["metadata"]) == (
+        0.3,
+        0.5,
+        "required",
+        {"k": "v"},
+    )
+    assert body["tools"] == [{"type": "function", "name": "f"}]  # no nulls for what was not sent
+    assert body["text"] == {"format": {"type": "json_schema", "name": "n", "schema": schema}}
+    assert (body["max_output_tokens"], body["instructions"], body["user"]) == (9, "I", "u")
+    assert body["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert ResponseShell(asked, "m").body("failed", [], None)["incomplete_details"] is None
+
+
+def output(text_delta: str, finish: str | None = None, cached: int = 0) -> RequestOutput:
+    piece = CompletionOutput(
+        0, text=text_delta, token_ids=[1, 2], text_delta=text_delta, finish_reason=finish
+    )
+    metrics = RequestMetrics(0.0, num_cached_tokens=cached)
+    return RequestOutput("r", [5, 6, 7], [piece], finish is not None, metrics)
+
+
+async def collect(stream: Any) -> list[dict[str, Any]]:
+    return events_of([chunk async for chunk in stream])
+
+
+def test_usage_counts_prompt_output_and_cached_tokens() -> None:
+    usage = response_usage(output("ab", "stop", cached=2))
+    assert usage == {
+        "input_tokens": 3,
+        "input_tokens_details": {"cached_tokens": 2},
+        "output_tokens": 2,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": 5,
+    }
+
+
+def test_an_engine_error_mid_stream_is_an_error_event_then_failed() -> None:
+    """After the 200 went out, an engine error (a request failed inside a step) is said in the stream:
+    an `error` event with its code, then `response.failed` holding what was written; the stream closes."""
+    closed: list[bool] = []
+
+    async def engine() -> AsyncIterator[RequestOutput]:
+        try:
+            yield output(" more")
+            raise APIError("internal", "the step failed", code="engine_error")
+        finally:
+            closed.append(True)
+
+    stream = engine()
+    started = StartedChat(stream, output("Hi"), plan_tools(None, None), None, "m")
+    serving = ResponsesServing.__new__(ResponsesServing)
+    shell = ResponseShell(ResponsesRequest.model_validate({"input": "x", "stream": True}), "m")
+    seen = asyncio.run(collect(serving._stream(started, shell)))
     kinds = [e["type"] for e in seen]
-    assert kinds[0] == "response.output_item.added" and kinds[-1] == "response.output_item.done"
-    assert events.items[0]["content"][0]["text"] == "" and events.items[0]["type"] == "message"
+    assert kinds[-2:] == ["error", "response.failed"] and "response.completed" not in kinds
+    error, failed = seen[-2]["code"], seen[-1]["response"]
+    assert (error, seen[-2]["message"]) == ("engine_error", "the step failed")
+    assert failed["status"] == "failed" and failed["error"] == {
+        "code": "engine_error",
+        "message": "the step failed",
+    }
+    assert closed == [True]
+
+
+def test_a_finished_stream_ends_completed_or_incomplete() -> None:
+    for finish, status in (("stop", "completed"), ("length", "incomplete")):
+
+        async def engine(finish: str = finish) -> AsyncIterator[RequestOutput]:
+            yield output("lo", finish)
+
+        started = StartedChat(engine(), output("Hel"), plan_tools(None, None), None, "m")
+        shell = ResponseShell(ResponsesRequest.model_validate({"input": "x", "stream": True}), "m")
+        seen = asyncio.run(collect(ResponsesServing.__new__(ResponsesServing)._stream(started, shell)))
+        assert seen[-1]["type"] == f"response.{status}"
+        assert seen[-1]["response"]["output"][0]["content"][0]["text"] == "Hello"
+        assert seen[-1]["response"]["usage"]["total_tokens"] == 5

@@ -86,6 +86,8 @@ def test_text_streamed_and_not_is_the_chat_completions_text(client: openai.OpenA
     assert response.usage is not None and expected.usage is not None
     assert response.usage.input_tokens == expected.usage.prompt_tokens
     assert response.usage.output_tokens == expected.usage.completion_tokens
+    assert response.usage.total_tokens == expected.usage.total_tokens
+    assert response.output[0].type == "message" and response.output[0].id.startswith("msg_")
     finished = expected.choices[0].finish_reason
     assert response.status == ("completed" if finished == "stop" else "incomplete")
 
@@ -112,11 +114,20 @@ def test_function_calls_and_their_outputs_round_trip(
 ) -> None:
     """A required call's items validate against the tool; sent back with the tool's output, they are
     the turns the chat template renders (the token count of the chat API's render of them)."""
-    first = client.responses.create(
+    kwargs: dict[str, Any] = dict(
         model=model, input=ASK, tools=[WEATHER], tool_choice="required", max_output_tokens=80, temperature=0
     )
+    with ThreadPoolExecutor(2) as pool:  # at once: one batch
+        whole = pool.submit(lambda: client.responses.create(**kwargs))
+        events = pool.submit(lambda: list(client.responses.create(stream=True, **kwargs)))
+        first, streamed = whole.result(), events.result()
     calls = [item for item in first.output if item.type == "function_call"]
-    assert calls and first.status == "completed"
+    assert calls and first.status == "completed" and first.incomplete_details is None
+    # Streamed, a required call comes whole once the array is complete: the same calls (greedy).
+    added = [e.item for e in streamed if e.type == "response.output_item.added"]
+    assert [(i.type, i.name) for i in added] == [("function_call", c.name) for c in calls]
+    final = streamed[-1].response.output
+    assert [(c.name, c.arguments) for c in final] == [(c.name, c.arguments) for c in calls]  # type: ignore[union-attr]
     for call in calls:
         assert call.name == "get_weather" and call.call_id.startswith("call_")
         assert (call.id or "").startswith("fc_")

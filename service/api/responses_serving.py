@@ -67,6 +67,13 @@ def call_item(call: dict[str, Any], status: str = "completed", item_id: str | No
     }
 
 
+def output_items(content: str | None, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A finished completion's items: its text as a message (an empty one if there is nothing else),
+    then its calls."""
+    output = [message_item(content or "")] if content or not calls else []
+    return output + [call_item(c) for c in calls]
+
+
 @dataclass(frozen=True)
 class ResponseShell:
     """What every response object of one request carries beside its status, output and usage."""
@@ -142,9 +149,7 @@ class ResponsesServing:
             return self._stream(started, shell)
         final = await drain(started.stream, started.first)
         content, calls = parse_calls(final.outputs[0].text, started.plan, started.parser)
-        output = [message_item(content)] if content or not calls else []
-        output += [call_item(c) for c in calls]
-        return shell.body(final_status(final), output, response_usage(final))
+        return shell.body(final_status(final), output_items(content, calls), response_usage(final))
 
     async def _stream(self, started: StartedChat, shell: ResponseShell) -> AsyncIterator[bytes]:
         events = ResponseEvents()
@@ -163,7 +168,7 @@ class ResponsesServing:
                 for delta in deltas:
                     for event in events.delta(delta):
                         yield event
-            for event in events.close() if events.items or events.open_item else events.empty_message():
+            for event in events.finish():
                 yield event
             status = final_status(last)
             yield events.emit(
@@ -228,8 +233,12 @@ class ResponseEvents:
                 )
         return events
 
-    def empty_message(self) -> list[bytes]:
-        """An output with neither text nor calls still holds one message, as the unstreamed one does."""
+    def finish(self) -> list[bytes]:
+        """The last item's closing events; an output with neither text nor calls still holds one
+        (empty) message, as the unstreamed one does."""
+        return self.close() if self.items or self.open_item else self._empty_message()
+
+    def _empty_message(self) -> list[bytes]:
         events = self._open(message_item("", "in_progress"))
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         events.append(self.emit("response.content_part.added", **self._where(), content_index=0, part=part))
