@@ -319,6 +319,8 @@ def test_the_response_object_echoes_the_request() -> None:
     )
     assert body["tools"] == [{"type": "function", "name": "f"}]  # no nulls for what was not sent
     assert body["text"] == {"format": {"type": "json_schema", "name": "n", "schema": schema}}
+    text = ResponsesRequest.model_validate({"input": "x", "text": {"format": {"type": "text"}}})
+    assert ResponseShell(text, "m").body("completed", [], None)["text"] == {"format": {"type": "text"}}
     assert (body["max_output_tokens"], body["instructions"], body["user"]) == (9, "I", "u")
     assert body["incomplete_details"] == {"reason": "max_output_tokens"}
     assert ResponseShell(asked, "m").body("failed", [], None)["incomplete_details"] is None

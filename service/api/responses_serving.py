@@ -86,7 +86,7 @@ class ResponseShell:
     def body(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
         r = self.request
         text_format = (
-            r.text.format.model_dump(by_alias=True, exclude_none=True) if r.text else {"type": "text"}
+            r.text.format.model_dump(by_alias=True, exclude_unset=True) if r.text else {"type": "text"}
         )
         return {
             "id": self.response_id,
