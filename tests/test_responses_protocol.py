@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -250,6 +251,7 @@ def test_finish_closes_the_last_item_or_gives_an_empty_message() -> None:
     ]  # fmt: skip
     assert events.items == [{**events.items[0], "type": "message", "status": "completed"}]
     assert events.items[0]["content"][0]["text"] == ""
+    assert [e["content_index"] for e in seen if "content_index" in e] == [0, 0, 0]
 
     written = ResponseEvents()
     written.delta({"content": "Hi"})
@@ -389,3 +391,17 @@ def test_a_finished_stream_ends_completed_or_incomplete() -> None:
         assert seen[-1]["type"] == f"response.{status}"
         assert seen[-1]["response"]["output"][0]["content"][0]["text"] == "Hello"
         assert seen[-1]["response"]["usage"]["total_tokens"] == 5
+
+
+def test_a_field_the_chat_api_refuses_names_the_first_and_is_counted() -> None:
+    """A check that only the chat request makes (a function's name pattern): a 400 naming the first
+    offending field, counted as an invalid request."""
+    counted: list[str] = []
+    metrics = SimpleNamespace(count_error=counted.append)
+    serving = ResponsesServing(SimpleNamespace(client=SimpleNamespace(metrics=metrics)))  # type: ignore[arg-type]
+    tools = [{"type": "function", "name": "bad name"}, {"type": "function", "name": "worse name"}]
+    request = ResponsesRequest.model_validate({"input": "x", "tools": tools})
+    with pytest.raises(APIError) as raised:
+        serving._chat_request(request)
+    assert (raised.value.kind, raised.value.param) == ("invalid_request", "tools.0.function.name")
+    assert raised.value.message.startswith("tools.0.function.name: ") and counted == ["invalid_request"]
