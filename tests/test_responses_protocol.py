@@ -84,6 +84,11 @@ def test_unset_fields_sample_as_the_chat_api_does() -> None:
         {"messages": [{"role": "user", "content": "x"}]}
     ).sampling_params()
     assert ours == chat
+    extras: dict[str, Any] = {"seed": 7, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2}
+    extras |= {"presence_penalty": 0.5, "frequency_penalty": -0.5, "ignore_eos": True, "min_tokens": 2}
+    extras["stop_token_ids"] = [3]
+    asked = ResponsesRequest.model_validate({"input": "x", **extras}).chat_request().sampling_params()
+    assert {k: getattr(asked, k) for k in extras} == extras  # passed on as they came
 
 
 def test_lone_surrogates_are_refused() -> None:

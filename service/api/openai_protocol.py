@@ -61,7 +61,11 @@ def refuse_lone_surrogates(data: Any) -> Any:
     return data
 
 
-class _Request(StructuredOutputFields):
+class SamplingExtras(BaseModel):
+    """The sampling fields every generation request shares (chat, completions, and the Responses API,
+    which passes them on to its chat request): OpenAI's seed and penalties, vLLM's extensions. Unknown
+    fields are ignored; a lone surrogate anywhere in the body is a 400."""
+
     model_config = ConfigDict(extra="ignore")
 
     @model_validator(mode="before")
@@ -69,17 +73,9 @@ class _Request(StructuredOutputFields):
     def _valid_unicode(cls, data: Any) -> Any:
         return refuse_lone_surrogates(data)
 
-    model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = None
     # vLLM extensions.
     top_k: int = 0
     min_p: float = 0.0
@@ -87,7 +83,18 @@ class _Request(StructuredOutputFields):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] = Field(default_factory=list)
-    skip_special_tokens: bool = True
+
+
+class _Request(StructuredOutputFields, SamplingExtras):
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    skip_special_tokens: bool = True  # vLLM's
 
     @property
     def include_usage(self) -> bool:

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from pagoda.service.api.openai_protocol import ChatCompletionRequest, refuse_lone_surrogates
+from pagoda.service.api.openai_protocol import ChatCompletionRequest, SamplingExtras
 from pagoda.service.errors import InvalidRequestError, quoted
 
 _TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
@@ -61,14 +61,7 @@ class TextConfig(BaseModel):
     format: TextFormat = Field(default_factory=TextFormat)
 
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        return refuse_lone_surrogates(data)
-
+class ResponsesRequest(SamplingExtras):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -90,16 +83,6 @@ class ResponsesRequest(BaseModel):
     background: bool | None = None
     prompt: Any = None
     top_logprobs: int | None = None
-    # vLLM's sampling extras, as on the chat API.
-    seed: int | None = None
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] = Field(default_factory=list)
 
     def _refuse_unsupported(self) -> None:
         stored = "this server keeps no responses: send the whole conversation in input"
@@ -132,15 +115,7 @@ class ResponsesRequest(BaseModel):
             "temperature": self.temperature,
             "top_p": self.top_p,
             "parallel_tool_calls": self.parallel_tool_calls,
-            "seed": self.seed,
-            "top_k": self.top_k,
-            "min_p": self.min_p,
-            "repetition_penalty": self.repetition_penalty,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "ignore_eos": self.ignore_eos,
-            "min_tokens": self.min_tokens,
-            "stop_token_ids": self.stop_token_ids,
+            **self.model_dump(include=set(SamplingExtras.model_fields)),  # passed on as they came
         }
         if self.tools:
             body["tools"] = [_chat_tool(t, i) for i, t in enumerate(self.tools)]
