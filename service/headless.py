@@ -20,7 +20,6 @@ whole), and exits 0. The ranks die with this process even when it is SIGKILLed (
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import multiprocessing as mp
@@ -77,8 +76,14 @@ class HeadlessNode:
 
     def run(self) -> int:
         """Serve the health endpoint, run the ranks until one exits or a stop signal comes; the exit code."""
+        # The kernel may hand a signal to any thread of the process (here the health server's), and
+        # then Python runs the handler only once the main thread next runs bytecode: never, while it
+        # waits in `_watch`. So the signal's number is written to the wake pipe by CPython's own C
+        # handler, in whichever thread took it (`set_wakeup_fd`); the Python handler has nothing to do.
+        os.set_blocking(self._wake_w, False)
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         for sig in (*STOP_SIGNALS, RELAYED_STOP):
-            signal.signal(sig, self._on_signal)
+            signal.signal(sig, _ignore_here)
         try:
             http = _health_server(self.server.host, self.server.port, self)
         except OSError as exc:
@@ -104,10 +109,6 @@ class HeadlessNode:
             self._stop_ranks()
             http.shutdown()
             http.server_close()
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, bytes([signum]))
 
     def _spawn(self) -> None:
         """The node's ranks, from this (the main) thread: they die with it (PR_SET_PDEATHSIG)."""
@@ -232,6 +233,10 @@ def _family(host: str) -> int:
     import socket
 
     return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _ignore_here(signum: int, frame: Any) -> None:
+    """A stop signal's Python handler: the wake pipe already has its number (`HeadlessNode.run`)."""
 
 
 def run_headless(server: ServerConfig, engine: EngineConfig) -> int:
