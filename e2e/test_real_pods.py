@@ -359,6 +359,22 @@ def test_a_router_in_front_of_the_servers_routes_by_prefix(
         metrics
     )
     assert re.search(r'prefix_routing_decisions_total\{[^}]*outcome="prefix_hit"\} [1-9]', metrics), metrics
+    # The Responses API (the OpenAI Agents SDK's default) through the router, streamed and not: the
+    # greedy text the chat API gives for the same turn, and the stream's typed events passed on whole.
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    turn = "Name the capital of France."
+    chat = client.chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": turn}], max_tokens=8, temperature=0
+    )
+    ask_for: Any = dict(model="smollm2-135m", input=turn, max_output_tokens=8, temperature=0)
+    made = client.responses.create(**ask_for)
+    assert made.output_text == chat.choices[0].message.content and made.output_text, made
+    with client.responses.stream(**ask_for) as events:
+        deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+        final = events.get_final_response()
+    assert "".join(deltas) == final.output_text == made.output_text, deltas
 
 
 FLEET = 3  # server replicas behind the router (the real node claims four GPUs: three and a surge)
