@@ -17,6 +17,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagoda import __version__
 from pagoda.service.api.engine_client import APIError, EngineClient, ServingState
 from pagoda.service.api.http_guards import APIKeyGuard, BodyLimit
+from pagoda.service.api.messages_protocol import CountTokensRequest, MessagesRequest
+from pagoda.service.api.messages_serving import MessagesServing
+from pagoda.service.api.messages_serving import error_body as messages_error_body
 from pagoda.service.api.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -53,6 +56,20 @@ def error_response(
     return json_response(body, status, headers or None)
 
 
+def shaped_error(
+    request: Request, status: int, message: str, error_type: str, param: str | None = None, **headers: str
+) -> Response:
+    """An error in the shape its API's clients read: Anthropic's under /v1/messages, else OpenAI's."""
+    if request.url.path.startswith("/v1/messages"):
+        return Response(
+            encode(messages_error_body(status, message)),
+            status_code=status,
+            headers=headers or None,
+            media_type="application/json",
+        )
+    return error_response(status, message, error_type, param, **headers)
+
+
 def json_response(body: Struct, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     """A typed response body (openai_responses.py), encoded by msgspec rather than FastAPI's encoder."""
     return Response(encode(body), status_code=status, headers=headers, media_type="application/json")
@@ -75,6 +92,7 @@ def build_app(
     app = FastAPI(title="Pagoda", version=__version__, docs_url=None, redoc_url=None)
     serving = OpenAIServing(client)
     responses = ResponsesServing(serving)
+    messages = MessagesServing(serving)
     # Added innermost first: CORS answers preflights, then the key is checked, then the body read.
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes, timeout_s=body_read_timeout_s)
     if api_keys:
@@ -88,13 +106,15 @@ def build_app(
         )
 
     @app.exception_handler(APIError)
-    async def on_api_error(_: Request, exc: APIError) -> Response:
+    async def on_api_error(request: Request, exc: APIError) -> Response:
         status, error_type = HTTP_ERRORS[exc.kind]
         headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else {}
+        if request.url.path.startswith("/v1/messages"):
+            return shaped_error(request, status, exc.message, error_type, **headers)
         return error_response(status, exc.message, error_type, exc.param, exc.code, **headers)
 
     @app.exception_handler(RequestValidationError)
-    async def on_validation_error(_: Request, exc: RequestValidationError) -> Response:
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> Response:
         client.metrics.count_error("invalid_request")
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
@@ -102,18 +122,19 @@ def build_app(
         message = (
             f"{param}: {first.get('msg', 'invalid')}" if param else str(first.get("msg", "invalid body"))
         )
-        return error_response(400, message, "invalid_request_error", param)
+        return shaped_error(request, 400, message, "invalid_request_error", param)
 
     @app.exception_handler(Exception)
-    async def on_unexpected(_: Request, exc: Exception) -> Response:
-        # Still JSON in OpenAI's shape; the traceback goes to the log (Starlette logs it after this).
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        # Still JSON in the API's shape; the traceback goes to the log (Starlette logs it after this).
         client.metrics.count_error("internal")
-        return error_response(500, f"Internal server error: {type(exc).__name__}", "internal_server_error")
+        message = f"Internal server error: {type(exc).__name__}"
+        return shaped_error(request, 500, message, "internal_server_error")
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_: Request, exc: StarletteHTTPException) -> Response:
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
         error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(exc.status_code, str(exc.detail), error_type)
+        return shaped_error(request, exc.status_code, str(exc.detail), error_type)
 
     @app.get("/v1/health/live")
     async def live() -> JSONResponse:
@@ -194,6 +215,14 @@ def build_app(
     async def create_response(request: ResponsesRequest, raw: Request) -> Response:
         return _respond(await _unless_disconnected(raw, responses.create(request)))
 
+    @app.post("/v1/messages")
+    async def create_message(request: MessagesRequest, raw: Request) -> Response:
+        return _respond(await _unless_disconnected(raw, messages.create(request)))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(request: CountTokensRequest) -> Response:
+        return _respond(await messages.count_tokens(request))
+
     return app
 
 
@@ -225,7 +254,7 @@ def _respond(result: Any) -> Response:
         return result
     if isinstance(result, Struct):
         return json_response(result)
-    if isinstance(result, dict):  # a Responses API object (responses_serving.py)
+    if isinstance(result, dict):  # a Responses or Messages API object (responses_serving.py, ...)
         return Response(encode(result), media_type="application/json")
     # A client that goes away cancels this stream; closing it aborts the engine request.
     return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
