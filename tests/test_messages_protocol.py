@@ -295,6 +295,14 @@ def test_blocks_usage_and_errors() -> None:
         {"type": "tool_use", "id": "call_1", "name": "g", "input": {}},
     ]
     assert content_blocks("", []) == [] and content_blocks(None, [call])[0]["type"] == "tool_use"
+    # Arguments max_tokens cut short, or JSON that is no object: the model's text, not a call.
+    cut = {**call, "function": {"name": "f", "arguments": '{"a": '}}
+    listed = {**call, "function": {"name": "f", "arguments": "[1]"}}
+    assert content_blocks(None, [cut]) == [{"type": "text", "text": '{"a": '}]
+    assert content_blocks("Hi ", [call, listed]) == [
+        {"type": "text", "text": "Hi [1]"},
+        {"type": "tool_use", "id": "call_1", "name": "f", "input": {"a": 1}},
+    ]
     assert message_usage(output("a", "stop")) == {
         "input_tokens": 3,
         "output_tokens": 2,

@@ -188,6 +188,10 @@ def test_a_named_tool_streams_its_input_piece_by_piece(client: anthropic.Anthrop
     [use] = [b for b in final.content if b.type == "tool_use"]
     assert len(pieces) > 1 and json.loads("".join(pieces)) == use.input
     jsonschema.validate(use.input, PARAMETERS)
+    # Cut short by max_tokens, the call's arguments are no JSON object: the model's text, not a 500.
+    cut = client.messages.create(**{**kwargs, "max_tokens": 3})
+    assert cut.stop_reason == "max_tokens" and [b.type for b in cut.content] == ["text"], cut
+    assert "".join(pieces).startswith(cut.content[0].text)  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize(

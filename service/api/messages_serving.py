@@ -70,20 +70,25 @@ def message_usage(out: RequestOutput) -> dict[str, int]:
     }
 
 
-def tool_use_block(call: dict[str, Any]) -> dict[str, Any]:
-    """A chat tool call (tool_calls.call_dict) as a `tool_use` block; its input the parsed arguments."""
-    return {
-        "type": "tool_use",
-        "id": call["id"],
-        "name": call["function"]["name"],
-        "input": json.loads(call["function"]["arguments"] or "{}"),
-    }
+def tool_use_block(call: dict[str, Any]) -> dict[str, Any] | None:
+    """A chat tool call (tool_calls.call_dict) as a `tool_use` block, its input the parsed arguments;
+    None when they are no JSON object (a call that max_tokens cut short)."""
+    try:
+        arguments = json.loads(call["function"]["arguments"] or "{}")
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(arguments, dict):
+        return None
+    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": arguments}
 
 
 def content_blocks(content: str | None, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A finished completion's blocks: its text (if any), then its calls."""
-    text = [{"type": "text", "text": content}] if content else []
-    return text + [tool_use_block(c) for c in calls]
+    """A finished completion's blocks: its text (if any), then its calls. A call whose arguments are
+    no JSON object stays the model's text, as text that does not parse as a call does."""
+    uses = [tool_use_block(c) for c in calls]
+    cut = "".join(c["function"]["arguments"] for c, use in zip(calls, uses, strict=True) if use is None)
+    text = (content or "") + cut
+    return ([{"type": "text", "text": text}] if text else []) + [u for u in uses if u is not None]
 
 
 def message_body(
@@ -135,9 +140,9 @@ class MessagesServing:
         final = await drain(started.stream, started.first)
         content, calls = parse_calls(final.outputs[0].text, started.plan, started.parser)
         blocks = content_blocks(content, calls)
-        return message_body(
-            message_id, started.model, blocks, stop_reason(final, bool(calls)), message_usage(final)
-        )
+        has_calls = any(b["type"] == "tool_use" for b in blocks)
+        reason = stop_reason(final, has_calls)
+        return message_body(message_id, started.model, blocks, reason, message_usage(final))
 
     async def _stream(self, started: StartedChat, message_id: str) -> AsyncIterator[bytes]:
         first = started.first
