@@ -69,6 +69,13 @@ TARGETS: dict[str, Target] = {
         ("tests/test_responses_protocol.py", "tests/test_serve_responses.py"),
         120.0,
     ),
+    # Anthropic's Messages API, the same way (tests/test_messages_protocol.py, then the anthropic client).
+    "messages_protocol": Target("service/api/messages_protocol.py", ("tests/test_messages_protocol.py",)),
+    "messages_serving": Target(
+        "service/api/messages_serving.py",
+        ("tests/test_messages_protocol.py", "tests/test_serve_messages.py"),
+        120.0,
+    ),
     "profile": Target("operator/profile.py", ("tests/test_profile.py",)),
     "status": Target(
         "operator/status.py", ("tests/test_operator_status.py", "tests/test_operator_reconcile.py")
