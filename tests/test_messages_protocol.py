@@ -243,6 +243,26 @@ def test_tool_choice(choice: dict[str, Any], tool_choice: Any, parallel: bool) -
         ({"tool_choice": {"type": "tool"}}, "tool_choice", "tool_choice"),
         ({"tool_choice": {"type": "required"}}, "tool_choice", "tool_choice"),
         ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking", "thinking"),
+        ({"thinking": {"type": "adaptive"}}, "thinking", "thinking"),
+        # Types that sort before or after the ones taken are refused all the same.
+        ({"tool_choice": {"type": "aaa"}}, "tool_choice", "tool_choice"),
+        ({"tool_choice": {"type": "tom", "name": "get_weather"}}, "tool_choice", "tool_choice"),
+        ({"tool_choice": {"type": "zzz", "name": "get_weather"}}, "tool_choice", "tool_choice"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}
+                ]
+            },
+            "messages.0.content.0.type",
+            "tool_use",
+        ),
+        (
+            {"messages": [{"role": "assistant", "content": [{"type": "video"}]}]},
+            "messages.0.content.0.type",
+            "video",
+        ),
+        ({"system": [{"type": "tool_use"}]}, "system.0.type", "tool_use"),
         ({"mcp_servers": [{"type": "url", "url": "https://x"}]}, "mcp_servers", "mcp_servers"),
         ({"container": "c"}, "container", "container"),
     ],
@@ -260,6 +280,13 @@ def test_custom_tools_and_disabled_thinking_are_taken() -> None:
         service_tier="auto",
     )
     assert got["tools"][0]["function"]["name"] == "get_weather"
+
+
+def test_tool_inputs_keep_their_characters_and_requests_default_to_unstreamed() -> None:
+    use = {"type": "tool_use", "id": "t", "name": "f", "input": {"city": "Zürich"}}
+    got = chat(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": [use]}])
+    assert got["messages"][1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Zürich"}'
+    assert MessagesRequest.model_validate({"max_tokens": 1, "messages": []}).stream is False
 
 
 def test_count_tokens_needs_no_max_tokens() -> None:
