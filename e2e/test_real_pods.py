@@ -294,9 +294,16 @@ def test_an_inference_service_serves_two_lora_adapters(
         [pod] = server_pods(cluster, namespace, "adapted")
         args = pod["spec"]["containers"][0]["args"]
         dtype, quantization = PRECISION_DTYPES[args[args.index("--precision") + 1]]
+        # The pod's slot shapes too: these adapters (rank 8) padded to another --max-lora-rank sum in
+        # another order, and in bf16 that alone turns some greedy answers (seen: 8 and 16, "poem").
+        max_loras, max_rank = (int(args[args.index(flag) + 1]) for flag in ("--max-loras", "--max-lora-rank"))
         prompt, params = "The capital of France is", SamplingParams(temperature=0.0, max_tokens=4)
         with LLM(
-            dtype=dtype, quantization=quantization, enable_lora=True, max_loras=2, max_lora_rank=8
+            dtype=dtype,
+            quantization=quantization,
+            enable_lora=True,
+            max_loras=max_loras,
+            max_lora_rank=max_rank,
         ) as llm:
             expected = {
                 name: llm.generate([prompt], params, LoRARequest(name, i + 1, str(path)))[0].outputs[0].text
