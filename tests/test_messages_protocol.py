@@ -338,6 +338,9 @@ def test_blocks_usage_and_errors() -> None:
     }
     assert error_body(404, "no") == {"type": "error", "error": {"type": "not_found_error", "message": "no"}}
     assert error_body(503, "busy")["error"]["type"] == "overloaded_error"
+    statuses = {401: "authentication_error", 403: "permission_error", 413: "request_too_large"}
+    for status, kind in {**statuses, 429: "rate_limit_error"}.items():
+        assert error_body(status, "x")["error"]["type"] == kind, status
     assert error_body(500, "x")["error"]["type"] == "api_error"
     assert error_body(400, "x")["error"]["type"] == "invalid_request_error"
 
@@ -383,6 +386,12 @@ def test_deltas_become_blocks_opened_and_closed_in_order() -> None:
     ]
     assert seen[8]["content_block"]["name"] == "g" and seen[9]["delta"]["partial_json"] == "{}"
     assert events.has_calls
+    # Text after two calls is the third block, numbered so.
+    later = MessageEvents()
+    later.delta({"tool_calls": [call]})
+    later.delta({"tool_calls": [second]})
+    [stop, start, delta] = events_of(later.delta({"content": "ok"}))
+    assert (stop["index"], start["index"], delta["index"]) == (1, 2, 2)
     text_only = MessageEvents()
     text_only.delta({"content": "x"})
     assert not text_only.has_calls
