@@ -235,6 +235,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         int,
     )
     flag(
+        "--long-prefill-attention",
+        "Attention of prompt chunks of 8192+ tokens: paged (the Triton kernel, as every other row) or "
+        "cudnn (cuDNN's fused attention over the gathered context: faster at long contexts).",
+        "paged",
+        choices=("paged", "cudnn"),
+    )
+    flag(
         "--gpu-memory-utilization",
         "Fraction of the GPU memory the engine uses, weights and KV cache included (as vLLM's).",
         0.9,
@@ -463,6 +470,7 @@ def build_configs(args: argparse.Namespace) -> tuple[Any, Any]:
         kv_cache_dtype=args.kv_cache_dtype,
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         max_cudagraph_capture_size=args.max_cudagraph_capture_size,
+        long_prefill_attention=args.long_prefill_attention,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         enable_prefix_caching=args.enable_prefix_caching,

@@ -226,10 +226,13 @@ _BLOCK_SIZE = 4  # small, so a prompt spans several blocks
 class PagedRunner:
     """A minimal model runner: one block table per sequence, blocks handed out in order."""
 
-    def __init__(self, model: Any, num_blocks: int = 64, cache_dtype: Any = None) -> None:
+    def __init__(
+        self, model: Any, num_blocks: int = 64, cache_dtype: Any = None, long_chunk_tokens: int = 1 << 30
+    ) -> None:
         import torch
 
         self.model = model
+        self.long_chunk_tokens = long_chunk_tokens  # chunks this long or longer go to cudnn_attention
         config = model.config
         shape = (num_blocks, _BLOCK_SIZE, config.num_key_value_heads, config.head_dim)
         for attn in model.attention_layers():
@@ -241,9 +244,10 @@ class PagedRunner:
 
     def step(self, chunks: dict[int, list[int]]) -> list[Any]:
         """Run one flattened batch: `{seq_id: new tokens}`; returns each sequence's logits rows."""
+        import numpy as np
         import torch
 
-        from pagoda.service.model.attention import AttentionMetadata
+        from pagoda.service.engine.runner.pipeline import attention_metadata
 
         input_ids, positions, slots, query_start, seq_lens = [], [], [], [0], []
         for seq_id, tokens in chunks.items():
@@ -261,14 +265,15 @@ class PagedRunner:
             self.lens[seq_id] = end
         width = max(len(self.blocks[s]) for s in chunks)
         tables = [self.blocks[s] + [0] * (width - len(self.blocks[s])) for s in chunks]
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64),
-            block_tables=torch.tensor(tables, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32),
-            max_query_len=max(len(t) for t in chunks.values()),
-            max_seq_len=max(seq_lens),
-        )
+        batch = {
+            "slot_mapping": np.asarray(slots),
+            "block_tables": np.asarray(tables),
+            "seq_lens": np.asarray(seq_lens),
+            "query_start_loc": np.asarray(query_start),
+            "max_query_len": max(len(t) for t in chunks.values()),
+        }
+        meta = attention_metadata(batch, torch.device("cpu"), self.long_chunk_tokens)
+        self.last_meta = meta
         with torch.inference_mode():
             hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), meta)
             logits = self.model.compute_logits(hidden)

@@ -95,6 +95,8 @@ def test_decode_sizes_stop_at_the_batch_and_the_capture_limit() -> None:
     assert graph_batch_sizes(1, 1024) == [1]
     with pytest.raises(ValueError, match="max_cudagraph_capture_size"):
         EngineConfig(max_cudagraph_capture_size=0)
+    with pytest.raises(ValueError, match="long_prefill_attention must be paged or cudnn, got 'flash'"):
+        EngineConfig(long_prefill_attention="flash")  # type: ignore[arg-type]
 
 
 def test_mixed_sizes_stop_at_the_step_budget() -> None:

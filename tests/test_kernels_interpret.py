@@ -20,7 +20,7 @@ KERNELS = ROOT / "tests" / "kernels"
 # All check files in one interpreter: they take ~90 s together on the 2-core machine, and each extra
 # process paid ~8 s to import torch and triton (three shards of the paged-attention file and the small
 # kernels, once needed when paged attention alone took 3 min, cost ~25 s of CPU).
-CHECKS = ["paged_attention", "small_kernels", "fp8_kernels", "lora"]
+CHECKS = ["paged_attention", "small_kernels", "fp8_kernels", "lora", "cudnn_attention"]
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 

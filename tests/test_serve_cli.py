@@ -27,6 +27,7 @@ FLAGS = [
     "--block-size",
     "--cuda-graph-max-tokens",
     "--max-cudagraph-capture-size",
+    "--long-prefill-attention",
     "--gpu-memory-utilization",
     "--kv-cache-memory-bytes",
     "--enable-prefix-caching",
@@ -61,6 +62,7 @@ def test_defaults() -> None:
     assert (server.port, server.grpc_port) == (8000, 8001)
     assert engine.model is None and engine.dtype == "auto" and engine.enable_prefix_caching
     assert server.api_server_count == 1
+    assert engine.long_prefill_attention == "paged"
     assert (server.engine_stall_timeout_s, server.body_read_timeout_s, server.max_header_bytes) == (
         120.0,
         30.0,
@@ -80,6 +82,7 @@ def test_environment_sets_flags_and_command_line_wins(monkeypatch: pytest.Monkey
     monkeypatch.setenv("PAGODA_CUDA_GRAPH_MAX_TOKENS", "0")
     monkeypatch.setenv("PAGODA_MAX_CUDAGRAPH_CAPTURE_SIZE", "512")
     monkeypatch.setenv("PAGODA_API_SERVER_COUNT", "3")
+    monkeypatch.setenv("PAGODA_LONG_PREFILL_ATTENTION", "cudnn")
     server, engine = serve_cli.build_configs(parse("--max-num-seqs", "9"))
     assert server.port == 9000
     assert server.api_server_count == 3
@@ -89,6 +92,7 @@ def test_environment_sets_flags_and_command_line_wins(monkeypatch: pytest.Monkey
     assert engine.kv_cache_memory_bytes == 1048576
     assert engine.cuda_graph_max_tokens == 0
     assert engine.max_cudagraph_capture_size == 512
+    assert engine.long_prefill_attention == "cudnn"
 
 
 @pytest.mark.parametrize(

@@ -45,13 +45,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument(
         "--sweep",
-        choices=["configs", "splits", "fp8", "long-prefill", "long-prefill-sdpa"],
+        choices=["configs", "splits", "fp8", "long-prefill", "long-prefill-sdpa", "long-chunk"],
         action="append",
         default=[],
         help="also time tile/warp/stage variants (configs), decode split counts (splits), decode over an "
         "fp8 cache by operand and config (fp8) or prefill configs on 8k-token chunks of 8k-32k contexts "
         "(long-prefill), or PyTorch SDPA's backends on those chunks as a prefix part and a causal part, with "
-        "the paged prefix's gather (long-prefill-sdpa)",
+        "the paged prefix's gather (long-prefill-sdpa), or the engine's cuDNN path for such chunks against "
+        "the paged kernel, with its first call on a new shape (long-chunk)",
     )
     parser.add_argument("--sweep-only", action="store_true", help="run the sweeps without the table")
     parser.add_argument(
@@ -585,6 +586,55 @@ def sweep_long_prefill_sdpa() -> list[str]:
     return lines
 
 
+# 8k-token chunks (the engine's budget) at 8k-32k contexts, and one whose lengths are no bucket's multiple.
+LONG_CHUNK_CASES = ((8192, 8192), (8192, 16384), (8192, 32768), (8000, 24500))
+
+
+def sweep_long_chunk(cases: tuple[tuple[int, int], ...] = LONG_CHUNK_CASES) -> list[str]:
+    """The engine's path for chunks of 8k tokens and more (`cudnn_attention.chunk_attention`: the gather,
+    cuDNN's two calls, the merge) against the paged kernel with its long-prefill tiles, on the same
+    bf16 and fp8 (V token-major) caches; "first" is the first call on that shape, cuDNN's plan build
+    included; "diff" the largest difference between the two outputs."""
+    import time
+
+    import torch
+    import triton
+
+    from pagoda.kernels.attention import paged_attention
+    from pagoda.kernels.cudnn_attention import chunk_attention
+    from pagoda.kernels.kv_cache import token_major_copy
+
+    shapes = " | ".join(f"{q}x{c}" for q, c in cases)
+    lines = [f"long-chunk path (us, TFLOP/s; first call ms; diff) at query x ctx {shapes}"]
+    for cache in ("bf16", "fp8 V token-major"):
+        ours, paged = [], []
+        for q_len, ctx in cases:
+            b = _paged_batch([ctx], [q_len])
+            if cache != "bf16":
+                b["k_cache"] = b["k_cache"].to(torch.float8_e4m3fn)
+                b["v_cache"] = token_major_copy(b["v_cache"].to(torch.float8_e4m3fn))
+            out = torch.empty_like(b["q"])
+            args = (b["q"], b["k_cache"], b["v_cache"], b["block_tables"][0], ctx, b["scale"], out)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            chunk_attention(*args)
+            torch.cuda.synchronize()
+            first_ms = 1e3 * (time.perf_counter() - t0)
+            want = paged_attention(**b)
+            diff = (out.float() - want.float()).abs().max().item()
+            flops = causal_chunk_flops(q_len, ctx)
+            us = 1e3 * triton.testing.do_bench(lambda args=args: chunk_attention(*args), return_mode="median")
+            ours.append(f"{us:8.1f} {flops / us / 1e6:4.0f} (first {first_ms:.0f} ms, diff {diff:.3f})")
+            us = _time(lambda b=b: paged_attention(**b))
+            paged.append(f"{us:8.1f} {flops / us / 1e6:4.0f}")
+            del b, out, want
+            torch.cuda.empty_cache()
+        for name, cells in (("cuDNN chunk path", ours), ("paged kernel", paged)):
+            lines.append(f"  {cache}, {name}: " + " | ".join(cells))
+            print(lines[-1], flush=True)
+    return lines
+
+
 def sweep_fp8(copy_bw: float) -> list[str]:
     """Decode over an fp8 cache with bf16 q, as the engine runs it: V slot-major (widened by a cast or
     by PTX) against V token-major (`kv_cache.cache_view`, the engine's layout for an fp8 cache), by
@@ -709,6 +759,7 @@ def run(args: argparse.Namespace) -> int:
     sweep_lines += sweep_fp8(copy_bw) if "fp8" in args.sweep else []
     sweep_lines += sweep_long_prefill() if "long-prefill" in args.sweep else []
     sweep_lines += sweep_long_prefill_sdpa() if "long-prefill-sdpa" in args.sweep else []
+    sweep_lines += sweep_long_chunk() if "long-chunk" in args.sweep else []
     if sweep_lines and args.markdown:
         with open(args.markdown, "a") as f:
             f.write("\n" + "\n".join(sweep_lines) + "\n")

@@ -56,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=256,
         help="largest decode batch that replays a CUDA graph (past 256 the sizes step by 64)",
     )
+    offline.add_argument(
+        "--long-prefill-attention",
+        choices=["paged", "cudnn"],
+        default="paged",
+        help="prompt chunks of 8192+ tokens through the Triton kernel or cuDNN's fused attention",
+    )
     offline.add_argument("--peer", choices=["transformers", "none"], default="transformers")
     offline.add_argument(
         "--repeat",
@@ -193,6 +199,7 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
         tensor_parallel_size=args.tensor_parallel_size,
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         max_cudagraph_capture_size=args.max_cudagraph_capture_size,
+        long_prefill_attention=args.long_prefill_attention,
     )
     runner = llm.engine.runner
     vocab = runner.model_config.vocab_size

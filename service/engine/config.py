@@ -197,6 +197,10 @@ class EngineConfig:
     # The largest decode batch that replays a CUDA graph (vLLM's `max_cudagraph_capture_size`); a
     # larger one runs eagerly. Past 256 the ladder steps by 64 (cuda_graphs.py).
     max_cudagraph_capture_size: int = 256
+    # "cudnn": prompt chunks of LONG_CHUNK_TOKENS (8192) or more attend through cuDNN's fused attention
+    # (kernels/cudnn_attention.py), faster at long contexts; "paged": the Triton kernel for every row.
+    # Off by default until tests/kernels/check_cudnn_attention.py has passed on a GPU (not yet run).
+    long_prefill_attention: Literal["paged", "cudnn"] = "paged"
     tensor_parallel_size: int = 1  # ranks the model is sharded over: GPUs (NCCL), or CPU processes (gloo)
     # Stages the layers are split over, each of tensor_parallel_size ranks: P x T ranks in all
     # (docs/parallelism.md).
@@ -273,6 +277,10 @@ class EngineConfig:
         for name in ("cuda_graph_max_tokens", "max_mixed_prefill_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be at least 0, got {getattr(self, name)}")
+        if self.long_prefill_attention not in ("paged", "cudnn"):
+            raise ValueError(
+                f"long_prefill_attention must be paged or cudnn, got {self.long_prefill_attention!r}"
+            )
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:

@@ -9,7 +9,25 @@ import torch
 from torch import nn
 
 from pagoda import kernels
+from pagoda.kernels import cudnn_attention
 from pagoda.kernels.kv_cache import cache_view
+
+
+@dataclass(frozen=True)
+class LongChunk:
+    """A prompt chunk of `LONG_CHUNK_TOKENS` or more in an eager step, which `cudnn_attention`
+    attends rather than the paged kernel (where the device has it: `cudnn_attention.is_supported`)."""
+
+    row: int  # its sequence's row of the batch (block_tables, seq_lens)
+    start: int  # its query tokens are the step's [start, end)
+    end: int
+    context_len: int  # its context, this chunk included
+
+
+# From this many query tokens a chunk's attention is a dense causal attention that cuDNN runs faster
+# than the paged kernel (`cudnn_attention`'s docstring has the numbers); below it, at 2k-token chunks
+# and less, the paged kernel was at SDPA's speed (BENCHMARKS.md) and a CUDA graph may hold the step.
+LONG_CHUNK_TOKENS = 8192
 
 
 @dataclass
@@ -22,6 +40,10 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     max_query_len: int
     max_seq_len: int
+    long_chunks: tuple[LongChunk, ...] = ()
+    # With long_chunks: the other sequences, as the runs between them, each (start, end) of the step's
+    # tokens and the run's own layout; a step without them leaves this empty.
+    paged_runs: tuple[tuple[int, int, AttentionMetadata], ...] = ()
 
 
 class PagedAttention(nn.Module):
@@ -66,6 +88,11 @@ class PagedAttention(nn.Module):
             q_out = torch.empty(q.shape, dtype=dtype, device=q.device)
             kernels.rotary_embedding(rotary[0], q, k, rotary[1], kv_write, scales, dtype, q_out)
             q = q_out
+        if meta.long_chunks and cudnn_attention.is_supported(q):
+            return self._attend_long_chunks(q, meta)
+        return self._paged(q, meta)
+
+    def _paged(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return kernels.paged_attention(
             q,
             self.k_cache,
@@ -79,6 +106,17 @@ class PagedAttention(nn.Module):
             self.k_scale,
             self.v_scale,
         )
+
+    def _attend_long_chunks(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        for start, end, run in meta.paged_runs:
+            out[start:end] = self._paged(q[start:end], run)
+        for c in meta.long_chunks:
+            cudnn_attention.chunk_attention(
+                q[c.start : c.end], self.k_cache, self.v_cache, meta.block_tables[c.row], c.context_len,
+                self.scale, out[c.start : c.end], self.k_scale, self.v_scale,
+            )  # fmt: skip
+        return out
 
 
 def kv_block_bytes(

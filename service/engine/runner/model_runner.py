@@ -33,7 +33,12 @@ from pagoda.service.engine.runner.pipeline import (
 )
 from pagoda.service.engine.runner.sampler import SampledBatch, Sampler, SampleResult, to_device
 from pagoda.service.engine.runner.spec_verify import verify_drafts
-from pagoda.service.model.attention import allocate_kv_cache, copy_kv_blocks, kv_block_bytes
+from pagoda.service.model.attention import (
+    LONG_CHUNK_TOKENS,
+    allocate_kv_cache,
+    copy_kv_blocks,
+    kv_block_bytes,
+)
 from pagoda.service.model.fp8 import quantize_model_fp8, run_cublaslt_without_workspace, supports_fp8_matmul
 from pagoda.service.model.llama import LlamaForCausalLM
 from pagoda.service.model.loader import load_model
@@ -219,6 +224,8 @@ class ModelRunner:
         if self.draft is not None:
             self.draft.allocate(self.kv.num_blocks, self.kv_dtype, v_token_major)
         self.max_model_len = self._max_model_len()
+        # Eager steps' prompt chunks this long attend through cuDNN (`--long-prefill-attention cudnn`).
+        self.long_chunk_tokens = LONG_CHUNK_TOKENS if config.long_prefill_attention == "cudnn" else None
         max_blocks = -(-self.max_model_len // config.block_size) + 1  # +1: a fork's copy-on-write slack
         self.block_tables = BlockTables(config.max_num_seqs + 64, max_blocks)
         self.sampler = Sampler(mc.vocab_size, eos_token_ids)
@@ -404,7 +411,7 @@ class ModelRunner:
     def _forward_eager(
         self, batch: dict[str, np.ndarray], fill_inputs: InputFill | None = None
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        meta = attention_metadata(batch, self.device)
+        meta = attention_metadata(batch, self.device, self.long_chunk_tokens)
         input_ids = self._input_ids(batch, fill_inputs)
         return self.model(input_ids, to_device(batch["positions"], torch.int64, self.device), meta)
 

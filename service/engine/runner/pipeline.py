@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from pagoda.service.engine.runner.sampler import to_device
-from pagoda.service.model.attention import AttentionMetadata
+from pagoda.service.model.attention import AttentionMetadata, LongChunk
 from pagoda.service.model.llama import LlamaForCausalLM
 from pagoda.service.model.pipeline import PPGroup
 
@@ -83,14 +83,18 @@ def split_micro_batches(
     return micro
 
 
-def attention_metadata(batch: dict[str, np.ndarray], device: torch.device) -> AttentionMetadata:
+def attention_metadata(
+    batch: dict[str, np.ndarray], device: torch.device, long_chunk_tokens: int | None = None
+) -> AttentionMetadata:
     """A flattened batch's attention layout on the device (a whole step's, a micro-batch's, or the draft
-    model's)."""
+    model's). With `long_chunk_tokens` (`LONG_CHUNK_TOKENS` where the engine attends long chunks through
+    cuDNN), sequences with that many query tokens or more become `LongChunk`s, and the others get the
+    layout of each run between them too."""
 
     def dev(name: str, dtype: torch.dtype) -> torch.Tensor:
         return to_device(batch[name], dtype, device)
 
-    return AttentionMetadata(
+    meta = AttentionMetadata(
         slot_mapping=dev("slot_mapping", torch.int64),
         block_tables=dev("block_tables", torch.int32),
         seq_lens=dev("seq_lens", torch.int32),
@@ -98,6 +102,26 @@ def attention_metadata(batch: dict[str, np.ndarray], device: torch.device) -> At
         max_query_len=int(np.max(batch["max_query_len"])),
         max_seq_len=int(batch["seq_lens"].max()),
     )
+    if long_chunk_tokens is None or meta.max_query_len < long_chunk_tokens:
+        return meta
+    starts, seq_lens = batch["query_start_loc"], batch["seq_lens"]
+    long_rows = np.flatnonzero(np.diff(starts) >= long_chunk_tokens)
+    meta.long_chunks = tuple(
+        LongChunk(int(r), int(starts[r]), int(starts[r + 1]), int(seq_lens[r])) for r in long_rows
+    )
+    runs = []
+    for first, end in zip([0, *(long_rows + 1)], [*long_rows, len(seq_lens)], strict=True):
+        if first < end:
+            run = {
+                "slot_mapping": batch["slot_mapping"][starts[first] : starts[end]],
+                "block_tables": batch["block_tables"][first:end],
+                "seq_lens": seq_lens[first:end],
+                "query_start_loc": starts[first : end + 1] - starts[first],
+                "max_query_len": np.diff(starts[first : end + 1]).max(),
+            }
+            runs.append((int(starts[first]), int(starts[end]), attention_metadata(run, device)))
+    meta.paged_runs = tuple(runs)
+    return meta
 
 
 @dataclass

@@ -1,0 +1,143 @@
+"""A long prompt chunk's attention through a library kernel (cuDNN's fused attention on the GPU).
+
+For a chunk of thousands of query tokens, the paged kernel's work is a dense causal attention, and
+cuDNN's runs it faster: one H100, an 8k-token chunk last in a 32k context, Llama-3-8B heads
+(`pagoda bench kernels --sweep long-prefill-sdpa`, BENCHMARKS.md 2026-12-05): 6.07 ms at 634 TFLOP/s
+against 9.40 ms for ours (bf16 cache) and 10.90 ms (fp8 cache); gathering the paged prefix into
+contiguous K/V costs 0.1-0.16 ms for 24k tokens, once a layer.
+
+cuDNN's causal mask is top-left aligned (query i sees keys 0..i), right only when the queries are the
+whole context. A chunk after a cached prefix is therefore two calls: the queries against the prefix
+(no mask) and against the chunk itself (causal, square), each returning its log-sum-exp, merged as
+flash-decoding merges its splits. PyTorch's public `scaled_dot_product_attention` returns no
+log-sum-exp, so the calls are the ATen ops behind it: `_scaled_dot_product_cudnn_attention` on CUDA,
+`_scaled_dot_product_flash_attention_for_cpu` elsewhere (tests; the CPU engine). Both take grouped
+query heads as they are (8 kv heads for 32 query heads), checked against the paged kernel in
+tests/kernels/check_paged_attention.py on the GPU and in tests/kernels on the CPU.
+
+An fp8 cache is widened to q's dtype in the gather; k_scale goes into the softmax scale and v_scale
+onto the output, as in the paged kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def is_supported(q: torch.Tensor) -> bool:
+    """Whether `chunk_attention` runs for these queries: 16-bit, head_dim a multiple of 8 up to 128
+    (cuDNN's fused kernels), on the CPU or on a GPU whose cuDNN has them (compute capability 8.0+)."""
+    head_dim = q.shape[-1]
+    return q.dtype in _DTYPES and head_dim % 8 == 0 and head_dim <= 128 and _has_kernels(q.device)
+
+
+@functools.cache
+def _has_kernels(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return device.type == "cpu"
+    return torch.backends.cudnn.is_available() and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def gather_context(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], slot- or token-major
+    block_ids: torch.Tensor,  # [>= cdiv(num_tokens, block_size)] the sequence's block table row
+    num_tokens: int,
+    dtype: torch.dtype,
+    length: int | None = None,  # the result's tokens (>= num_tokens): those past num_tokens are zero
+) -> torch.Tensor:  # [num_kv_heads, length, head_dim], contiguous
+    """A sequence's first `num_tokens` cached keys (or values) as one dense tensor of `dtype`.
+
+    Whole blocks are gathered as flat rows (each block is one contiguous run in either layout, so the
+    copy reads in long runs), then laid out head-major in the dtype cast."""
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    block_elems = block_size * num_kv_heads * head_dim
+    if cache.stride(0) != block_elems:
+        raise ValueError(f"gather_context: cache blocks must be contiguous runs, strides {cache.stride()}")
+    length = num_tokens if length is None else length
+    n = -(-num_tokens // block_size)
+    flat = cache.as_strided((num_blocks, block_elems), (block_elems, 1))
+    rows = flat.index_select(0, block_ids[:n].long())  # [n, block_elems]
+    blocks = rows.as_strided((n, block_size, num_kv_heads, head_dim), (block_elems, *cache.stride()[1:]))
+    out = torch.empty((num_kv_heads, max(length, n * block_size), head_dim), dtype=dtype, device=cache.device)
+    out[:, : n * block_size].view(num_kv_heads, n, block_size, head_dim).copy_(blocks.permute(2, 0, 1, 3))
+    out[:, num_tokens:].zero_()
+    return out[:, :length]
+
+
+def _attend(
+    q: torch.Tensor,  # [1, num_heads, q_len, head_dim]
+    k: torch.Tensor,  # [1, num_kv_heads, kv_len, head_dim]
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [num_heads, q_len, head_dim], log-sum-exp [num_heads, q_len]
+    if q.device.type == "cuda":
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale
+        )[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale
+        )
+    return out[0], lse.reshape(q.shape[1], q.shape[2])
+
+
+# cuDNN builds an execution plan for each new (query, key) length, tens to hundreds of milliseconds
+# (flashinfer-ai/flashinfer#5245: 55-70 ms on SM100; sgl-project/sglang#4650: ~400 ms on H20). Both
+# calls' lengths are therefore multiples of SHAPE_BUCKET: padded rows cost at most SHAPE_BUCKET - 1
+# query rows at each end of an 8k-token chunk, and a process sees few distinct shapes.
+SHAPE_BUCKET = 512
+
+
+def chunk_attention(
+    q: torch.Tensor,  # [q_len, num_heads, head_dim]: the last q_len positions of the context
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_ids: torch.Tensor,  # [max_blocks_per_seq] this sequence's block table row
+    context_len: int,  # tokens cached so far, this chunk's included
+    scale: float,
+    out: torch.Tensor,  # [q_len, num_heads, head_dim], written
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    bucket: int | None = None,  # SHAPE_BUCKET
+) -> None:
+    """Causal attention of one sequence's chunk of queries over its paged context.
+
+    The context splits at `split`, the prefix length rounded down to `bucket`. Keys before it are
+    seen by every query (one unmasked call); keys from it on take a top-left causal call whose query
+    rows start at position `split` too: the `prefix - split` rows ahead of the chunk's queries are
+    zeros, as are the rows and keys padding that call to a multiple of `bucket`. A real query at
+    position p then sees keys split..p, and no padded key (they sit past every real position). The
+    unmasked call takes the same padded rows, and the two merge by their log-sum-exp."""
+    q_len, num_heads, head_dim = q.shape
+    prefix = context_len - q_len
+    if prefix < 0 or out.shape != q.shape:
+        raise ValueError(
+            f"chunk_attention: {q_len} queries in a {context_len}-token context, out {tuple(out.shape)}"
+        )
+    bucket = bucket or SHAPE_BUCKET
+    split = prefix // bucket * bucket
+    rows = -(-(context_len - split) // bucket) * bucket  # the causal call's (square) length
+    k = gather_context(k_cache, block_ids, context_len, q.dtype, split + rows).unsqueeze(0)
+    v = gather_context(v_cache, block_ids, context_len, q.dtype, split + rows).unsqueeze(0)
+    first = prefix - split  # the chunk's first query row
+    qh = q.new_zeros((1, num_heads, rows, head_dim))
+    qh[0, :, first : first + q_len] = q.transpose(0, 1)
+    s = scale * k_scale
+    own, own_lse = _attend(qh, k[:, :, split:], v[:, :, split:], causal=True, scale=s)
+    own, own_lse = own[:, first : first + q_len], own_lse[:, first : first + q_len]
+    if split == 0:
+        merged = own
+    else:
+        before, before_lse = _attend(qh, k[:, :, :split], v[:, :, :split], causal=False, scale=s)
+        before, before_lse = before[:, first : first + q_len], before_lse[:, first : first + q_len]
+        lse = torch.logaddexp(own_lse, before_lse)
+        merged = own.float() * (own_lse - lse).exp_().unsqueeze(-1)
+        merged.addcmul_(before.float(), (before_lse - lse).exp_().unsqueeze(-1))
+    if v_scale != 1.0:
+        merged = merged * v_scale
+    out.copy_(merged.transpose(0, 1))

@@ -1,0 +1,115 @@
+"""A long chunk's attention through cuDNN (`cudnn_attention`) against `reference.paged_attention`, and on
+a GPU against the paged Triton kernel at Llama-3-8B's heads.
+
+On the CPU (tests/test_kernels_interpret.py runs this file) the same code calls PyTorch's CPU flash
+attention; the bucketing, the padded rows, the gather from either cache layout and the log-sum-exp
+merge are the same. The reference computes in float32; tolerances are bf16's rounding of the output.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pagoda.kernels import kv_cache, reference
+from pagoda.kernels.cudnn_attention import chunk_attention, gather_context, is_supported
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("needs TRITON_INTERPRET=1 or a CUDA GPU", allow_module_level=True)
+
+DEVICE = "cpu" if INTERPRET else "cuda"
+FP8 = torch.float8_e4m3fn
+
+
+def _cache(num_blocks: int, block_size: int, kv_heads: int, dim: int, dtype: torch.dtype, token_major: bool):
+    k = torch.randn(num_blocks, block_size, kv_heads, dim, device=DEVICE).to(dtype)
+    v = torch.randn(num_blocks, block_size, kv_heads, dim, device=DEVICE).to(dtype)
+    return k, (kv_cache.token_major_copy(v) if token_major else v)
+
+
+def _reference(q, k_cache, v_cache, blocks, context_len, k_scale, v_scale):
+    q_len, _, dim = q.shape
+    return reference.paged_attention(
+        q, k_cache, v_cache, blocks[None],
+        torch.tensor([context_len], dtype=torch.int32, device=DEVICE),
+        torch.tensor([0, q_len], dtype=torch.int32, device=DEVICE),
+        dim**-0.5, q_len, context_len, k_scale, v_scale,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("cache", ["bf16", "fp8", "fp8 V token-major"])
+@pytest.mark.parametrize(
+    ("context_len", "q_len", "bucket"),
+    [
+        (45, 45, 16),  # a whole prompt: one causal call, its rows padded to 48
+        (61, 20, 16),  # prefix 41: split at 32, 9 zero rows ahead of the queries, then the merge
+        (64, 32, 16),  # prefix 32, a whole bucket: no zero rows ahead
+        (50, 35, 16),  # prefix 15 < bucket: one causal call over the context
+        (70, 20, 8),
+    ],
+)
+def test_chunk_matches_the_reference(cache: str, context_len: int, q_len: int, bucket: int) -> None:
+    torch.manual_seed(context_len * 100 + q_len)
+    heads, kv_heads, dim, block_size, num_blocks = 8, 2, 32, 8, 24
+    dtype = torch.bfloat16 if cache == "bf16" else FP8
+    k_cache, v_cache = _cache(num_blocks, block_size, kv_heads, dim, dtype, cache.endswith("token-major"))
+    k_scale, v_scale = (1.0, 1.0) if cache == "bf16" else (0.7, 1.6)
+    blocks = torch.randperm(num_blocks, device=DEVICE).to(torch.int32)  # whole row; some past the context
+    q = torch.randn(q_len, heads, dim, device=DEVICE, dtype=torch.bfloat16)
+    out = torch.full_like(q, float("nan"))
+    chunk_attention(q, k_cache, v_cache, blocks, context_len, dim**-0.5, out, k_scale, v_scale, bucket)
+    want = _reference(q, k_cache, v_cache, blocks, context_len, k_scale, v_scale)
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2 * v_scale, rtol=2e-2)
+
+
+def test_gather_reads_the_blocks_in_table_order_and_zeros_the_rest() -> None:
+    k_cache, v_cache = _cache(6, 4, 2, 16, torch.bfloat16, token_major=True)
+    blocks = torch.tensor([3, 0, 5, 1], dtype=torch.int32, device=DEVICE)
+    for cache in (k_cache, v_cache):
+        got = gather_context(cache, blocks, 10, torch.float32, length=16)  # [2, 16, 16]
+        want = cache[blocks[:3].long()].flatten(0, 1)[:10].transpose(0, 1).float()
+        assert got.shape == (2, 16, 16)
+        torch.testing.assert_close(got[:, :10], want, atol=0, rtol=0)
+        assert not got[:, 10:].any()
+
+
+def test_supported_queries() -> None:
+    q = torch.zeros(4, 8, 128, device=DEVICE, dtype=torch.bfloat16)
+    assert is_supported(q) and is_supported(q.half())
+    assert not is_supported(q.float())  # fp32: the paged kernel keeps it
+    assert not is_supported(torch.zeros(4, 8, 256, device=DEVICE, dtype=torch.bfloat16))
+
+
+# On the GPU Llama-3-8B's heads at 1-5k tokens and the engine's bucket; in the interpreter a small
+# twin in float16 (its tl.dot gets bfloat16 wrong).
+HEADS, GPU_DTYPE, BUCKET = (
+    ((4, 1, 32), torch.float16, 16) if INTERPRET else ((32, 8, 128), torch.bfloat16, None)
+)
+KERNEL_CASES = [(40, 40), (70, 25)] if INTERPRET else [(2500, 2500), (5000, 1500), (4608, 1024)]
+
+
+@pytest.mark.parametrize("cache", ["bf16", "fp8 V token-major"])
+@pytest.mark.parametrize(("context_len", "q_len"), KERNEL_CASES)
+def test_chunk_matches_the_paged_kernel(cache: str, context_len: int, q_len: int) -> None:
+    """Against the Triton kernel on the same cache (a 16-bit cache in q's dtype)."""
+    from pagoda.kernels.attention import paged_attention
+
+    torch.manual_seed(q_len)
+    (heads, kv_heads, dim), block_size = HEADS, 16
+    num_blocks = context_len // block_size + 8
+    dtype = GPU_DTYPE if cache == "bf16" else FP8
+    k_cache, v_cache = _cache(num_blocks, block_size, kv_heads, dim, dtype, cache.endswith("token-major"))
+    blocks = torch.randperm(num_blocks, device=DEVICE).to(torch.int32)
+    q = torch.randn(q_len, heads, dim, device=DEVICE, dtype=GPU_DTYPE)
+    out = torch.full_like(q, float("nan"))
+    chunk_attention(q, k_cache, v_cache, blocks, context_len, dim**-0.5, out, 1.0, 1.0, BUCKET)
+    want = paged_attention(
+        q, k_cache, v_cache, blocks[None],
+        torch.tensor([context_len], dtype=torch.int32, device=DEVICE),
+        torch.tensor([0, q_len], dtype=torch.int32, device=DEVICE),
+        dim**-0.5, q_len, context_len,
+    )  # fmt: skip
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
