@@ -58,12 +58,35 @@ def test_no_authorization_header_or_the_key_elsewhere_is_refused() -> None:
     assert not grpc.authorized([("x-api-key", "secret-key")])
 
 
+@pytest.mark.parametrize(
+    ("path", "header", "expected"),
+    [
+        ("/v1/messages", b"secret-key", True),  # Anthropic's clients send `api_key` as x-api-key
+        ("/v1/messages/count_tokens", b"second-key", True),
+        ("/v1/messages", b" secret-key ", True),
+        ("/v1/messages", b"secret", False),
+        ("/v1/messages", b"secret-key2", False),
+        ("/v1/messages", b"Bearer secret-key", False),  # x-api-key holds the key bare
+        ("/v1/messages", b"", False),
+        ("/v1/messagesx", b"secret-key", False),  # only the Messages API's own paths
+        ("/v1/chat/completions", b"secret-key", False),
+        ("/", b"secret-key", False),
+    ],
+)
+def test_x_api_key_is_read_on_the_messages_paths_only(path: str, header: bytes, expected: bool) -> None:
+    http = APIKeyGuard(app=None, keys=KEYS)  # type: ignore[arg-type]
+    assert http.authorized([(b"x-api-key", header)], path) is expected
+    # Authorization, when sent, decides: Anthropic's auth_token travels as a bearer token.
+    assert http.authorized([(b"authorization", b"Bearer second-key"), (b"x-api-key", b"no")], path)
+    assert not http.authorized([(b"x-api-key", header), (b"authorization", b"Bearer no")], path)
+
+
 @pytest.fixture(scope="module")
 def client() -> TestClient:
     async def hello(request: Request) -> PlainTextResponse:
         return PlainTextResponse("hello")
 
-    paths = ["/v1/models", "/v1/health/live", "/v1/health/ready", "/metrics", "/version"]
+    paths = ["/v1/models", "/v1/messages", "/v1/health/live", "/v1/health/ready", "/metrics", "/version"]
     app = Starlette(routes=[Route(p, hello, methods=["GET", "POST", "PUT", "OPTIONS"]) for p in paths])
     return TestClient(APIKeyGuard(app, KEYS))
 
@@ -81,6 +104,21 @@ def test_http_guard_answers_401_in_openai_shape_and_leaves_probes_open(client: T
     assert client.options("/v1/models").status_code == 200  # CORS preflights carry no credentials
     for method in ("POST", "PUT"):  # methods that sort after OPTIONS are no preflight
         assert client.request(method, "/v1/models").status_code == 401, method
+
+
+def test_http_guard_answers_the_messages_api_in_anthropic_shape(client: TestClient) -> None:
+    refused = client.post("/v1/messages", headers={"x-api-key": "secret"})
+    assert refused.status_code == 401
+    assert refused.json() == {
+        "type": "error",
+        "error": {
+            "type": "authentication_error",
+            "message": "Incorrect or missing API key: send it as `Authorization: Bearer <key>` or "
+            "`x-api-key: <key>`.",
+        },
+    }
+    assert client.post("/v1/messages", headers={"x-api-key": "second-key"}).text == "hello"
+    assert client.get("/v1/models", headers={"x-api-key": "second-key"}).status_code == 401
 
 
 LIMIT = 64

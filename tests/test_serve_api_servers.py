@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import anthropic
 import grpc
 import httpx
 import openai
@@ -241,5 +242,19 @@ def test_sigkill_of_process_0_takes_every_process_with_it(launch: Callable[..., 
     assert sum("pagoda.service.engine.core_process" in c for c in lines) == 1, lines
     assert sum("spawn_main" in c for c in lines) == 1, lines  # the tensor-parallel worker
     assert not any("secret-key" in c for c in lines)  # its config goes on stdin
+    # While it is up, its key guard as Anthropic's client meets it: `api_key` travels as x-api-key.
+    client = anthropic.Anthropic(base_url=server.base_url, api_key="secret-key", max_retries=0, timeout=60)
+    reply = client.messages.create(
+        model="llama",
+        max_tokens=2,
+        messages=[{"role": "user", "content": "Hi"}],
+        extra_body={"temperature": 0},
+    )
+    assert reply.usage.output_tokens == 2
+    with pytest.raises(anthropic.AuthenticationError, match="x-api-key: <key>") as refused:
+        client.with_options(api_key="secret").messages.count_tokens(
+            model="llama", messages=[{"role": "user", "content": "Hi"}]
+        )
+    assert refused.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
     server.kill()
     assert wait_for(lambda: not group_members(pgid), 10), group_members(pgid)

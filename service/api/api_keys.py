@@ -17,8 +17,11 @@ class APIKeys:
     def accept(self, authorization: str | bytes) -> bool:
         raw = authorization if isinstance(authorization, bytes) else authorization.encode()
         scheme, _, token = raw.partition(b" ")
-        token = token.strip()
+        return self.accept_key(token.strip()) and scheme.lower() == b"bearer"
+
+    def accept_key(self, token: bytes) -> bool:
+        """Whether `token` is one of the keys, whole (Anthropic's `x-api-key` header carries it bare)."""
         # Compare with every key in constant time, with no early exit: the time taken says nothing
         # about which key matched or how much of one.
         matches = [hmac.compare_digest(token, key) for key in self._keys]
-        return scheme.lower() == b"bearer" and any(matches)
+        return any(matches)

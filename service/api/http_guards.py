@@ -1,6 +1,6 @@
 """What every HTTP request passes before a route sees it: the API key, the body size limit and the body
 read deadline. Pure ASGI middleware (no per-request task or body copy beyond the limit), answering in
-OpenAI's error shape."""
+OpenAI's error shape, or Anthropic's under /v1/messages."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagoda.service.api.api_keys import APIKeys
+from pagoda.service.api.messages_serving import error_body as messages_error_body
 
 # Probes and scrapes never need a key: the kubelet and Prometheus do not hold one.
 OPEN_PATHS = frozenset(
@@ -19,12 +20,24 @@ OPEN_PATHS = frozenset(
 )
 
 
+def is_messages_path(path: str) -> bool:
+    """Anthropic's Messages API: its clients read Anthropic's error shape and may send `x-api-key`."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
 async def send_error(
-    send: Send, status: int, message: str, error_type: str, code: str, headers: dict[str, str] | None = None
+    send: Send,
+    scope: Scope,
+    status: int,
+    message: str,
+    error_type: str,
+    code: str,
+    headers: dict[str, str] | None = None,
 ) -> None:
-    body = json.dumps(
-        {"error": {"message": message, "type": error_type, "param": None, "code": code}}
-    ).encode()
+    error = {"error": {"message": message, "type": error_type, "param": None, "code": code}}
+    if is_messages_path(scope["path"]):
+        error = messages_error_body(status, message)
+    body = json.dumps(error).encode()
     raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw_headers})
@@ -32,16 +45,20 @@ async def send_error(
 
 
 class APIKeyGuard:
-    """401 unless `Authorization: Bearer <key>` holds one of `keys` (compared in constant time)."""
+    """401 unless `Authorization: Bearer <key>` holds one of `keys` (compared in constant time), or, on
+    the Messages API's paths, `x-api-key: <key>` does: what Anthropic's clients send for `api_key`."""
 
     def __init__(self, app: ASGIApp, keys: Iterable[str]) -> None:
         self.app = app
         self.keys = APIKeys(keys)
 
-    def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
-        for name, value in headers:
-            if name == b"authorization":
-                return self.keys.accept(value)
+    def authorized(self, headers: list[tuple[bytes, bytes]], path: str = "") -> bool:
+        """Authorization decides when sent (Anthropic's `auth_token` is a bearer token too)."""
+        first = {name: value for name, value in reversed(headers)}  # the first of each header
+        if b"authorization" in first:
+            return self.keys.accept(first[b"authorization"])
+        if b"x-api-key" in first and is_messages_path(path):
+            return self.keys.accept_key(first[b"x-api-key"].strip())
         return False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -49,14 +66,16 @@ class APIKeyGuard:
             scope["type"] != "http"
             or scope["method"] == "OPTIONS"  # CORS preflights carry no credentials
             or scope["path"] in OPEN_PATHS
-            or self.authorized(scope["headers"])
+            or self.authorized(scope["headers"], scope["path"])
         ):
             await self.app(scope, receive, send)
             return
         await send_error(
             send,
+            scope,
             401,
-            "Incorrect or missing API key: send it as `Authorization: Bearer <key>`.",
+            "Incorrect or missing API key: send it as `Authorization: Bearer <key>`"
+            + (" or `x-api-key: <key>`." if is_messages_path(scope["path"]) else "."),
             "invalid_request_error",
             "invalid_api_key",
             {"www-authenticate": "Bearer"},
@@ -74,9 +93,10 @@ class BodyLimit:
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
 
-    def _too_large(self, send: Send, size: str) -> Any:
+    def _too_large(self, send: Send, scope: Scope, size: str) -> Any:
         return send_error(
             send,
+            scope,
             413,
             f"The request body ({size}) is larger than this server accepts ({self.max_bytes} bytes, "
             "--max-request-bytes).",
@@ -90,7 +110,7 @@ class BodyLimit:
             return
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and 0 < self.max_bytes < int(value):
-                await self._too_large(send, f"{int(value)} bytes")
+                await self._too_large(send, scope, f"{int(value)} bytes")
                 return
         # Read the body here (it is bounded), then hand it to the route as one message.
         chunks, size = [], 0
@@ -102,6 +122,7 @@ class BodyLimit:
             except TimeoutError:
                 await send_error(
                     send,
+                    scope,
                     408,
                     f"The request body did not arrive within {self.timeout_s:g} s (--body-read-timeout).",
                     "invalid_request_error",
@@ -114,7 +135,7 @@ class BodyLimit:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if 0 < self.max_bytes < size:
-                await self._too_large(send, f"more than {self.max_bytes} bytes")
+                await self._too_large(send, scope, f"more than {self.max_bytes} bytes")
                 return
             if not message.get("more_body", False):
                 break
