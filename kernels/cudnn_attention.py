@@ -25,6 +25,8 @@ import functools
 
 import torch
 
+from pagoda.kernels import reference, use_triton
+
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -131,13 +133,12 @@ def chunk_attention(
     own, own_lse = _attend(qh, k[:, :, split:], v[:, :, split:], causal=True, scale=s)
     own, own_lse = own[:, first : first + q_len], own_lse[:, first : first + q_len]
     if split == 0:
-        merged = own
+        out.copy_((own * v_scale if v_scale != 1.0 else own).transpose(0, 1))
+        return
+    before, before_lse = _attend(qh, k[:, :, :split], v[:, :, :split], causal=False, scale=s)
+    before, before_lse = before[:, first : first + q_len], before_lse[:, first : first + q_len]
+    if use_triton(out):
+        from pagoda.kernels.lse_merge import merge_attention
     else:
-        before, before_lse = _attend(qh, k[:, :, :split], v[:, :, :split], causal=False, scale=s)
-        before, before_lse = before[:, first : first + q_len], before_lse[:, first : first + q_len]
-        lse = torch.logaddexp(own_lse, before_lse)
-        merged = own.float() * (own_lse - lse).exp_().unsqueeze(-1)
-        merged.addcmul_(before.float(), (before_lse - lse).exp_().unsqueeze(-1))
-    if v_scale != 1.0:
-        merged = merged * v_scale
-    out.copy_(merged.transpose(0, 1))
+        merge_attention = reference.merge_attention
+    merge_attention(out, own, own_lse, before, before_lse, v_scale)

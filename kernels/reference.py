@@ -247,3 +247,18 @@ def lora_expand(
             dim=1,
         )
         y[rows] = (y[rows].float() + delta).to(y.dtype)
+
+
+def merge_attention(
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim], written
+    a: torch.Tensor,  # [num_heads, num_tokens, head_dim]
+    a_lse: torch.Tensor,  # [num_heads, num_tokens] float32, natural log
+    b: torch.Tensor,
+    b_lse: torch.Tensor,
+    v_scale: float = 1.0,
+) -> None:
+    """Two partial attentions of the same queries over disjoint keys, merged by their log-sum-exp."""
+    lse = torch.logaddexp(a_lse, b_lse)
+    merged = a.float() * (a_lse - lse).exp().unsqueeze(-1)
+    merged.addcmul_(b.float(), (b_lse - lse).exp().unsqueeze(-1))
+    out.copy_((merged * v_scale).transpose(0, 1))

@@ -113,3 +113,22 @@ def test_chunk_matches_the_paged_kernel(cache: str, context_len: int, q_len: int
         dim**-0.5, q_len, context_len,
     )  # fmt: skip
     torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("v_scale", [1.0, 1.7])
+def test_merge_kernel_matches_its_reference(v_scale: float) -> None:
+    """Both parts strided as cuDNN leaves them (a slice of padded rows, heads not outermost in memory),
+    log-sum-exps far apart (one part dominates some rows), a ragged last tile (37 rows)."""
+    from pagoda.kernels.lse_merge import merge_attention
+
+    torch.manual_seed(3)
+    heads, tokens, dim, dtype = 4, 37, 32, GPU_DTYPE
+    a = torch.randn(tokens + 5, heads, dim, device=DEVICE, dtype=dtype).transpose(0, 1)[:, 2 : 2 + tokens]
+    b = torch.randn(heads, tokens, dim, device=DEVICE, dtype=dtype)
+    a_lse = torch.randn(tokens, heads, device=DEVICE).t() * 4
+    b_lse = torch.randn(heads, tokens, device=DEVICE) * 4
+    got = torch.full((tokens, heads, dim), float("nan"), device=DEVICE, dtype=dtype)
+    want = torch.empty_like(got)
+    merge_attention(got, a, a_lse, b, b_lse, v_scale)
+    reference.merge_attention(want, a, a_lse, b, b_lse, v_scale)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2 * v_scale, rtol=1e-2)

@@ -124,6 +124,7 @@ def _launches() -> list[tuple[str, Callable[[], object]]]:
         fp8_gemm,
         kv_cache,
         lora,
+        lse_merge,
         norm,
         quant,
         rotary,
@@ -174,7 +175,13 @@ def _launches() -> list[tuple[str, Callable[[], object]]]:
             q, kv, kv if v is None else v, tables, seq_lens, starts, 0.08, query_len, 30, decode_config=cfg
         )
 
+    def merge_call() -> None:  # cuDNN's two parts of a long chunk: [32 heads, rows, 128], strided
+        part = r(40, 32, 128).transpose(0, 1)[:, 3:35]
+        lse = r(32, 40, dtype=f32)[:, 3:35]
+        lse_merge.merge_attention(r(32, 32, 128), part, lse, part, lse, 1.0)
+
     return [
+        ("lse merge", merge_call),
         ("rms_norm", lambda: norm.rms_norm(r(4, 512), r(512), 1e-5)),
         (
             "rms_norm residual quantize",
