@@ -22,7 +22,7 @@ from pagoda.service.api.messages_serving import (
     message_usage,
     stop_reason,
 )
-from pagoda.service.api.openai_serving import StartedChat
+from pagoda.service.api.openai_serving import OpenAIServing, StartedChat
 from pagoda.service.api.tool_calls import plan_tools
 from pagoda.service.errors import InvalidRequestError
 from pagoda.service.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -448,10 +448,10 @@ def test_a_field_the_chat_api_refuses_names_the_first_and_is_counted() -> None:
         {"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "tools": tools}
     )
     with pytest.raises(APIError) as raised:
-        serving._chat_request(request)
+        OpenAIServing.translated_chat(serving.serving, request.chat_request)  # type: ignore[arg-type]
     assert (raised.value.kind, raised.value.param) == ("invalid_request", "tools.0.function.name")
     assert counted == ["invalid_request"]
     bad = MessagesRequest.model_validate({"max_tokens": 4, "messages": []})
     with pytest.raises(APIError) as raised:
-        serving._chat_request(bad)
+        OpenAIServing.translated_chat(serving.serving, bad.chat_request)  # type: ignore[arg-type]
     assert (raised.value.param, counted) == ("messages", ["invalid_request"] * 2)

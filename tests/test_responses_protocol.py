@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from pagoda.service.api.engine_client import APIError
 from pagoda.service.api.openai_protocol import ChatCompletionRequest
-from pagoda.service.api.openai_serving import StartedChat
+from pagoda.service.api.openai_serving import OpenAIServing, StartedChat
 from pagoda.service.api.responses_protocol import ResponsesRequest
 from pagoda.service.api.responses_serving import (
     ResponseEvents,
@@ -407,6 +407,6 @@ def test_a_field_the_chat_api_refuses_names_the_first_and_is_counted() -> None:
     tools = [{"type": "function", "name": "bad name"}, {"type": "function", "name": "worse name"}]
     request = ResponsesRequest.model_validate({"input": "x", "tools": tools})
     with pytest.raises(APIError) as raised:
-        serving._chat_request(request)
+        OpenAIServing.translated_chat(serving.serving, request.chat_request)  # type: ignore[arg-type]
     assert (raised.value.kind, raised.value.param) == ("invalid_request", "tools.0.function.name")
     assert raised.value.message.startswith("tools.0.function.name: ") and counted == ["invalid_request"]

@@ -20,14 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from pydantic import ValidationError
 
 from pagoda.service.api.engine_client import APIError
 from pagoda.service.api.messages_protocol import CountTokensRequest, MessagesRequest
-from pagoda.service.api.openai_protocol import ChatCompletionRequest
 from pagoda.service.api.openai_serving import OpenAIServing, StartedChat, chain, drain
 from pagoda.service.api.tool_calls import ToolCallStream, parse_calls
-from pagoda.service.errors import InvalidRequestError
 from pagoda.service.outputs import RequestOutput
 
 _encoder = msgspec.json.Encoder()
@@ -114,26 +111,13 @@ class MessagesServing:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
 
-    def _chat_request(self, request: MessagesRequest) -> ChatCompletionRequest:
-        metrics = self.serving.client.metrics
-        try:
-            return request.chat_request()
-        except InvalidRequestError as exc:
-            metrics.count_error("invalid_request")
-            raise APIError("invalid_request", str(exc), param=exc.param) from exc
-        except ValidationError as exc:  # a field the chat API checks (a tool's name, max_tokens)
-            metrics.count_error("invalid_request")
-            first = exc.errors()[0]
-            param = ".".join(str(part) for part in first["loc"])
-            raise APIError("invalid_request", f"{param}: {first['msg']}", param=param) from exc
-
     async def count_tokens(self, request: CountTokensRequest) -> dict[str, int]:
         """`POST /v1/messages/count_tokens`: the prompt's tokens, as the request would run."""
-        rendered = await self.serving.render_chat(self._chat_request(request))
+        rendered = await self.serving.render_chat(self.serving.translated_chat(request.chat_request))
         return {"input_tokens": len(rendered.token_ids)}
 
     async def create(self, request: MessagesRequest) -> dict[str, Any] | AsyncIterator[bytes]:
-        started = await self.serving.start_chat(self._chat_request(request))
+        started = await self.serving.start_chat(self.serving.translated_chat(request.chat_request))
         message_id = f"msg_{uuid.uuid4().hex}"
         if request.stream:
             return self._stream(started, message_id)

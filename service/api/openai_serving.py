@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from msgspec import UNSET
+from pydantic import ValidationError
 
 from pagoda.service.api.engine_client import APIError, EngineClient, ServingState, now_s
 from pagoda.service.api.openai_protocol import (
@@ -223,6 +224,21 @@ class OpenAIServing:
         if request.return_token_strs:
             result.token_strs = self.client.token_strings(tokens)
         return result
+
+    def translated_chat(self, translate: Callable[[], ChatCompletionRequest]) -> ChatCompletionRequest:
+        """The chat request another API's request means (the Responses and Messages APIs'
+        `chat_request`); what it refuses, or a chat field then refuses (a tool's name, max_tokens), is
+        a 400 naming the field."""
+        try:
+            return translate()
+        except InvalidRequestError as exc:
+            self.client.metrics.count_error("invalid_request")
+            raise APIError("invalid_request", str(exc), param=exc.param) from exc
+        except ValidationError as exc:
+            self.client.metrics.count_error("invalid_request")
+            first = exc.errors()[0]
+            param = ".".join(str(part) for part in first["loc"])
+            raise APIError("invalid_request", f"{param}: {first['msg']}", param=param) from exc
 
     async def render_chat(self, request: ChatCompletionRequest) -> Rendered:
         """`POST /v1/chat/completions/render`: the token ids the chat request would run on."""

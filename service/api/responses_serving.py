@@ -19,15 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from pydantic import ValidationError
 
 from pagoda.service.api.engine_client import APIError, now_s
-from pagoda.service.api.openai_protocol import ChatCompletionRequest
 from pagoda.service.api.openai_responses import Rendered
 from pagoda.service.api.openai_serving import OpenAIServing, StartedChat, chain, drain
 from pagoda.service.api.responses_protocol import ResponsesRequest
 from pagoda.service.api.tool_calls import ToolCallStream, parse_calls
-from pagoda.service.errors import InvalidRequestError
 from pagoda.service.outputs import RequestOutput
 
 _encoder = msgspec.json.Encoder()
@@ -124,26 +121,13 @@ class ResponsesServing:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
 
-    def _chat_request(self, request: ResponsesRequest) -> ChatCompletionRequest:
-        metrics = self.serving.client.metrics
-        try:
-            return request.chat_request()
-        except InvalidRequestError as exc:
-            metrics.count_error("invalid_request")
-            raise APIError("invalid_request", str(exc), param=exc.param) from exc
-        except ValidationError as exc:  # a field the chat API checks (a tool's name, the choice's word)
-            metrics.count_error("invalid_request")
-            first = exc.errors()[0]
-            param = ".".join(str(part) for part in first["loc"])
-            raise APIError("invalid_request", f"{param}: {first['msg']}", param=param) from exc
-
     async def render(self, request: ResponsesRequest) -> Rendered:
         """`POST /v1/responses/render` (vLLM's): the token ids the request would run on; routers key
         prefix affinity on them."""
-        return await self.serving.render_chat(self._chat_request(request))
+        return await self.serving.render_chat(self.serving.translated_chat(request.chat_request))
 
     async def create(self, request: ResponsesRequest) -> dict[str, Any] | AsyncIterator[bytes]:
-        started = await self.serving.start_chat(self._chat_request(request))
+        started = await self.serving.start_chat(self.serving.translated_chat(request.chat_request))
         shell = ResponseShell(request, started.model)
         if request.stream:
             return self._stream(started, shell)
