@@ -236,9 +236,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     flag(
         "--long-prefill-attention",
-        "Attention of prompt chunks of 8192+ tokens: paged (the Triton kernel, as every other row) or "
-        "cudnn (cuDNN's fused attention over the gathered context: faster at long contexts).",
-        "paged",
+        "Attention of prompt chunks of 4096+ tokens: cudnn (cuDNN's fused attention over the gathered "
+        "context: a 32k prompt's TTFT 1.27 s -> 0.98 s on an H100) or paged (the Triton kernel, as every "
+        "other row). Where cuDNN lacks the shape (fp32, head_dim > 128, pre-Ampere GPUs) paged runs.",
+        "cudnn",
         choices=("paged", "cudnn"),
     )
     flag(

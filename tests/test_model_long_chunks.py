@@ -67,3 +67,33 @@ def test_long_chunks_give_the_paged_paths_logits(
             # 0.047 here; weighting the merge's two halves 5% wrong moves them by 0.22.
             torch.testing.assert_close(g.float(), w.float(), atol=0.1, rtol=0)
     assert taken == 4  # the chunks of 7, 19, 12 and 8 tokens
+
+
+def test_the_engine_sends_long_chunks_through_cudnn_by_default(
+    llama_ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's default (`long_prefill_attention="cudnn"`) hands an eager step's long chunks to
+    `cudnn_attention` and gives the paged engine's greedy tokens; "paged" never calls it. The threshold is
+    lowered to 8 tokens, so a 19-token prompt in chunks of 12 and 7 takes the path once."""
+    from pagoda.service.engine.runner import model_runner
+    from pagoda.service.llm import LLM
+    from pagoda.service.sampling_params import SamplingParams
+
+    monkeypatch.setattr(model_runner, "LONG_CHUNK_TOKENS", 8)
+    calls = [0]
+    real = cudnn_attention.chunk_attention
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cudnn_attention, "chunk_attention", counted)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    common: dict = {"dtype": "bfloat16", "device": "cpu", "max_num_batched_tokens": 12, "enforce_eager": True}
+    outputs = {}
+    for attention in ("paged", "cudnn"):
+        before = calls[0]
+        with LLM(str(llama_ckpt), long_prefill_attention=attention, **common) as llm:
+            outputs[attention] = llm.generate([PROMPT], params)[0].outputs[0].token_ids
+        assert (calls[0] - before > 0) == (attention == "cudnn"), (attention, calls[0] - before)
+    assert outputs["cudnn"] == outputs["paged"]

@@ -62,7 +62,7 @@ def test_defaults() -> None:
     assert (server.port, server.grpc_port) == (8000, 8001)
     assert engine.model is None and engine.dtype == "auto" and engine.enable_prefix_caching
     assert server.api_server_count == 1
-    assert engine.long_prefill_attention == "paged"
+    assert engine.long_prefill_attention == "cudnn"
     assert (server.engine_stall_timeout_s, server.body_read_timeout_s, server.max_header_bytes) == (
         120.0,
         30.0,

@@ -59,8 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     offline.add_argument(
         "--long-prefill-attention",
         choices=["paged", "cudnn"],
-        default="paged",
-        help="prompt chunks of 8192+ tokens through the Triton kernel or cuDNN's fused attention",
+        default="cudnn",
+        help="prompt chunks of 4096+ tokens through the Triton kernel or cuDNN's fused attention",
     )
     offline.add_argument("--peer", choices=["transformers", "none"], default="transformers")
     offline.add_argument(

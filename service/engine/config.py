@@ -197,10 +197,10 @@ class EngineConfig:
     # The largest decode batch that replays a CUDA graph (vLLM's `max_cudagraph_capture_size`); a
     # larger one runs eagerly. Past 256 the ladder steps by 64 (cuda_graphs.py).
     max_cudagraph_capture_size: int = 256
-    # "cudnn": prompt chunks of LONG_CHUNK_TOKENS (8192) or more attend through cuDNN's fused attention
+    # "cudnn": prompt chunks of LONG_CHUNK_TOKENS (4096) or more attend through cuDNN's fused attention
     # (kernels/cudnn_attention.py), faster at long contexts; "paged": the Triton kernel for every row.
-    # Off by default until tests/kernels/check_cudnn_attention.py has passed on a GPU (not yet run).
-    long_prefill_attention: Literal["paged", "cudnn"] = "paged"
+    # Checked on an H100 (tests/kernels/check_cudnn_attention.py, tests/gpu/check_engine.py).
+    long_prefill_attention: Literal["paged", "cudnn"] = "cudnn"
     tensor_parallel_size: int = 1  # ranks the model is sharded over: GPUs (NCCL), or CPU processes (gloo)
     # Stages the layers are split over, each of tensor_parallel_size ranks: P x T ranks in all
     # (docs/parallelism.md).

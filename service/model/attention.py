@@ -25,9 +25,12 @@ class LongChunk:
 
 
 # From this many query tokens a chunk's attention is a dense causal attention that cuDNN runs faster
-# than the paged kernel (`cudnn_attention`'s docstring has the numbers); below it, at 2k-token chunks
-# and less, the paged kernel was at SDPA's speed (BENCHMARKS.md) and a CUDA graph may hold the step.
-LONG_CHUNK_TOKENS = 8192
+# than the paged kernel (`cudnn_attention`'s docstring has the numbers). Half the default 8192-token
+# budget, not all of it: once one sequence decodes, the others' chunks are 8192 minus the decoding rows,
+# and at 8192 those stayed on the paged kernel (H100, fp8: 8 x 32k in / 256 out 13.7 s at 8192, 10.7 s
+# at 4096; 64 x 8k / 512 20.0 s -> 18.9 s). At 2k-token chunks and less the paged kernel was at SDPA's
+# speed (BENCHMARKS.md) and a CUDA graph may hold the step.
+LONG_CHUNK_TOKENS = 4096
 
 
 @dataclass

@@ -10,6 +10,7 @@ not named `test_*`: the CPU tiers never collect it. `bench/gpu_checks.sh` runs b
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -28,6 +29,16 @@ KINDS = ("llama-gqa4-d64-llama3rope", "qwen2-gqa4-d128-bias")
 def tokenizer(request: pytest.FixtureRequest) -> Path:
     given = os.environ.get("PAGODA_GPU_TOKENIZER")
     return Path(given) if given else request.getfixturevalue("tokenizer_files")
+
+
+@pytest.fixture(autouse=True)
+def _gpu_memory_back() -> object:
+    """After each test, the engines it left to the garbage collector (reference cycles) and the caching
+    allocator's blocks go back: an engine sizes its KV cache by the GPU's free memory, so the next
+    test's engine would find none (the LoRA test's scoring engine held ~50 GB)."""
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def _table(rows: list[tuple[str, str, bool | None, str]]) -> str:
@@ -68,7 +79,6 @@ def test_lora_graphs_eager_and_references_agree(
     (`prompt_logprobs`): the graphs' tokens must be eager's top-1 as often as eager's own (decode
     against prefill kernels: the noise floor), and never far from it; with the wrong adapters the
     same scoring shows what a mix-up would cost."""
-    import gc
     import random
 
     from pagoda.bench.lora import write_random_adapter
@@ -93,21 +103,24 @@ def test_lora_graphs_eager_and_references_agree(
         common.update(dtype="bfloat16", quantization="fp8", kv_cache_dtype="fp8")
 
     def tokens(**extra: object) -> list[list[int]]:
-        with LLM(str(folder), **common, **extra) as llm:  # type: ignore[arg-type]
-            out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras)]
-        del llm
-        gc.collect()  # the engine's reference cycles: its KV cache is free for the next engine
-        return out
+        llm = LLM(str(folder), **common, **extra)
+        try:
+            return [o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=loras)]
+        finally:
+            gpu_check.release_llm(llm)  # its KV cache is free for the next engine
 
     graphs, eager = tokens(), tokens(enforce_eager=True)
     same = sum(a == b for a, b in zip(graphs, eager, strict=True))
     if precision != "float32":
         wrong = loras[1:] + loras[:1]  # each prompt scored under its neighbour's adapter
-        with LLM(str(folder), **common, enforce_eager=True) as llm:  # type: ignore[arg-type]
+        llm = LLM(str(folder), **common, enforce_eager=True)
+        try:
             ours, floor, mixed = (
                 _scored(llm, prompts, outs, lr)
                 for outs, lr in ((graphs, loras), (eager, loras), (graphs, wrong))
             )
+        finally:
+            gpu_check.release_llm(llm)
         print(
             f"{precision}: graphs == eager {same}/{len(prompts)}; eager's top-1 / worst gap: graphs' tokens "
             f"{ours[0]:.1%} / {ours[1]:.3f}, eager's own {floor[0]:.1%} / {floor[1]:.3f}, graphs' under the "
@@ -134,7 +147,6 @@ def test_speculation_keeps_the_target_output_through_graphs(
     drafts is the output without, prompt for prompt; the target as its own draft (its graphs included)
     keeps (nearly) every draft. For prompt lookup the target is made an echo (`pagoda bench spec
     --echo`: it repeats its last token), as random weights never repeat their context: it drafts."""
-    import gc
     import random
 
     from pagoda.bench.spec import make_echo
@@ -151,14 +163,14 @@ def test_speculation_keeps_the_target_output_through_graphs(
         speculative = {"model": str(folder), "num_speculative_tokens": 3, "adaptive": False}
 
     def run(**extra: object) -> tuple[list[list[int]], object]:
-        with LLM(str(folder), **common, **extra) as llm:  # type: ignore[arg-type]
+        llm = LLM(str(folder), **common, **extra)
+        try:
             if method == "ngram":
                 make_echo(llm.engine.runner.model)
             out = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-            stats = llm.engine.core.stats()
-        del llm
-        gc.collect()
-        return out, stats
+            return out, llm.engine.core.stats()
+        finally:
+            gpu_check.release_llm(llm)
 
     plain, _ = run()
     drafted, stats = run(speculative_config=speculative)
@@ -186,3 +198,65 @@ def _scored(llm: object, prompts: list[list[int]], outs: list[list[int]], loras:
             worst = max(worst, gap)
         total += len(o)
     return top1 / total, worst
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_long_prompts_through_cudnn_score_as_the_paged_kernel_does(
+    kv_cache_dtype: str, tokenizer: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--long-prefill-attention cudnn` in the engine (bf16, head dim 128): prompts of 17k and 9k tokens
+    (8192-token chunks, the second one behind an 8192-token prefix) beside short ones. The fp32 engine
+    (paged, matched to transformers by the check above) is the truth for the first token's top
+    log-probabilities; bf16 through cuDNN must be as close to it as bf16 through the paged kernel."""
+    import json
+    import random
+
+    from pagoda.kernels import cudnn_attention
+    from pagoda.service.sampling_params import SamplingParams
+
+    folder = gpu_check.build_checkpoint(KINDS[1], tmp_path / "ckpt", tokenizer, 49152)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 20480}))
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (17000, 9000, 600, 50)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20)
+    calls = [0]
+    real = cudnn_attention.chunk_attention
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cudnn_attention, "chunk_attention", counted)
+
+    def first_token(dtype: str, attention: str) -> list[dict[int, float]]:
+        out = gpu_check._generate(
+            folder,
+            prompts,
+            params,
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype if dtype == "bfloat16" else "auto",
+            long_prefill_attention=attention,
+            max_num_batched_tokens=8192,
+        )
+        return [{t.token_id: t.logprob for t in o.outputs[0].logprobs[0].top} for o in out]
+
+    truth = first_token("float32", "paged")
+    paged = first_token("bfloat16", "paged")
+    assert calls[0] == 0
+    fused = first_token("bfloat16", "cudnn")
+    assert calls[0] >= 2 * 4, f"cuDNN attended {calls[0]} layer chunks"  # 2+ chunks x 4 layers
+
+    def error(got: list[dict[int, float]]) -> float:  # worst |dlogprob| over the truth's top 5
+        return max(
+            abs(got[i].get(token, -1e9) - lp)
+            for i, top in enumerate(truth)
+            for token, lp in sorted(top.items(), key=lambda kv: -kv[1])[:5]
+        )
+
+    paged_error, fused_error = error(paged), error(fused)
+    print(
+        f"kv {kv_cache_dtype}: first token's |dlogprob| vs fp32: "
+        f"paged {paged_error:.3f}, cudnn {fused_error:.3f}"
+    )
+    assert fused_error <= 1.5 * paged_error + 0.05, (paged_error, fused_error)
