@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -297,3 +297,16 @@ def hf_greedy_tokens(model: Any, prompts: list[list[int]], new_tokens: int) -> l
 def hf_greedy() -> Any:
     """`hf_greedy(model, prompts, new_tokens)`: the reference greedy continuations."""
     return hf_greedy_tokens
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """`pagoda serve` on the embedded SmolLM2 (1024-token context, 64 MiB of KV cache, 16 sequences),
+    one per xdist worker, for the API modules that only send it requests (tools, structured output,
+    Responses, Messages): one start per worker instead of one per module. It must stop cleanly."""
+    from pagoda.service.serve_process import ServeProcess
+
+    args = ["--max-model-len", "1024", "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "16"]
+    with ServeProcess(args, log_path=tmp_path_factory.mktemp("serve") / "serve.log") as proc:
+        yield proc
+    assert proc.proc is not None and proc.proc.returncode == 0, proc.log()[-3000:]

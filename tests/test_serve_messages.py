@@ -8,7 +8,6 @@ checked against the chat API's own answers to the same conversation.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -36,11 +35,8 @@ GREEDY = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    args = ["--max-model-len", "1024", "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "16"]
-    with ServeProcess(args, log_path=tmp_path_factory.mktemp("serve") / "serve.log") as proc:
-        yield proc
-    assert proc.proc is not None and proc.proc.returncode == 0, proc.log()[-3000:]
+def server(smollm2_server: ServeProcess) -> ServeProcess:
+    return smollm2_server  # tests/conftest.py: one server per worker, shared with the other API modules
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -37,11 +36,8 @@ ASK_PERSON = [{"role": "user", "content": "Describe a person as JSON with a name
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    args = ["--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20), "--max-num-seqs", "16"]
-    with ServeProcess(args, log_path=tmp_path_factory.mktemp("serve") / "serve.log") as proc:
-        yield proc
-    assert proc.proc is not None and proc.proc.returncode == 0, proc.log()[-3000:]
+def server(smollm2_server: ServeProcess) -> ServeProcess:
+    return smollm2_server  # tests/conftest.py: one server per worker, shared with the other API modules
 
 
 @pytest.fixture(scope="module")
