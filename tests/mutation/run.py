@@ -76,6 +76,10 @@ TARGETS: dict[str, Target] = {
         ("tests/test_messages_protocol.py", "tests/test_serve_messages.py"),
         120.0,
     ),
+    # Long prompt chunks through cuDNN (on the CPU, PyTorch's flash op): the split, the padding, the gather
+    # and the merge, through the tiny model against the paged path (tests/kernels' file needs the
+    # interpreter or a GPU, which a mutant's run does not set).
+    "cudnn_attention": Target("kernels/cudnn_attention.py", ("tests/test_model_long_chunks.py",)),
     "profile": Target("operator/profile.py", ("tests/test_profile.py",)),
     "status": Target(
         "operator/status.py", ("tests/test_operator_status.py", "tests/test_operator_reconcile.py")
