@@ -586,15 +586,20 @@ def sweep_long_prefill_sdpa() -> list[str]:
     return lines
 
 
-# 8k-token chunks (the engine's budget) at 8k-32k contexts, and one whose lengths are no bucket's multiple.
-LONG_CHUNK_CASES = ((8192, 8192), (8192, 16384), (8192, 32768), (8000, 24500))
+# 8k-token chunks (the engine's budget) at 8k-32k contexts, one whose lengths are no bucket's multiple,
+# and the chunks of a batch of 32k prompts once 7 others decode (8,185 tokens behind 16,370 / 24,555).
+LONG_CHUNK_CASES = ((8192, 8192), (8192, 16384), (8192, 32768), (8000, 24500), (8185, 24555), (8185, 32740))
+# cuDNN's shape buckets (cudnn_attention.SHAPE_BUCKET and a finer one): padded rows against plan builds.
+LONG_CHUNK_BUCKETS = (512, 128)
 
 
-def sweep_long_chunk(cases: tuple[tuple[int, int], ...] = LONG_CHUNK_CASES) -> list[str]:
-    """The engine's path for chunks of 8k tokens and more (`cudnn_attention.chunk_attention`: the gather,
-    cuDNN's two calls, the merge) against the paged kernel with its long-prefill tiles, on the same
-    bf16 and fp8 (V token-major) caches; "first" is the first call on that shape, cuDNN's plan build
-    included; "diff" the largest difference between the two outputs."""
+def sweep_long_chunk(
+    cases: tuple[tuple[int, int], ...] = LONG_CHUNK_CASES, buckets: tuple[int, ...] = LONG_CHUNK_BUCKETS
+) -> list[str]:
+    """The engine's path for long chunks (`cudnn_attention.chunk_attention`: the gather, cuDNN's two
+    calls, the merge) at each shape bucket, against the paged kernel with its long-prefill tiles, on the
+    same bf16 and fp8 (V token-major) caches; "first" is the first call on that shape, cuDNN's plan
+    build included; "diff" the largest difference between the two outputs."""
     import time
 
     import torch
@@ -607,29 +612,38 @@ def sweep_long_chunk(cases: tuple[tuple[int, int], ...] = LONG_CHUNK_CASES) -> l
     shapes = " | ".join(f"{q}x{c}" for q, c in cases)
     lines = [f"long-chunk path (us, TFLOP/s; first call ms; diff) at query x ctx {shapes}"]
     for cache in ("bf16", "fp8 V token-major"):
-        ours, paged = [], []
+        ours: dict[int, list[str]] = {bucket: [] for bucket in buckets}
+        paged = []
         for q_len, ctx in cases:
             b = _paged_batch([ctx], [q_len])
             if cache != "bf16":
                 b["k_cache"] = b["k_cache"].to(torch.float8_e4m3fn)
                 b["v_cache"] = token_major_copy(b["v_cache"].to(torch.float8_e4m3fn))
-            out = torch.empty_like(b["q"])
-            args = (b["q"], b["k_cache"], b["v_cache"], b["block_tables"][0], ctx, b["scale"], out)
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            chunk_attention(*args)
-            torch.cuda.synchronize()
-            first_ms = 1e3 * (time.perf_counter() - t0)
             want = paged_attention(**b)
-            diff = (out.float() - want.float()).abs().max().item()
             flops = causal_chunk_flops(q_len, ctx)
-            us = 1e3 * triton.testing.do_bench(lambda args=args: chunk_attention(*args), return_mode="median")
-            ours.append(f"{us:8.1f} {flops / us / 1e6:4.0f} (first {first_ms:.0f} ms, diff {diff:.3f})")
+            for bucket in buckets:
+                out = torch.empty_like(b["q"])
+                args = (b["q"], b["k_cache"], b["v_cache"], b["block_tables"][0], ctx, b["scale"], out)
+                kwargs = {"bucket": bucket}
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                chunk_attention(*args, **kwargs)
+                torch.cuda.synchronize()
+                first_ms = 1e3 * (time.perf_counter() - t0)
+                diff = (out.float() - want.float()).abs().max().item()
+                us = 1e3 * triton.testing.do_bench(
+                    lambda args=args, kwargs=kwargs: chunk_attention(*args, **kwargs), return_mode="median"
+                )
+                ours[bucket].append(
+                    f"{us:8.1f} {flops / us / 1e6:4.0f} (first {first_ms:.0f} ms, diff {diff:.3f})"
+                )
+                del out
             us = _time(lambda b=b: paged_attention(**b))
             paged.append(f"{us:8.1f} {flops / us / 1e6:4.0f}")
-            del b, out, want
+            del b, want
             torch.cuda.empty_cache()
-        for name, cells in (("cuDNN chunk path", ours), ("paged kernel", paged)):
+        rows = [(f"cuDNN chunk path, bucket {bucket}", ours[bucket]) for bucket in buckets]
+        for name, cells in (*rows, ("paged kernel", paged)):
             lines.append(f"  {cache}, {name}: " + " | ".join(cells))
             print(lines[-1], flush=True)
     return lines
