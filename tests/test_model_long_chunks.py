@@ -97,3 +97,31 @@ def test_the_engine_sends_long_chunks_through_cudnn_by_default(
             outputs[attention] = llm.generate([PROMPT], params)[0].outputs[0].token_ids
         assert (calls[0] - before > 0) == (attention == "cudnn"), (attention, calls[0] - before)
     assert outputs["cudnn"] == outputs["paged"]
+
+
+def test_warm_up_attends_the_budgets_chunk_behind_whole_budget_prefixes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`PagedAttention.build_long_chunk_plans`: an 8-token chunk behind 8 and 16 tokens in a 30-token
+    model (cuDNN's plans for a long prompt's later chunks), reading the cache, writing none of it; none
+    in fp32, which cuDNN does not run."""
+    from pagoda.service.model.attention import PagedAttention, allocate_kv_cache
+
+    layer = PagedAttention(4, 2, 16)
+    cache = allocate_kv_cache([layer], 8, 4, torch.bfloat16, torch.device("cpu"), v_token_major=True)
+    cache.normal_()
+    before = cache.clone()
+    seen: list[tuple[int, int, int]] = []
+    real = cudnn_attention.chunk_attention
+
+    def recorded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, context_len: int,
+                 *rest: object) -> None:  # fmt: skip
+        assert k is layer.k_cache and v is layer.v_cache
+        seen.append((q.shape[0], context_len, blocks.shape[0]))
+        real(q, k, v, blocks, context_len, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cudnn_attention, "chunk_attention", recorded)
+    assert layer.build_long_chunk_plans(8, 30, torch.bfloat16) == [16, 24]
+    assert seen == [(8, 16, 8), (8, 24, 8)]  # 30 tokens in blocks of 4: 8 block ids
+    assert torch.equal(cache, before)
+    assert layer.build_long_chunk_plans(8, 30, torch.float32) == [] and len(seen) == 2

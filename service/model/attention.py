@@ -110,6 +110,25 @@ class PagedAttention(nn.Module):
             self.v_scale,
         )
 
+    def build_long_chunk_plans(self, chunk: int, max_model_len: int, dtype: torch.dtype) -> list[int]:
+        """Attend a `chunk`-token chunk behind prefixes of 1, 2, ... whole chunks up to `max_model_len`,
+        as a long prompt alone in its steps is cut: cuDNN builds a plan per new (query, key) shape, 80 to
+        180 ms each on an H100 (BENCHMARKS.md, 2026-12-06), which would stall the step (and every request
+        in it) that first needs one. Reads block 0 only, writes no cache. The context lengths attended;
+        none where `cudnn_attention` does not run (fp32, such heads, no cuDNN). Chunks of other lengths
+        (prompts beside decodes) still build theirs on first use."""
+        q = torch.zeros((chunk, self.num_heads, self.head_dim), dtype=dtype, device=self.k_cache.device)
+        if not cudnn_attention.is_supported(q):
+            return []
+        blocks = torch.zeros(-(-max_model_len // self.k_cache.shape[1]), dtype=torch.int32, device=q.device)
+        out = torch.empty_like(q)
+        contexts = list(range(2 * chunk, max_model_len + 1, chunk))
+        for context_len in contexts:
+            cudnn_attention.chunk_attention(
+                q, self.k_cache, self.v_cache, blocks, context_len, self.scale, out
+            )
+        return contexts
+
     def _attend_long_chunks(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for start, end, run in meta.paged_runs:

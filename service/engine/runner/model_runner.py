@@ -406,6 +406,13 @@ class ModelRunner:
                     continue
                 hidden = self._forward_eager(batch)
                 self.model.compute_logits(hidden[self._last_rows(batch, list(range(len(lens))))])
+        if self.long_chunk_tokens is not None and budget >= self.long_chunk_tokens and self.pp.size == 1:
+            # The budget's chunk behind whole-budget prefixes: cuDNN's plans (the first chunk's was above).
+            with torch.inference_mode():
+                built = self.model.attention_layers()[0].build_long_chunk_plans(
+                    budget, self.max_model_len, self.dtype
+                )
+            logger.debug("cuDNN plans built for %d-token chunks at contexts %s", budget, built)
         torch.cuda.synchronize(self.device)
 
     def _forward_eager(
