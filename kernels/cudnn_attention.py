@@ -79,6 +79,9 @@ def _attend(
     causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [num_heads, q_len, head_dim], log-sum-exp [num_heads, q_len]
+    if k.shape != v.shape or (causal and q.shape[2] != k.shape[2]):
+        # PyTorch's CPU op reads past a shorter K's view instead of refusing it (a mutant showed it).
+        raise ValueError(f"cudnn_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if q.device.type == "cuda":
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, causal, False, scale=scale

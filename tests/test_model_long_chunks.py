@@ -125,3 +125,54 @@ def test_warm_up_attends_the_budgets_chunk_behind_whole_budget_prefixes(
     assert seen == [(8, 16, 8), (8, 24, 8)]  # 30 tokens in blocks of 4: 8 block ids
     assert torch.equal(cache, before)
     assert layer.build_long_chunk_plans(8, 30, torch.float32) == [] and len(seen) == 2
+
+
+@pytest.mark.parametrize(
+    ("prefix", "q_len", "bucket", "v_scale"),
+    [(0, 13, 4, 2.0), (0, 13, 4, 0.5), (7, 13, 4, 1.0), (7, 13, 4, 0.5), (9, 6, 8, 1.0), (16, 5, 4, 3.0)],
+)
+def test_chunk_attention_is_the_reference_at_bucketed_shapes(
+    prefix: int, q_len: int, bucket: int, v_scale: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`chunk_attention` on the CPU (PyTorch's flash op) against `reference.paged_attention`: whole
+    prompts and chunks behind prefixes below, at and past a bucket, with V scaled; every call's query
+    and key lengths are multiples of the bucket (cuDNN builds a plan per shape), K and V alike."""
+    from pagoda.kernels import reference
+
+    torch.manual_seed(prefix * 100 + q_len)
+    context_len = prefix + q_len
+    kc, vc = (torch.randn(16, 4, 2, 16).to(torch.bfloat16) for _ in range(2))
+    blocks = torch.randperm(16, dtype=torch.int32)
+    q = torch.randn(q_len, 4, 16).to(torch.bfloat16)
+    shapes: list[tuple[int, int, bool]] = []
+    real = cudnn_attention._attend
+
+    def recorded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> object:
+        shapes.append((q.shape[2], k.shape[2], causal))
+        return real(q, k, v, causal, scale)
+
+    monkeypatch.setattr(cudnn_attention, "_attend", recorded)
+    out = torch.empty_like(q)
+    cudnn_attention.chunk_attention(q, kc, vc, blocks, context_len, 0.25, out, 1.0, v_scale, bucket)
+    want = reference.paged_attention(
+        q, kc, vc, blocks[None], torch.tensor([context_len]), torch.tensor([0, q_len]), 0.25, q_len,
+        context_len, 1.0, v_scale,
+    )  # fmt: skip
+    torch.testing.assert_close(out.float(), want.float(), atol=0.03 * max(v_scale, 1.0), rtol=0.02)
+    split = prefix // bucket * bucket
+    assert all(rows % bucket == 0 and keys % bucket == 0 for rows, keys, _ in shapes), shapes
+    assert [causal for *_, causal in shapes] == ([True] if split == 0 else [True, False])
+    assert shapes[0][1] == shapes[0][0] >= context_len - split and (split == 0 or shapes[1][1] == split)
+
+
+def test_chunk_attention_refuses_a_context_shorter_than_its_queries_or_an_output_of_another_shape() -> None:
+    kc = vc = torch.zeros(4, 4, 2, 16, dtype=torch.bfloat16)
+    blocks = torch.arange(4, dtype=torch.int32)
+    q = torch.zeros(6, 4, 16, dtype=torch.bfloat16)
+    for context_len, out in (
+        (5, torch.empty_like(q)),
+        (8, torch.empty(7, 4, 16)),
+        (8, torch.empty(5, 4, 16)),
+    ):
+        with pytest.raises(ValueError, match="chunk_attention: 6 queries"):
+            cudnn_attention.chunk_attention(q, kc, vc, blocks, context_len, 0.25, out)
