@@ -153,7 +153,8 @@ def test_chunk_attention_is_the_reference_at_bucketed_shapes(
 
     monkeypatch.setattr(cudnn_attention, "_attend", recorded)
     out = torch.empty_like(q)
-    cudnn_attention.chunk_attention(q, kc, vc, blocks, context_len, 0.25, out, 1.0, v_scale, bucket)
+    scales = {} if v_scale == 1.0 else {"v_scale": v_scale}  # the default: an unscaled V
+    cudnn_attention.chunk_attention(q, kc, vc, blocks, context_len, 0.25, out, bucket=bucket, **scales)
     want = reference.paged_attention(
         q, kc, vc, blocks[None], torch.tensor([context_len]), torch.tensor([0, q_len]), 0.25, q_len,
         context_len, 1.0, v_scale,
@@ -176,3 +177,28 @@ def test_chunk_attention_refuses_a_context_shorter_than_its_queries_or_an_output
     ):
         with pytest.raises(ValueError, match="chunk_attention: 6 queries"):
             cudnn_attention.chunk_attention(q, kc, vc, blocks, context_len, 0.25, out)
+
+
+def test_the_gather_reads_the_table_s_blocks_and_zeros_past_the_context() -> None:
+    """A 7-token context in blocks of 4 (the second block half used), slot-major and token-major, as is
+    and padded to 12 tokens: the keys in table order, widened to bf16, zeros past the context."""
+    from pagoda.kernels.kv_cache import token_major_copy
+
+    cache = torch.randn(6, 4, 2, 8).to(torch.float8_e4m3fn)
+    blocks = torch.tensor([4, 1, 5], dtype=torch.int32)
+    want = cache[[4, 1]].reshape(8, 2, 8)[:7].permute(1, 0, 2).to(torch.bfloat16)  # [heads, tokens, dim]
+    for layout in (cache, token_major_copy(cache)):
+        got = cudnn_attention.gather_context(layout, blocks, 7, torch.bfloat16)
+        assert got.shape == (2, 7, 8) and torch.equal(got, want)
+        padded = cudnn_attention.gather_context(layout, blocks, 7, torch.bfloat16, 12)
+        assert padded.shape == (2, 12, 8) and torch.equal(padded[:, :7], want)
+        assert not padded[:, 7:].any()
+
+
+def test_cudnn_runs_16_bit_queries_with_head_dims_multiple_of_8_up_to_128_on_the_cpu() -> None:
+    def supported(dtype: torch.dtype, head_dim: int) -> bool:
+        return cudnn_attention.is_supported(torch.zeros(2, 4, head_dim, dtype=dtype))
+
+    assert supported(torch.bfloat16, 128) and supported(torch.float16, 64) and supported(torch.bfloat16, 8)
+    assert not supported(torch.bfloat16, 136) and not supported(torch.bfloat16, 60)
+    assert not supported(torch.float32, 128)
