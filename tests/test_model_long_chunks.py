@@ -202,3 +202,18 @@ def test_cudnn_runs_16_bit_queries_with_head_dims_multiple_of_8_up_to_128_on_the
     assert supported(torch.bfloat16, 128) and supported(torch.float16, 64) and supported(torch.bfloat16, 8)
     assert not supported(torch.bfloat16, 136) and not supported(torch.bfloat16, 60)
     assert not supported(torch.float32, 128)
+    assert not cudnn_attention.is_supported(torch.zeros(2, 4, 64, dtype=torch.bfloat16, device="meta"))
+
+
+def test_the_attention_call_refuses_keys_and_values_of_other_lengths() -> None:
+    """PyTorch's CPU op would read past a K view shorter than V (or than a causal call's queries)."""
+    q = torch.zeros(1, 4, 8, 16, dtype=torch.bfloat16)
+    kv = torch.zeros(1, 2, 8, 16, dtype=torch.bfloat16)
+    for k, v, causal in (
+        (kv[:, :, :4], kv, False),
+        (kv, kv[:, :, :4], False),
+        (kv[:, :, :4], kv[:, :, :4], True),
+    ):
+        with pytest.raises(ValueError, match="cudnn_attention: q"):
+            cudnn_attention._attend(q, k, v, causal, 0.25)
+    assert cudnn_attention._attend(q, kv[:, :, :4], kv[:, :, :4], False, 0.25)[0].shape == (4, 8, 16)
