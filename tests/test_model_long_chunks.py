@@ -153,11 +153,13 @@ def test_chunk_attention_is_the_reference_at_bucketed_shapes(
 
     monkeypatch.setattr(cudnn_attention, "_attend", recorded)
     out = torch.empty_like(q)
-    scales = {} if v_scale == 1.0 else {"v_scale": v_scale}  # the default: an unscaled V
+    # The defaults (unscaled K and V) where V is unscaled; an fp8 cache's K scale beside a V scale.
+    k_scale = 1.0 if v_scale == 1.0 else 1.5
+    scales = {} if v_scale == 1.0 else {"k_scale": k_scale, "v_scale": v_scale}
     cudnn_attention.chunk_attention(q, kc, vc, blocks, context_len, 0.25, out, bucket=bucket, **scales)
     want = reference.paged_attention(
         q, kc, vc, blocks[None], torch.tensor([context_len]), torch.tensor([0, q_len]), 0.25, q_len,
-        context_len, 1.0, v_scale,
+        context_len, k_scale, v_scale,
     )  # fmt: skip
     torch.testing.assert_close(out.float(), want.float(), atol=0.03 * max(v_scale, 1.0), rtol=0.02)
     split = prefix // bucket * bucket
