@@ -310,3 +310,19 @@ def smollm2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     with ServeProcess(args, log_path=tmp_path_factory.mktemp("serve") / "serve.log") as proc:
         yield proc
     assert proc.proc is not None and proc.proc.returncode == 0, proc.log()[-3000:]
+
+
+@pytest.fixture
+def cudnn_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """`[n]`: how many times `cudnn_attention.chunk_attention` ran during the test (it still runs)."""
+    from pagoda.kernels import cudnn_attention
+
+    calls = [0]
+    real = cudnn_attention.chunk_attention
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        calls[0] += 1
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(cudnn_attention, "chunk_attention", counted)
+    return calls

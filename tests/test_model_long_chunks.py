@@ -70,7 +70,7 @@ def test_long_chunks_give_the_paged_paths_logits(
 
 
 def test_the_engine_sends_long_chunks_through_cudnn_by_default(
-    llama_ckpt: Path, monkeypatch: pytest.MonkeyPatch
+    llama_ckpt: Path, monkeypatch: pytest.MonkeyPatch, cudnn_calls: list[int]
 ) -> None:
     """The engine's default (`long_prefill_attention="cudnn"`) hands an eager step's long chunks to
     `cudnn_attention` and gives the paged engine's greedy tokens; "paged" never calls it. The threshold is
@@ -80,22 +80,14 @@ def test_the_engine_sends_long_chunks_through_cudnn_by_default(
     from pagoda.service.sampling_params import SamplingParams
 
     monkeypatch.setattr(model_runner, "LONG_CHUNK_TOKENS", 8)
-    calls = [0]
-    real = cudnn_attention.chunk_attention
-
-    def counted(*args: object, **kwargs: object) -> object:
-        calls[0] += 1
-        return real(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(cudnn_attention, "chunk_attention", counted)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     common: dict = {"dtype": "bfloat16", "device": "cpu", "max_num_batched_tokens": 12, "enforce_eager": True}
     outputs = {}
     for attention in ("paged", "cudnn"):
-        before = calls[0]
+        before = cudnn_calls[0]
         with LLM(str(llama_ckpt), long_prefill_attention=attention, **common) as llm:
             outputs[attention] = llm.generate([PROMPT], params)[0].outputs[0].token_ids
-        assert (calls[0] - before > 0) == (attention == "cudnn"), (attention, calls[0] - before)
+        assert (cudnn_calls[0] - before > 0) == (attention == "cudnn"), (attention, cudnn_calls[0] - before)
     assert outputs["cudnn"] == outputs["paged"]
 
 

@@ -202,7 +202,7 @@ def _scored(llm: object, prompts: list[list[int]], outs: list[list[int]], loras:
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_long_prompts_through_cudnn_score_as_the_paged_kernel_does(
-    kv_cache_dtype: str, tokenizer: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    kv_cache_dtype: str, tokenizer: Path, tmp_path: Path, cudnn_calls: list[int]
 ) -> None:
     """`--long-prefill-attention cudnn` in the engine (bf16, head dim 128): prompts of 17k and 9k tokens
     (8192-token chunks, the second one behind an 8192-token prefix) beside short ones. The fp32 engine
@@ -211,7 +211,6 @@ def test_long_prompts_through_cudnn_score_as_the_paged_kernel_does(
     import json
     import random
 
-    from pagoda.kernels import cudnn_attention
     from pagoda.service.sampling_params import SamplingParams
 
     folder = gpu_check.build_checkpoint(KINDS[1], tmp_path / "ckpt", tokenizer, 49152)
@@ -220,14 +219,6 @@ def test_long_prompts_through_cudnn_score_as_the_paged_kernel_does(
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (17000, 9000, 600, 50)]
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=20)
-    calls = [0]
-    real = cudnn_attention.chunk_attention
-
-    def counted(*args: object, **kwargs: object) -> object:
-        calls[0] += 1
-        return real(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(cudnn_attention, "chunk_attention", counted)
 
     def first_token(dtype: str, attention: str) -> list[dict[int, float]]:
         out = gpu_check._generate(
@@ -243,9 +234,9 @@ def test_long_prompts_through_cudnn_score_as_the_paged_kernel_does(
 
     truth = first_token("float32", "paged")
     paged = first_token("bfloat16", "paged")
-    assert calls[0] == 0
+    assert cudnn_calls[0] == 0
     fused = first_token("bfloat16", "cudnn")
-    assert calls[0] >= 2 * 4, f"cuDNN attended {calls[0]} layer chunks"  # 2+ chunks x 4 layers
+    assert cudnn_calls[0] >= 2 * 4, f"cuDNN attended {cudnn_calls[0]} layer chunks"  # 2+ chunks x 4 layers
 
     def error(got: list[dict[int, float]]) -> float:  # worst |dlogprob| over the truth's top 5
         return max(
