@@ -14,6 +14,7 @@ def test_help_and_arguments(capsys: pytest.CaptureFixture[str]) -> None:
         bench_fp8.main(["--help"])
     printed = capsys.readouterr().out
     assert exit_info.value.code == 0 and "--sweep" in printed and "--gemm-kernels" in printed
+    assert "--fast-accum" in printed
     with pytest.raises(SystemExit):
         bench_fp8.main(["--rows", "many"])  # row counts are integers
     with pytest.raises(SystemExit):
@@ -24,6 +25,7 @@ def test_needs_a_gpu(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Mon
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench_fp8.main(["--quick", "--sweep"]) == 2
     assert bench_fp8.main(["--gemm-kernels", "--rows", "1", "256"]) == 2
+    assert bench_fp8.main(["--fast-accum"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 

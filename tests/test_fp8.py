@@ -162,6 +162,34 @@ def test_deferred_scales_reach_the_silu_and_the_norms(
     assert not layers[0].mlp.defer_down_scales and layers[0].self_attn.defer_o_scales
 
 
+def test_gpu_products_ask_for_fast_accumulation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both GPU products (unit scales, row-wise) call `torch._scaled_mm` with `use_fast_accum` (FAST_ACCUM),
+    with the scales each path owes it. `_scaled_mm` needs a GPU: a stand-in (the float32 product of the
+    scaled codes) records the calls; the GPU's own product is checked by `gpu_check`'s fp8 layer check."""
+    from pagoda.service.model import fp8
+
+    calls: list[dict] = []
+
+    def scaled_mm_gpu_stand_in(a: torch.Tensor, b: torch.Tensor, **kw: object) -> torch.Tensor:
+        calls.append(kw)
+        sa, sb = kw["scale_a"], kw["scale_b"]
+        return ((a.float() * sa) @ (b.float() * sb)).to(kw["out_dtype"])  # type: ignore[operator,arg-type]
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm_gpu_stand_in)
+    layer = Fp8Linear(torch.randn(32, 64, dtype=torch.bfloat16), None)
+    layer.use_kernels = True
+    xq, x_scale = quantize_rows(torch.randn(3, 64))
+    unit = layer._unit_scale_product(xq)
+    monkeypatch.setattr(fp8, "UNIT_SCALE_MAX_M", 0)  # 3 rows take the row-wise product
+    rowwise = layer._w8a8_quantized(xq, x_scale)
+    assert [c["use_fast_accum"] for c in calls] == [True, True]
+    assert calls[0]["scale_a"].item() == calls[0]["scale_b"].item() == 1.0
+    assert calls[1]["scale_a"] is x_scale and calls[1]["scale_b"] is layer.weight_scale
+    torch.testing.assert_close(
+        (unit.float() * x_scale * layer.weight_scale), rowwise.float(), rtol=2e-2, atol=1e-2
+    )
+
+
 def test_engine_serves_fp8(llama_ckpt: Path) -> None:
     config = EngineConfig(
         model=str(llama_ckpt), dtype="float32", quantization="fp8", kv_cache_memory_bytes=4 << 20

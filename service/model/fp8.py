@@ -3,7 +3,8 @@
 Weights are quantized once at load, from the checkpoint's bf16/fp16 (no calibration data: a row's
 scale is its absolute maximum over 448, e4m3's largest finite value). Each call quantizes its
 activations per token (`kernels/quant.py`, one launch) and multiplies on the tensor cores with
-`torch._scaled_mm`, accumulating in fp32. The scales are applied one of two ways, by row count:
+`torch._scaled_mm`, accumulating without float32 promotion (`FAST_ACCUM`). The scales are applied one
+of two ways, by row count:
 
 - Up to `UNIT_SCALE_MAX_M` rows (decode batches): `_scaled_mm` with unit scales, which cuBLASLt
   runs at the memory limit, then `kernels.quant.scale_product` applies both scales (one launch). In
@@ -52,6 +53,15 @@ SKINNY_MAX_M = 0
 # scaling the next ops do grows with M; not measured there, so row-wise runs above 256.
 # PAGODA_FP8_UNIT_SCALE_MAX_M overrides it (a benchmark knob).
 UNIT_SCALE_MAX_M = int(os.environ.get("PAGODA_FP8_UNIT_SCALE_MAX_M", "256"))
+# Hopper's fp8 tensor cores accumulate in reduced precision unless the kernel promotes partial sums to
+# float32 every few k-steps; `use_fast_accum` skips that promotion, as the fp8 GEMMs of vLLM and SGLang on
+# Hopper do (CUTLASS's FP8FastAccum schedules). One H100 (`python -m pagoda.bench.kernels_fp8
+# --fast-accum`, BENCHMARKS.md 2026-12-06): a prefill step's projections (8192 rows, 8B shapes) 2,946 ->
+# 2,718 us a layer (-8%), at 2048 rows 765 -> 691 (-10%), a decode step's neither way at 1-256 rows; the
+# product's largest error over its largest value 1.5e-4 -> 3-10e-3, beside the fp8 rounding (e4m3: 2^-4
+# relative) of the activations it multiplies. In the engine: 2048 / 128 x 1024 +6.9%, 1000 / 1000 x 360
+# +3.9%, batch 1 unchanged; the GPU checks pass.
+FAST_ACCUM = True
 # The projections of each decoder layer; their sizes are multiples of 16, as _scaled_mm needs.
 TARGETS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
@@ -163,7 +173,9 @@ class Fp8Linear(nn.Module):
 
     def _unit_scale_product(self, xq: torch.Tensor) -> torch.Tensor:  # [M, out] bfloat16, scales not applied
         one = self.unit_scale
-        return torch._scaled_mm(xq, self.weight.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        return torch._scaled_mm(
+            xq, self.weight.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=FAST_ACCUM
+        )
 
     def _w8a8_quantized(self, xq: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:  # [M, out]
         if not self.use_kernels:
@@ -174,7 +186,12 @@ class Fp8Linear(nn.Module):
         if xq.shape[0] <= UNIT_SCALE_MAX_M:
             return scale_product(self._unit_scale_product(xq), x_scale, self.weight_scale, self.out_dtype)
         return torch._scaled_mm(
-            xq, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale, out_dtype=self.out_dtype
+            xq,
+            self.weight.t(),
+            scale_a=x_scale,
+            scale_b=self.weight_scale,
+            out_dtype=self.out_dtype,
+            use_fast_accum=FAST_ACCUM,
         )
 
 
