@@ -100,6 +100,21 @@ def _attend(
 SHAPE_BUCKET = 512
 
 
+def transient_bytes(
+    chunk: int, context_len: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    """At most how many bytes `chunk_attention` holds at once for a `chunk`-token chunk that ends a
+    context of at most `context_len` tokens, over every alignment of the chunk to SHAPE_BUCKET: the
+    gathered K and V, the padded queries, and the two calls' outputs with their float32 log-sum-exps.
+    A layer's transient, freed before the next; cuDNN's own workspace is not in it. The KV cache's budget
+    leaves room for it (the runner's `step_activation_bytes`): at 131,072 tokens of an 8B model's heads
+    it is ~0.75 GB, beside the ~1 GB of an 8192-token step's other activations."""
+    bucket, size = SHAPE_BUCKET, dtype.itemsize
+    rows = -(-(chunk + bucket - 1) // bucket) * bucket  # the causal call's, the prefix's remainder included
+    keys = -(-context_len // bucket) * bucket  # split + rows (a block size dividing the bucket: no more)
+    return 2 * num_kv_heads * keys * head_dim * size + num_heads * rows * (3 * head_dim * size + 2 * 4)
+
+
 def chunk_attention(
     q: torch.Tensor,  # [q_len, num_heads, head_dim]: the last q_len positions of the context
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]

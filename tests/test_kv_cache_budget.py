@@ -32,3 +32,42 @@ def test_memory_this_process_has_cached_but_freed_is_reusable() -> None:
     after_another = kv_cache_budget(80 * GIB, free=2 * GIB, utilization=0.9, activations=GIB, cached=68 * GIB)
     assert after_another == fresh > 0
     assert kv_cache_budget(80 * GIB, free=2 * GIB, utilization=0.9, activations=GIB) < 0
+
+
+def test_a_step_leaves_room_for_a_long_chunk_s_gathered_context() -> None:
+    """`step_activation_bytes`: the largest step's activations and float32 logits, plus, where prompt
+    chunks of the budget's length attend through cuDNN, their gathered context at the longest context
+    (`cudnn_attention.transient_bytes`); not where they attend paged (the flag, fp32, a budget under
+    LONG_CHUNK_TOKENS). A draft model's step adds its own activations and logits."""
+    import torch
+
+    from pagoda.kernels.cudnn_attention import transient_bytes
+    from pagoda.service.engine.config import EngineConfig
+    from pagoda.service.engine.runner.model_runner import step_activation_bytes
+    from pagoda.service.model.attention import LONG_CHUNK_TOKENS, PagedAttention
+    from pagoda.service.model.config import ModelConfig
+
+    raw = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64}
+    raw |= {"intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4}
+    raw |= {"num_key_value_heads": 2, "max_position_embeddings": 65536}
+    mc = ModelConfig.from_hf_dict(raw)
+    draft = ModelConfig.from_hf_dict(raw | {"hidden_size": 32, "intermediate_size": 48, "vocab_size": 100})
+    attention = PagedAttention(4, 2, 16)
+    bf16, cpu = torch.bfloat16, torch.device("cpu")
+
+    def step_bytes(
+        dtype: torch.dtype = bf16, draft_config: ModelConfig | None = None, **fields: object
+    ) -> int:
+        config = EngineConfig(max_num_batched_tokens=8192, max_num_seqs=4, **fields)  # type: ignore[arg-type]
+        return step_activation_bytes(config, mc, attention, dtype, cpu, draft_config)
+
+    step = 8192 * (4 * 64 + 3 * 128) * 2 + 3 * 4 * 100 * 4
+    assert step_bytes(long_prefill_attention="paged") == step
+    assert step_bytes() == step + transient_bytes(8192, 65536, 4, 2, 16, bf16)
+    assert step_bytes(max_model_len=16384) == step + transient_bytes(8192, 16384, 4, 2, 16, bf16)
+    assert step_bytes(torch.float32) == 2 * step - 3 * 4 * 100 * 4  # fp32 queries: the paged kernel
+    few = EngineConfig(max_num_batched_tokens=LONG_CHUNK_TOKENS - 1, max_num_seqs=4)
+    small_step = (LONG_CHUNK_TOKENS - 1) * (4 * 64 + 3 * 128) * 2 + 3 * 4 * 100 * 4
+    assert step_activation_bytes(few, mc, attention, bf16, cpu) == small_step
+    with_draft = step_bytes(long_prefill_attention="paged", draft_config=draft)
+    assert with_draft == step + 8192 * (4 * 32 + 3 * 48) * 2 + 3 * 4 * 100 * 4

@@ -212,3 +212,45 @@ def test_the_attention_call_refuses_keys_and_values_of_other_lengths() -> None:
         with pytest.raises(ValueError, match="cudnn_attention: q"):
             cudnn_attention._attend(q, k, v, causal, 0.25)
     assert cudnn_attention._attend(q, kv[:, :, :4], kv[:, :, :4], False, 0.25)[0].shape == (4, 8, 16)
+
+
+@pytest.mark.parametrize(("q_len", "longest"), [(6, 41), (13, 40)])
+def test_the_transient_bound_holds_what_chunk_attention_allocates(
+    q_len: int, longest: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`transient_bytes`, the room the KV cache's budget leaves a long chunk, against the storage
+    `chunk_attention` allocates (the gathered K and V, the padded queries, both calls' outputs and
+    log-sum-exps) for a chunk behind every prefix up to the longest context: the most any alignment
+    allocates."""
+    monkeypatch.setattr(cudnn_attention, "SHAPE_BUCKET", 4)
+    heads, kv_heads, dim, dtype = 4, 2, 16, torch.bfloat16
+    kc, vc = (torch.randn(16, 4, kv_heads, dim).to(dtype) for _ in range(2))
+    blocks = torch.randperm(16, dtype=torch.int32)
+    held: dict[int, int] = {}  # storage address -> bytes
+    real_gather, real_attend = cudnn_attention.gather_context, cudnn_attention._attend
+
+    def hold(*tensors: torch.Tensor) -> None:
+        for t in tensors:
+            held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
+    def gather(*args: object, **kwargs: object) -> torch.Tensor:
+        out = real_gather(*args, **kwargs)  # type: ignore[arg-type]
+        hold(out)
+        return out
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> object:
+        out, lse = real_attend(q, k, v, causal, scale)
+        hold(q, out, lse)
+        return out, lse
+
+    monkeypatch.setattr(cudnn_attention, "gather_context", gather)
+    monkeypatch.setattr(cudnn_attention, "_attend", attend)
+    bound = cudnn_attention.transient_bytes(q_len, longest, heads, kv_heads, dim, dtype)
+    worst = 0
+    for prefix in range(longest - q_len + 1):
+        held.clear()
+        q = torch.randn(q_len, heads, dim).to(dtype)
+        cudnn_attention.chunk_attention(q, kc, vc, blocks, prefix + q_len, 0.25, torch.empty_like(q))
+        worst = max(worst, sum(held.values()))
+    # The last prefix is 3 past a bucket: the most padded rows (6 queries take 3 buckets), the most keys.
+    assert worst == bound

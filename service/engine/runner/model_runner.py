@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagoda.kernels import cudnn_attention
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.core.request import PLACEHOLDER, Request
 from pagoda.service.engine.core.scheduler import GrammarBitmask, SchedulerOutput
@@ -35,10 +36,12 @@ from pagoda.service.engine.runner.sampler import SampledBatch, Sampler, SampleRe
 from pagoda.service.engine.runner.spec_verify import verify_drafts
 from pagoda.service.model.attention import (
     LONG_CHUNK_TOKENS,
+    PagedAttention,
     allocate_kv_cache,
     copy_kv_blocks,
     kv_block_bytes,
 )
+from pagoda.service.model.config import ModelConfig
 from pagoda.service.model.fp8 import quantize_model_fp8, run_cublaslt_without_workspace, supports_fp8_matmul
 from pagoda.service.model.llama import LlamaForCausalLM
 from pagoda.service.model.loader import load_model
@@ -60,6 +63,38 @@ def kv_cache_budget(total: int, free: int, utilization: float, activations: int,
     process's allocator holds but no tensor uses (an engine shut down before this one, in the same
     process): the device counts it as taken, this engine can reuse it."""
     return int(total * utilization) - (total - free - cached) - activations - _CUDA_RESERVE_BYTES
+
+
+def step_activation_bytes(
+    config: EngineConfig,
+    mc: ModelConfig,
+    attention: PagedAttention,
+    dtype: torch.dtype,
+    device: torch.device,
+    draft: ModelConfig | None = None,
+) -> int:
+    """What a step needs beside the KV cache, which `kv_cache_budget` leaves out of it: the largest
+    step's activations and the sampler's float32 logits, a draft model's too (its graphs' pool is its
+    own), and, where prompt chunks attend through cuDNN (`--long-prefill-attention cudnn`, budgets of
+    LONG_CHUNK_TOKENS or more), the gathered context of a budget-long chunk at the longest context
+    (`cudnn_attention.transient_bytes`, which the warm-up's plans allocate too). `attention`: a layer of
+    this rank's, for its heads."""
+    tokens, size = config.max_num_batched_tokens, dtype.itemsize
+    total = 0
+    for c in (mc,) if draft is None else (mc, draft):
+        total += tokens * (4 * c.hidden_size + 3 * c.intermediate_size) * size
+        total += 3 * config.max_num_seqs * c.vocab_size * 4
+    q = torch.empty((0, attention.num_heads, attention.head_dim), dtype=dtype, device=device)
+    if (
+        config.long_prefill_attention == "cudnn"
+        and tokens >= LONG_CHUNK_TOKENS
+        and cudnn_attention.is_supported(q)
+    ):
+        context = config.max_model_len or mc.max_position_embeddings
+        total += cudnn_attention.transient_bytes(
+            tokens, context, attention.num_heads, attention.num_kv_heads, attention.head_dim, dtype
+        )
+    return total
 
 
 InputFill = Callable[[torch.Tensor], None]  # writes inputs the host does not have into a step's input ids
@@ -271,7 +306,6 @@ class ModelRunner:
 
     def _kv_cache_layout(self, agree_num_blocks: Callable[[int], int] | None) -> KVCacheLayout:
         mc, cfg = self.model_config, self.config
-        element_size = self.dtype.itemsize
         bytes_per_block = kv_block_bytes(
             self.num_layers, cfg.block_size, self.num_kv_heads, mc.head_dim, self.kv_dtype
         )
@@ -280,15 +314,10 @@ class ModelRunner:
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
             cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-            # Activations of the largest step and the sampler's float32 logits stay outside the cache.
-            activations = cfg.max_num_batched_tokens * (4 * mc.hidden_size + 3 * mc.intermediate_size)
-            activations = activations * element_size + 3 * cfg.max_num_seqs * mc.vocab_size * 4
-            if self.draft is not None:  # its steps' activations too (its graphs' pool is its own)
-                dc = self.draft.config
-                draft_activations = cfg.max_num_batched_tokens * (
-                    4 * dc.hidden_size + 3 * dc.intermediate_size
-                )
-                activations += draft_activations * element_size + 3 * cfg.max_num_seqs * dc.vocab_size * 4
+            activations = step_activation_bytes(
+                cfg, mc, self.model.attention_layers()[0], self.dtype, self.device,
+                self.draft.config if self.draft is not None else None,
+            )  # fmt: skip
             budget = kv_cache_budget(total, free, cfg.gpu_memory_utilization, activations, cached)
         else:
             budget = _CPU_DEFAULT_KV_BYTES
