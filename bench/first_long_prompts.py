@@ -77,7 +77,8 @@ def main() -> None:
     if calls:
         print("start-up's cuDNN chunk calls: " + _summary(calls))
         calls.clear()
-    print(f"{label} the plan warm-up: engine start-up {time.perf_counter() - start:.1f} s")
+    seconds, kv_tokens = time.perf_counter() - start, llm.engine.runner.kv.num_tokens
+    print(f"{label} the plan warm-up: engine start-up {seconds:.1f} s, KV cache {kv_tokens} tokens")
     vocab = llm.engine.runner.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     for i in range(args.prompts):
