@@ -114,3 +114,18 @@ def test_device_work_leaves_out_the_annotated_ranges() -> None:
     phase = SimpleNamespace(key="runner: forward", self_device_time_total=750.0, is_user_annotation=True)
     host = SimpleNamespace(key="aten::mm", self_device_time_total=0.0, is_user_annotation=False)
     assert bench.device_work([kernel, phase, memset, host]) == [kernel, memset]
+
+
+def test_long_chunk_tokens_moves_the_cudnn_threshold(
+    llama_ckpt: Path, tmp_path: Path, cudnn_calls: list[int], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--long-chunk-tokens 8` (a benchmark knob): 12-token prompt chunks attend through cuDNN (the CPU's
+    flash op, bf16), which the engine's 4096-token threshold leaves to the paged kernel; refused with
+    the paged attention."""
+    args = ["offline", "--model", str(llama_ckpt), "--device", "cpu", "--dtype", "bfloat16", "--peer", "none",
+            "--num-prompts", "2", "--input-len", "12", "--output-len", "2",
+            "--max-num-batched-tokens", "16"]  # fmt: skip
+    assert bench.main(args) == 0 and cudnn_calls[0] == 0
+    assert bench.main([*args, "--long-chunk-tokens", "8"]) == 0 and cudnn_calls[0] > 0
+    with pytest.raises(SystemExit, match="only with --long-prefill-attention cudnn"):
+        bench.main([*args, "--long-chunk-tokens", "8", "--long-prefill-attention", "paged"])

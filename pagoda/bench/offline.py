@@ -62,6 +62,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="cudnn",
         help="prompt chunks of 4096+ tokens through the Triton kernel or cuDNN's fused attention",
     )
+    offline.add_argument(
+        "--long-chunk-tokens",
+        type=_at_least_one,
+        default=None,
+        help="a benchmark knob: prompt chunks of this many tokens or more attend through cuDNN (the "
+        "engine's threshold is LONG_CHUNK_TOKENS, 4096; needs --long-prefill-attention cudnn, one rank)",
+    )
     offline.add_argument("--peer", choices=["transformers", "none"], default="transformers")
     offline.add_argument(
         "--repeat",
@@ -202,6 +209,11 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
         long_prefill_attention=args.long_prefill_attention,
     )
     runner = llm.engine.runner
+    if args.long_chunk_tokens is not None:
+        if args.long_prefill_attention != "cudnn" or args.tensor_parallel_size != 1:
+            llm.shutdown()
+            raise SystemExit("--long-chunk-tokens: only with --long-prefill-attention cudnn on one rank")
+        runner.runner.long_chunk_tokens = args.long_chunk_tokens  # the ModelRunner's eager steps read it
     vocab = runner.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     warm_up = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
