@@ -80,6 +80,9 @@ TARGETS: dict[str, Target] = {
     # and the merge, through the tiny model against the paged path (tests/kernels' file needs the
     # interpreter or a GPU, which a mutant's run does not set).
     "cudnn_attention": Target("kernels/cudnn_attention.py", ("tests/test_model_long_chunks.py",)),
+    # fp8 projections: the quantization, both product paths (their GPU calls through a `_scaled_mm`
+    # stand-in) and the deferred scales' wiring, against the float32 emulation.
+    "fp8": Target("service/model/fp8.py", ("tests/test_fp8.py",)),
     "profile": Target("operator/profile.py", ("tests/test_profile.py",)),
     "status": Target(
         "operator/status.py", ("tests/test_operator_status.py", "tests/test_operator_reconcile.py")
