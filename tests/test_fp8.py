@@ -55,8 +55,9 @@ def test_fp8_linear_picks_w8a16_up_to_skinny_max_m() -> None:
     skinny = 16  # off by default (slower on an H200); the accuracy comparison turns it on
     layer = Fp8Linear(weight, None, skinny_max_m=skinny)
     few, many = torch.randn(skinny, 256), torch.randn(skinny + 1, 256)
-    # Few rows: unquantized activations times the fp8 weights; many: both quantized.
-    assert torch.equal(layer(few), reference.fp8_matmul_w8a16(few, layer.weight, layer.weight_scale))
+    # Few rows (up to skinny): unquantized activations times the fp8 weights; many: both quantized.
+    for rows in (few, few[:3]):
+        assert torch.equal(layer(rows), reference.fp8_matmul_w8a16(rows, layer.weight, layer.weight_scale))
     xq, x_scale = quantize_rows(many)
     w8a8 = (xq.float() * x_scale) @ (layer.weight.float() * layer.weight_scale.view(-1, 1)).t()
     torch.testing.assert_close(layer(many), w8a8)
@@ -162,12 +163,11 @@ def test_deferred_scales_reach_the_silu_and_the_norms(
     assert not layers[0].mlp.defer_down_scales and layers[0].self_attn.defer_o_scales
 
 
-def test_gpu_products_ask_for_fast_accumulation(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both GPU products (unit scales, row-wise) call `torch._scaled_mm` with `use_fast_accum` (FAST_ACCUM),
-    with the scales each path owes it. `_scaled_mm` needs a GPU: a stand-in (the float32 product of the
-    scaled codes) records the calls; the GPU's own product is checked by `gpu_check`'s fp8 layer check."""
-    from pagoda.service.model import fp8
-
+@pytest.fixture
+def scaled_mm_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """`torch._scaled_mm` needs a GPU: a stand-in (the float32 product of the scaled codes, rounded to
+    `out_dtype`) records each call's keyword arguments here. The GPU's own product is checked by
+    `gpu_check`'s fp8 layer check."""
     calls: list[dict] = []
 
     def scaled_mm_gpu_stand_in(a: torch.Tensor, b: torch.Tensor, **kw: object) -> torch.Tensor:
@@ -176,6 +176,17 @@ def test_gpu_products_ask_for_fast_accumulation(monkeypatch: pytest.MonkeyPatch)
         return ((a.float() * sa) @ (b.float() * sb)).to(kw["out_dtype"])  # type: ignore[operator,arg-type]
 
     monkeypatch.setattr(torch, "_scaled_mm", scaled_mm_gpu_stand_in)
+    return calls
+
+
+def test_gpu_products_ask_for_fast_accumulation(
+    scaled_mm_calls: list[dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both GPU products (unit scales, row-wise) call `torch._scaled_mm` with `use_fast_accum` (FAST_ACCUM),
+    with the scales each path owes it."""
+    from pagoda.service.model import fp8
+
+    calls = scaled_mm_calls
     layer = Fp8Linear(torch.randn(32, 64, dtype=torch.bfloat16), None)
     layer.use_kernels = True
     xq, x_scale = quantize_rows(torch.randn(3, 64))
@@ -188,6 +199,52 @@ def test_gpu_products_ask_for_fast_accumulation(monkeypatch: pytest.MonkeyPatch)
     torch.testing.assert_close(
         (unit.float() * x_scale * layer.weight_scale), rowwise.float(), rtol=2e-2, atol=1e-2
     )
+
+
+def test_gpu_path_takes_unit_scales_up_to_unit_scale_max_m(
+    scaled_mm_calls: list[dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU, up to UNIT_SCALE_MAX_M rows (of a [2, 3, in] input: 6) `product_with_scales` leaves the
+    scales to the next op and `forward` applies them with `scale_product`; past it both take the
+    row-wise product. The same numbers either way. The Triton quantization and `scale_product` need a GPU
+    or the interpreter: float32 stand-ins here (the kernels are checked in tests/kernels)."""
+    from pagoda.kernels import quant
+    from pagoda.service.model import fp8
+
+    def scale_product_stand_in(acc: torch.Tensor, row: torch.Tensor, col: torch.Tensor, dtype: torch.dtype):
+        return (acc.float() * row * col).to(dtype)
+
+    monkeypatch.setattr(quant, "scale_product", scale_product_stand_in)
+    layer = Fp8Linear(torch.randn(32, 64, dtype=torch.bfloat16), None)
+    layer.use_kernels = True
+    monkeypatch.setattr(layer, "_quantize", reference.quantize_fp8_rows)  # the Triton quantization's stand-in
+    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    monkeypatch.setattr(fp8, "UNIT_SCALE_MAX_M", 6)
+    deferred = layer.product_with_scales(x)
+    assert isinstance(deferred, ScaledProduct) and deferred.acc.shape == (6, 32)
+    scaled = layer(x)
+    assert scaled.shape == (2, 3, 32) and all(c["scale_a"].numel() == 1 for c in scaled_mm_calls)
+    monkeypatch.setattr(fp8, "UNIT_SCALE_MAX_M", 5)
+    rowwise, rowwise_forward = layer.product_with_scales(x), layer(x)
+    assert isinstance(rowwise, torch.Tensor) and rowwise.shape == (2, 3, 32)
+    assert [c["scale_a"].shape for c in scaled_mm_calls[2:]] == [(6, 1), (6, 1)]
+    want = (deferred.acc.float() * deferred.row_scale * deferred.col_scale).view(2, 3, 32)
+    for got in (scaled, rowwise, rowwise_forward):
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=1e-2)
+
+
+def test_fp8_matmul_needs_a_cuda_gpu_of_compute_capability_8_9(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ada (8.9) and Hopper (9.0) multiply fp8 on the tensor cores; Ampere (8.6) and the CPU emulate."""
+    from pagoda.service.model.fp8 import supports_fp8_matmul
+
+    capability = [(8, 9)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    found = {}
+    for cap in ((8, 6), (8, 9), (9, 0)):
+        capability[0] = cap
+        found[cap] = supports_fp8_matmul(torch.device("cuda"))
+    assert found == {(8, 6): False, (8, 9): True, (9, 0): True}
+    assert not supports_fp8_matmul(torch.device("cpu"))
 
 
 def test_engine_serves_fp8(llama_ckpt: Path) -> None:

@@ -149,7 +149,8 @@ class Fp8Linear(nn.Module):
         `rotary_embedding`, `scales=`). Elsewhere (more rows, the float32 reference, a shard that
         reduces or a bias) the scaled output, as `forward`."""
         rows = x[0] if isinstance(x, tuple) else x
-        if not self.use_kernels or not self.defers_scales or rows.shape[0] > UNIT_SCALE_MAX_M:
+        num_rows = rows.numel() // rows.shape[-1]  # of a [..., in] input, as `forward` flattens it
+        if not self.use_kernels or not self.defers_scales or num_rows > UNIT_SCALE_MAX_M:
             return self.forward(x)
         xq, x_scale = x if isinstance(x, tuple) else self._quantize(x.reshape(-1, x.shape[-1]).contiguous())
         return ScaledProduct(self._unit_scale_product(xq), x_scale, self.weight_scale, self.out_dtype)
