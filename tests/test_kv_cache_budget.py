@@ -69,5 +69,9 @@ def test_a_step_leaves_room_for_a_long_chunk_s_gathered_context() -> None:
     few = EngineConfig(max_num_batched_tokens=LONG_CHUNK_TOKENS - 1, max_num_seqs=4)
     small_step = (LONG_CHUNK_TOKENS - 1) * (4 * 64 + 3 * 128) * 2 + 3 * 4 * 100 * 4
     assert step_activation_bytes(few, mc, attention, bf16, cpu) == small_step
+    at = EngineConfig(max_num_batched_tokens=LONG_CHUNK_TOKENS, max_num_seqs=4)
+    at_step = LONG_CHUNK_TOKENS * (4 * 64 + 3 * 128) * 2 + 3 * 4 * 100 * 4
+    long_chunk = transient_bytes(LONG_CHUNK_TOKENS, 65536, 4, 2, 16, bf16)
+    assert step_activation_bytes(at, mc, attention, bf16, cpu) == at_step + long_chunk
     with_draft = step_bytes(long_prefill_attention="paged", draft_config=draft)
     assert with_draft == step + 8192 * (4 * 32 + 3 * 48) * 2 + 3 * 4 * 100 * 4
