@@ -1,7 +1,7 @@
 """Engine start-up time and the TTFT of its first long prompts, one at a time, with or without the warm-up's
 cuDNN plans (`PagedAttention.build_long_chunk_plans`): a GPU-machine script for issue 37.
 
-    python3 bench/first_long_prompts.py --model /tmp/llama-8b-random [--no-plan-warm-up]
+    python3 bench/first_long_prompts.py --model DIR [--no-plan-warm-up] [--time-calls] [--prompts N]
 
 Each prompt is new random tokens (no prefix-cache hits), alone in its steps, so its chunks are the budget's
 behind whole-budget prefixes: the shapes the warm-up builds. Without the warm-up, the first prompt's later
