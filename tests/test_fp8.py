@@ -211,10 +211,7 @@ def test_gpu_path_takes_unit_scales_up_to_unit_scale_max_m(
     from pagoda.kernels import quant
     from pagoda.service.model import fp8
 
-    def scale_product_stand_in(acc: torch.Tensor, row: torch.Tensor, col: torch.Tensor, dtype: torch.dtype):
-        return (acc.float() * row * col).to(dtype)
-
-    monkeypatch.setattr(quant, "scale_product", scale_product_stand_in)
+    monkeypatch.setattr(quant, "scale_product", reference.scale_product)
     layer = Fp8Linear(torch.randn(32, 64, dtype=torch.bfloat16), None)
     layer.use_kernels = True
     monkeypatch.setattr(layer, "_quantize", reference.quantize_fp8_rows)  # the Triton quantization's stand-in

@@ -434,6 +434,14 @@ def fast_accum(rows: tuple[int, ...]) -> list[str]:
     return lines
 
 
+def _write(lines: list[str], markdown: str | None) -> int:
+    """Write the tables to `--markdown`'s file, if given; the run's exit status."""
+    if markdown:
+        with open(markdown, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     import triton
@@ -448,23 +456,11 @@ def run(args: argparse.Namespace) -> int:
     )
     print(header, flush=True)
     if args.gemm_kernels:
-        out = [header, "", *gemm_kernels(tuple(args.rows or (1, 64, 256)))]
-        if args.markdown:
-            with open(args.markdown, "w") as f:
-                f.write("\n".join(out) + "\n")
-        return 0
+        return _write([header, "", *gemm_kernels(tuple(args.rows or (1, 64, 256)))], args.markdown)
     if args.fast_accum:
-        out = [header, "", *fast_accum(tuple(args.rows or (1, 256, 640, 8192)))]
-        if args.markdown:
-            with open(args.markdown, "w") as f:
-                f.write("\n".join(out) + "\n")
-        return 0
+        return _write([header, "", *fast_accum(tuple(args.rows or (1, 256, 640, 8192)))], args.markdown)
     if args.activation:
-        out = [header, "", *activation_table()]
-        if args.markdown:
-            with open(args.markdown, "w") as f:
-                f.write("\n".join(out) + "\n")
-        return 0
+        return _write([header, "", *activation_table()], args.markdown)
     out = [header, "", *checks()]
     print("\n".join(out[2:]), flush=True)
     table, per_layer = bench(tuple(args.rows or (QUICK_ROWS if args.quick else ROWS)))
@@ -473,10 +469,7 @@ def run(args: argparse.Namespace) -> int:
     out += ["", *table, "", *steps]
     if args.sweep:
         out += ["", *sweep()]
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write("\n".join(out) + "\n")
-    return 0
+    return _write(out, args.markdown)
 
 
 def main(argv: list[str] | None = None) -> int:

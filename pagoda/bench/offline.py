@@ -195,6 +195,10 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
     from pagoda.service.llm import LLM
     from pagoda.service.sampling_params import SamplingParams
 
+    if args.long_chunk_tokens is not None and (
+        args.long_prefill_attention != "cudnn" or args.tensor_parallel_size != 1
+    ):
+        raise SystemExit("--long-chunk-tokens: only with --long-prefill-attention cudnn on one rank")
     llm = LLM(
         args.model,
         dtype=args.dtype,
@@ -210,9 +214,6 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
     )
     runner = llm.engine.runner
     if args.long_chunk_tokens is not None:
-        if args.long_prefill_attention != "cudnn" or args.tensor_parallel_size != 1:
-            llm.shutdown()
-            raise SystemExit("--long-chunk-tokens: only with --long-prefill-attention cudnn on one rank")
         runner.runner.long_chunk_tokens = args.long_chunk_tokens  # the ModelRunner's eager steps read it
     vocab = runner.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
