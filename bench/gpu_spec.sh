@@ -10,6 +10,7 @@
 # SPEC_BUSY=N profiles N steady steps at each batch, plain and drafting at every step: wall, GPU-busy and
 # idle ms per step, tokens per step, and the 8 kernels with the most GPU time (where a drafting step's
 # time goes).
+# SPEC_DRAFT=only runs the draft model alone (no prompt-lookup runs); SPEC_BUSY profiles it too.
 # Env: SPEC_PRECISIONS (bf16 fp8), SPEC_BATCHES (1,16,32,64,256), SPEC_DRAFT (unset), SPEC_BUSY (unset).
 # Usage: bash bench/gpu_spec.sh TOKENIZER_DIR OUT_DIR   (carry .whl and out/tok: bench/device_wheels.sh)
 set -uo pipefail
@@ -21,8 +22,9 @@ ensure_8b "$tok"
 step checkpoint
 for q in ${SPEC_PRECISIONS:-bf16 fp8}; do
     quant=(); [ "$q" = fp8 ] && quant=(--quantization fp8)
-    for echo in --echo ""; do
-        python3 -m pagoda.bench spec --model /tmp/llama-8b-random --dtype bfloat16 "${quant[@]}" $echo \
+    lookups=(--echo ""); [ "${SPEC_DRAFT:-}" = only ] && lookups=()
+    for echo in "${lookups[@]}"; do
+        python3 -m pagoda.bench spec --model /tmp/llama-8b-random --dtype bfloat16 "${quant[@]}" ${echo:+--echo} \
             --copy-batches 1 --random-batches "${SPEC_BATCHES:-1,16,32,64,256}" --output "$out/spec.md" \
             ${SPEC_BUSY:+--busy-steps "$SPEC_BUSY" --busy-top 8} 2>&1 | grep -v Loading | tail -40
         step "$q ${echo:-random}"
@@ -30,7 +32,7 @@ for q in ${SPEC_PRECISIONS:-bf16 fp8}; do
     if [ -n "${SPEC_DRAFT:-}" ]; then
         python3 -m pagoda.bench spec --model /tmp/llama-8b-random --dtype bfloat16 "${quant[@]}" \
             --draft-model /tmp/llama-8b-random --copy-batches 1 --random-batches "${SPEC_BATCHES:-1,16,32,64,256}" \
-            --output "$out/spec.md" 2>&1 | grep -v Loading | tail -9
+            --output "$out/spec.md" ${SPEC_BUSY:+--busy-steps "$SPEC_BUSY" --busy-top 8} 2>&1 | grep -v Loading | tail -40
         step "$q draft = target"
     fi
 done

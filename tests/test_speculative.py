@@ -884,6 +884,60 @@ def test_a_draft_model_through_its_graph_paths_keeps_every_draft(
     assert calls["run"] > 10 and calls["run_mixed"] > 3 and calls["eager"] == 0, calls
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["in-turn", "async"])
+def test_verify_steps_replay_the_mixed_graphs_past_one_logit_row_a_sequence(
+    llama_ckpt: Path, async_scheduling: bool
+) -> None:
+    """A verify step scores 1 + k rows of each drafting sequence: more rows than the mixed graphs'
+    one logit row a sequence (`max_num_seqs`). It still replays the mixed ladder (its logits from the
+    graph's hidden states), never an eager forward of the whole step: on the GPU machine that forward's
+    host launches were a third of a drafting step at batch 32. On the CPU (`StepGraphs(capture=False)`,
+    the replays' padded forwards), the target as its own draft keeps every draft and gives the output
+    without speculation."""
+    common: dict[str, Any] = {
+        "dtype": "float32", "kv_cache_memory_bytes": 8 << 20, "max_num_batched_tokens": 128,
+        "max_num_seqs": 5, "async_scheduling": async_scheduling,
+    }  # fmt: skip
+    # the long prompt's later chunks run beside the others' verify steps: rows the step does not score
+    prompts = [[5, 6, 7, 8] * 5, *_repetitive_prompts(7), list(range(100, 400))]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 25, 27, 23, 26)]
+    expected = [o.outputs[0].token_ids for o in LLM(str(llama_ckpt), **common).generate(prompts, params)]
+    config = {"model": str(llama_ckpt), "num_speculative_tokens": 3, "adaptive": False}
+    with LLM(str(llama_ckpt), speculative_config=config, **common) as spec:
+        runner = spec.engine.runner.runner
+        runner.graphs = runner.step_graphs(runner.model, None, capture=False)
+        seen = {"overflowing replays": 0, "eager verify steps": 0}
+        run_mixed, forward_target, forward_eager = (
+            runner.graphs.run_mixed,
+            runner._forward_target,
+            runner._forward_eager,
+        )
+        eager: list[int] = []
+
+        def counting_run_mixed(batch: Any, logits_rows: Any, *rest: Any) -> Any:
+            seen["overflowing replays"] += len(logits_rows) > common["max_num_seqs"]
+            return run_mixed(batch, logits_rows, *rest)
+
+        def counting_forward_eager(*args: Any) -> Any:
+            eager.append(1)
+            return forward_eager(*args)
+
+        def counting_forward_target(step: Any, fill: Any) -> Any:
+            before = len(eager)
+            out = forward_target(step, fill)
+            seen["eager verify steps"] += any(step.num_drafts) and len(eager) > before
+            return out
+
+        runner.graphs.run_mixed = counting_run_mixed  # type: ignore[method-assign]
+        runner._forward_eager = counting_forward_eager  # type: ignore[method-assign]
+        runner._forward_target = counting_forward_target  # type: ignore[method-assign]
+        got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
+        stats = _spec_stats(spec)
+    assert got == expected
+    assert stats.spec_num_accepted_tokens_total == stats.spec_num_draft_tokens_total > 30, stats
+    assert seen["overflowing replays"] > 3 and seen["eager verify steps"] == 0, seen
+
+
 def test_a_draft_model_of_another_vocabulary_is_refused(llama_ckpt: Path, tmp_path: Path) -> None:
     import shutil
 

@@ -157,7 +157,10 @@ def test_speculation_keeps_the_target_output_through_graphs(
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 49152) for _ in range(rng.randrange(3, 40))] * 3 for _ in range(12)]
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    common: dict = {"dtype": "float32", "gpu_memory_utilization": 0.3, "max_num_batched_tokens": 512}
+    # 8 sequences in flight: a verify step scores up to 32 rows, past the mixed graphs' 8 logit rows
+    common: dict = {
+        "dtype": "float32", "gpu_memory_utilization": 0.3, "max_num_batched_tokens": 512, "max_num_seqs": 8
+    }  # fmt: skip
     speculative: dict = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
     if method == "draft-model":
         speculative = {"model": str(folder), "num_speculative_tokens": 3, "adaptive": False}

@@ -108,22 +108,18 @@ class StepGraphs:
         self.mixed_query_start_loc = zeros(max_num_seqs + 1)
         self.mixed_block_tables = zeros(max_num_seqs, width)
         self.logits_rows = zeros(max_num_seqs, dtype=torch.int64)
-        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Each graph's logits and the hidden states they came from (both in the graphs' memory pool).
+        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
 
     @property
     def max_batch_size(self) -> int:
         return self.sizes[-1]
 
-    def fits_mixed(self, num_tokens: int, num_seqs: int, num_logit_rows: int = 0) -> bool:
-        """Whether a mixed graph holds the step (`num_logit_rows`: rows whose logits it computes)."""
-        return (
-            bool(self.mixed_sizes)
-            and num_tokens <= self.mixed_sizes[-1]
-            and num_seqs <= self.max_seqs
-            and num_logit_rows <= len(self.logits_rows)
-        )
+    def fits_mixed(self, num_tokens: int, num_seqs: int) -> bool:
+        """Whether a mixed graph holds the step (any number of its rows' logits: see `run_mixed`)."""
+        return bool(self.mixed_sizes) and num_tokens <= self.mixed_sizes[-1] and num_seqs <= self.max_seqs
 
-    def _decode_forward(self, bs: int) -> torch.Tensor:
+    def _decode_forward(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:bs],
             block_tables=self.block_tables[:bs],
@@ -133,9 +129,9 @@ class StepGraphs:
             max_seq_len=self.max_model_len,
         )
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], meta)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden), hidden
 
-    def _mixed_forward(self, num_tokens: int) -> torch.Tensor:
+    def _mixed_forward(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:num_tokens],
             block_tables=self.mixed_block_tables,
@@ -145,9 +141,9 @@ class StepGraphs:
             max_seq_len=self.max_model_len,
         )
         hidden = self.model(self.input_ids[:num_tokens], self.positions[:num_tokens], meta)
-        return self.model.compute_logits(hidden.index_select(0, self.logits_rows))
+        return self.model.compute_logits(hidden.index_select(0, self.logits_rows)), hidden
 
-    def _forward(self, key: tuple[str, int]) -> torch.Tensor:
+    def _forward(self, key: tuple[str, int]) -> tuple[torch.Tensor, torch.Tensor]:  # logits, hidden
         kind, size = key
         if self.lora is not None:  # the adapters read the static slots (every call: the runner's
             self.lora.token_slots = self.token_slots[:size]  # eager steps point them elsewhere)
@@ -170,9 +166,9 @@ class StepGraphs:
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(key)
+                logits, hidden = self._forward(key)
             pool = graph.pool()
-            self.graphs[key] = (graph, logits)
+            self.graphs[key] = (graph, logits, hidden)
         torch.cuda.synchronize(self.device)
         logger.info(
             "captured CUDA graphs for decode batches of %s and mixed steps of %s tokens in %.1f s",
@@ -181,12 +177,12 @@ class StepGraphs:
             time.perf_counter() - start,
         )
 
-    def _replay(self, key: tuple[str, int]) -> torch.Tensor:
+    def _replay(self, key: tuple[str, int]) -> tuple[torch.Tensor, torch.Tensor]:  # logits, hidden
         if not self.capture_graphs:
             return self._forward(key)
-        graph, logits = self.graphs[key]
+        graph, logits, hidden = self.graphs[key]
         graph.replay()
-        return logits
+        return logits, hidden
 
     def _put_tokens(
         self,
@@ -229,7 +225,7 @@ class StepGraphs:
         _put(self.seq_lens[:bs], seq_lens.astype(np.int32))
         self.seq_lens[bs:graph_bs].fill_(1)
         _put(self.block_tables[:bs, : block_tables.shape[1]], block_tables)
-        return self._replay(("decode", graph_bs))[:bs]
+        return self._replay(("decode", graph_bs))[0][:bs]
 
     def run_mixed(
         self,
@@ -239,7 +235,10 @@ class StepGraphs:
         token_slots: np.ndarray | None = None,
     ) -> torch.Tensor:  # [len(logits_rows), vocab] float32 logits
         """Replay the smallest mixed graph that holds this flattened batch (`ModelRunner.prepare`'s
-        layout) and return the logits of the token rows `logits_rows`."""
+        layout) and return the logits of the token rows `logits_rows`. The graphs compute the logits of
+        up to `max_num_seqs` rows (one a sequence); a speculative verify step scores each drafting
+        sequence's 1 + k rows, so past that its logits come from the graph's hidden states after the
+        replay (one eager LM head), not from an eager forward of the whole step."""
         num_tokens, num_seqs = len(batch["input_ids"]), len(batch["seq_lens"])
         size = next(t for t in self.mixed_sizes if t >= num_tokens)
         self._put_tokens(
@@ -251,6 +250,12 @@ class StepGraphs:
         self.mixed_query_start_loc[num_seqs + 1 :].fill_(num_tokens)
         block_tables = batch["block_tables"]
         _put(self.mixed_block_tables[:num_seqs, : block_tables.shape[1]], block_tables)
+        if len(logits_rows) > len(self.logits_rows):
+            self.logits_rows.fill_(0)  # rows within every graph's tokens (stale ones may not be)
+            hidden = self._replay(("mixed", size))[1]
+            rows = torch.empty(len(logits_rows), dtype=torch.int64, device=self.device)
+            _put(rows, logits_rows.astype(np.int64))
+            return self.model.compute_logits(hidden.index_select(0, rows))
         _put(self.logits_rows[: len(logits_rows)], logits_rows.astype(np.int64))
         self.logits_rows[len(logits_rows) :].fill_(0)
-        return self._replay(("mixed", size))[: len(logits_rows)]
+        return self._replay(("mixed", size))[0][: len(logits_rows)]

@@ -537,9 +537,7 @@ class ModelRunner:
                 self.lora.token_slots if self.lora is not None else None,
             )
             return StepLogits(logits, [])
-        mixed_fits = self.graphs is not None and self.graphs.fits_mixed(
-            len(batch["input_ids"]), num_reqs, len(step.logit_rows)
-        )
+        mixed_fits = self.graphs is not None and self.graphs.fits_mixed(len(batch["input_ids"]), num_reqs)
         if self.graphs is not None and mixed_fits and not step.prompt_chunks:
             token_slots = self.lora.token_slots if self.lora is not None else None
             if not step.sample_rows:
