@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from pagoda.bench.offline import _prompts
+from pagoda.bench.offline import random_prompts
 from pagoda.service.llm import LLM
 from pagoda.service.model.attention import PagedAttention
 from pagoda.service.sampling_params import SamplingParams
@@ -82,7 +82,7 @@ def main() -> None:
     vocab = llm.engine.runner.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     for i in range(args.prompts):
-        out = llm.generate(_prompts(1, args.input_len, vocab, seed=1000 + i), params)[0]
+        out = llm.generate(random_prompts(1, args.input_len, vocab, seed=1000 + i), params)[0]
         m = out.metrics
         assert m.first_token_time is not None
         ttft = 1000 * (m.first_token_time - m.arrival_time)

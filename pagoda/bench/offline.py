@@ -176,7 +176,7 @@ class Result:
         return self.output_tokens / self.seconds
 
 
-def _prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+def random_prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(num)]
 
@@ -218,9 +218,9 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
     vocab = runner.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     warm_up = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    llm.generate(_prompts(2, 16, vocab, seed=99), warm_up)
+    llm.generate(random_prompts(2, 16, vocab, seed=99), warm_up)
     # The largest batch once untimed: its prefill shapes compile, page-locked buffers are allocated.
-    llm.generate(_prompts(args.num_prompts, args.input_len, vocab, seed=98), warm_up)
+    llm.generate(random_prompts(args.num_prompts, args.input_len, vocab, seed=98), warm_up)
     core = llm.engine.core
     # `both` runs in turn twice: the second tells run-to-run noise (bf16 near-ties on random weights)
     # from a real difference between the modes.
@@ -228,7 +228,7 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
     results = []
     tokens: dict[tuple[int, bool], list[list[int]]] = {}  # (batch, async) -> every request's tokens
     for batch in (1, args.num_prompts):
-        prompts = _prompts(batch, args.input_len, vocab)
+        prompts = random_prompts(batch, args.input_len, vocab)
         runs = list(enumerate(modes[args.async_scheduling])) * (args.repeat if batch > 1 else 1)
         for run, (repeat, is_async) in enumerate(runs):
             core.is_async = is_async
@@ -269,7 +269,7 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
     if args.busy_steps > 0 and (on_gpu or args.busy_trace):
         for is_async in sorted(set(modes[args.async_scheduling])):
             core.is_async = is_async
-            prompts = _prompts(args.num_prompts, args.input_len, vocab)
+            prompts = random_prompts(args.num_prompts, args.input_len, vocab)
             trace = _trace_path(args.busy_trace, is_async, len(modes[args.async_scheduling]) > 1)
             wall, busy, _ = decode_busy(llm, prompts, args.busy_steps, args.busy_top, trace)
             line = f"decode at batch {args.num_prompts}{_mode_name(is_async)}: {wall:.2f} ms/step wall"
@@ -278,7 +278,11 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
                 line += f", GPU busy {busy:.2f} ms/step ({100 * busy / wall:.0f}%), idle {idle:.2f} ms/step"
             print(line + (f"; trace {trace}" if trace else ""))
     if args.profile_prefill:
-        print(_prefill_profile(llm, _prompts(args.num_prompts, args.input_len, vocab, seed=7), args.busy_top))
+        print(
+            _prefill_profile(
+                llm, random_prompts(args.num_prompts, args.input_len, vocab, seed=7), args.busy_top
+            )
+        )
     setup = Setup(runner.device, runner.dtype, vocab, runner.max_model_len)
     llm.shutdown()
     del llm, runner  # free the weights and the KV cache before the peer loads its copy
@@ -482,7 +486,7 @@ def bench_transformers(args: argparse.Namespace, runner: Setup) -> list[Result]:
     results = []
     with torch.inference_mode():
         for batch in (1, args.num_prompts):
-            ids = torch.tensor(_prompts(batch, args.input_len, vocab), device=runner.device)
+            ids = torch.tensor(random_prompts(batch, args.input_len, vocab), device=runner.device)
             gen = dict(
                 attention_mask=torch.ones_like(ids),
                 do_sample=False,
