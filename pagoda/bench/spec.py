@@ -60,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--max-batch-tokens", type=int, default=128, help="the load rule's row cap")
+    parser.add_argument(
+        "--no-adaptive", action="store_true",
+        help="the measured rule off: every step the load rule allows drafts (the config's adaptive: false)",
+    )  # fmt: skip
     parser.add_argument("--copy-batches", default="1,8", help="batch sizes of the copy and code workloads")
     parser.add_argument("--random-batches", default="1,16,64,256", help="batch sizes of the random workload")
     parser.add_argument("--input-len", type=int, default=256, help="the random workload's prompt length")
@@ -112,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.draft_model,
         num_speculative_tokens=args.num_speculative_tokens,
         max_batch_tokens=args.max_batch_tokens,
+        adaptive=not args.no_adaptive,
     )
     copy_batches = [int(b) for b in args.copy_batches.split(",") if b]
     batches = {
@@ -124,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         quantization=args.quantization,
         device=args.device,
-        max_num_seqs=max(max(b) for b in batches.values()),
+        max_num_seqs=max(max(b) for b in batches.values() if b),
         max_num_batched_tokens=4096,
         speculative_config=config if args.draft_model else None,  # the draft model loads with the engine
     )
