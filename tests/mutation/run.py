@@ -130,6 +130,20 @@ TARGETS: dict[str, Target] = {
         ),
         120.0,
     ),
+    # The CUDA-graph step paths, as their CPU form (`StepGraphs(capture=False)`: the replays' padded
+    # forwards): plain, with adapters, the draft model's, and verify steps past one logit row a sequence,
+    # each against the eager engine's output; then the ladders' sizes.
+    "cuda_graphs": Target(
+        "service/engine/runner/cuda_graphs.py",
+        (
+            "tests/test_cuda_graphs_padding.py",
+            "tests/test_speculative.py",
+            "tests/test_lora.py",
+            "-k",
+            "padded or sizes or graph_paths or verify_steps_replay or graph_steps_with_adapters",
+        ),
+        180.0,
+    ),
     # Multi-LoRA: the core's slot books (a unit test, then the engine's mixed batches against PEFT).
     "lora_slots": Target(
         "service/engine/core/lora_slots.py", ("tests/test_lora.py", "-k", "slots or mixed or run_time"), 120.0
