@@ -387,6 +387,24 @@ def test_lookups_that_miss_pause_longer_each_time_and_a_kept_draft_ends_the_paus
     assert (req.draft_misses, req.draft_pause) == (1, 2)
 
 
+def test_a_draft_models_sequences_never_pause() -> None:
+    """A draft rejected whole pauses a prompt-lookup sequence, never a draft model's: its next step
+    still wants a draft (the proposal's rounds cost the step the same with it or without)."""
+    from pagoda.service.engine.core.speculation import Speculator
+
+    config = SpeculativeConfig(method="draft_model", model="/models/draft")
+    speculator = Speculator(config, max_model_len=1000, propose=lambda reqs, k: [[7] * n for n in k])
+    req = Request("d", [1, 2, 3, 4, 5], SamplingParams(), 0.0)
+    for _ in range(3):
+        speculator.judged(req, 3, 0)
+        assert (req.draft_misses, req.draft_pause) == (0, 0)
+        req.token_ids.append(9)
+        speculator.after_token(req, num_running=1)
+        req.num_computed_tokens = req.num_tokens - 1  # decoding
+        assert req.wants_draft and speculator.plan([req])
+    assert speculator.stats.num_drafts == 3 and speculator.stats.num_accepted_tokens == 0
+
+
 def test_no_lookup_where_the_load_rule_forbids_drafts() -> None:
     from pagoda.service.engine.core.speculation import Speculator
 
