@@ -11,7 +11,8 @@
 # idle ms per step, tokens per step, and the 8 kernels with the most GPU time (where a drafting step's
 # time goes).
 # SPEC_DRAFT=only runs the draft model alone (no prompt-lookup runs); SPEC_BUSY profiles it too.
-# Env: SPEC_PRECISIONS (bf16 fp8), SPEC_BATCHES (1,16,32,64,256), SPEC_DRAFT (unset), SPEC_BUSY (unset).
+# SPEC_ARGS: extra `pagoda bench spec` flags for every run (e.g. --no-adaptive: the measured rule off).
+# Env: SPEC_PRECISIONS (bf16 fp8), SPEC_BATCHES (1,16,32,64,256), SPEC_DRAFT (unset), SPEC_BUSY (unset)., SPEC_ARGS.
 # Usage: bash bench/gpu_spec.sh TOKENIZER_DIR OUT_DIR   (carry .whl and out/tok: bench/device_wheels.sh)
 set -uo pipefail
 tok=${1:?tokenizer folder}; out=${2:?output folder}
@@ -24,15 +25,18 @@ for q in ${SPEC_PRECISIONS:-bf16 fp8}; do
     quant=(); [ "$q" = fp8 ] && quant=(--quantization fp8)
     lookups=(--echo ""); [ "${SPEC_DRAFT:-}" = only ] && lookups=()
     for echo in "${lookups[@]}"; do
+        # shellcheck disable=SC2086  # SPEC_ARGS: several flags, split on purpose
         python3 -m pagoda.bench spec --model /tmp/llama-8b-random --dtype bfloat16 "${quant[@]}" ${echo:+--echo} \
             --copy-batches 1 --random-batches "${SPEC_BATCHES:-1,16,32,64,256}" --output "$out/spec.md" \
-            ${SPEC_BUSY:+--busy-steps "$SPEC_BUSY" --busy-top 8} 2>&1 | grep -v Loading | tail -40
+            ${SPEC_BUSY:+--busy-steps "$SPEC_BUSY" --busy-top 8} ${SPEC_ARGS:-} 2>&1 | grep -v Loading | tail -40
         step "$q ${echo:-random}"
     done
     if [ -n "${SPEC_DRAFT:-}" ]; then
+        # shellcheck disable=SC2086  # SPEC_ARGS: several flags, split on purpose
         python3 -m pagoda.bench spec --model /tmp/llama-8b-random --dtype bfloat16 "${quant[@]}" \
             --draft-model /tmp/llama-8b-random --copy-batches 1 --random-batches "${SPEC_BATCHES:-1,16,32,64,256}" \
-            --output "$out/spec.md" ${SPEC_BUSY:+--busy-steps "$SPEC_BUSY" --busy-top 8} 2>&1 | grep -v Loading | tail -40
+            --output "$out/spec.md" ${SPEC_BUSY:+--busy-steps "$SPEC_BUSY" --busy-top 8} ${SPEC_ARGS:-} 2>&1 \
+            | grep -v Loading | tail -40
         step "$q draft = target"
     fi
 done
