@@ -110,8 +110,8 @@ class StepGraphs:
         self.mixed_block_tables = zeros(max_num_seqs, width)
         self.logits_rows = zeros(max_num_seqs, dtype=torch.int64)
         # Each graph's logits and, for a mixed graph, the hidden states they came from (`run_mixed`), kept
-        # in the graphs' memory pool: 8 KB a token row at an 8B's width in bf16, ~140 MB over the default
-        # ladder's 16 sizes (128 .. 2,048 tokens).
+        # in the graphs' memory pool: 8 KB a token row at an 8B's width in bf16, ~55 MB over the default
+        # ladder's 8 sizes (128 .. 2,048 tokens).
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, Hidden]] = {}
 
     @property
