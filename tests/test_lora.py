@@ -396,10 +396,6 @@ def test_graph_steps_with_adapters_give_the_eager_outputs(
         config.block_size, capture=False, lora=runner.lora.batch,
     )  # fmt: skip
 
-    def reraise(out: object, exc: Exception) -> object:  # a step that raised is not re-run request by request
-        raise exc
-
-    engine.core._execute_isolated = reraise  # type: ignore[method-assign]
     assert run(engine) == expected
 
 

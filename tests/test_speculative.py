@@ -863,15 +863,9 @@ def _counted(f: Any, calls: dict[str, int], name: str) -> Any:
     return counting
 
 
-def _generate_reraising(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[Any, Any]:
-    """Each prompt's tokens and the speculation stats, with a step that raises failing the test: the
-    core's failure isolation would re-run it request by request (inside a graph's logit rows, or eagerly)
-    and hide a graph path's error behind the right output."""
-
-    def reraise(out: Any, exc: Exception) -> Any:
-        raise exc
-
-    llm.engine.core._execute_isolated = reraise  # type: ignore[method-assign]
+def _generate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[Any, Any]:
+    """Each prompt's tokens and the speculation stats. (A step that raises fails the test:
+    tests/conftest.py's `_steps_do_not_fail_quietly`.)"""
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)], _spec_stats(llm)
 
 
@@ -906,7 +900,7 @@ def test_a_draft_model_through_its_graph_paths_keeps_every_draft(
         runner.draft.use_graphs(graphs)
         # The graphs hold the model itself; calls through the draft's own reference are eager forwards.
         runner.draft.model = _counted(runner.draft.model, calls, "eager")
-        got, stats = _generate_reraising(spec, prompts, params)
+        got, stats = _generate(spec, prompts, params)
     assert got == expected
     assert stats.spec_num_accepted_tokens_total == stats.spec_num_draft_tokens_total > 30, stats
     # Every step fits a ladder (at most 128 tokens, at most 5 sequences): nothing runs eagerly.
@@ -960,7 +954,7 @@ def test_verify_steps_replay_the_mixed_graphs_past_one_logit_row_a_sequence(
         runner.graphs.run_mixed = counting_run_mixed  # type: ignore[method-assign]
         runner._forward_eager = counting_forward_eager  # type: ignore[method-assign]
         runner._forward_target = counting_forward_target  # type: ignore[method-assign]
-        got, stats = _generate_reraising(spec, prompts, params)
+        got, stats = _generate(spec, prompts, params)
     assert got == expected
     assert stats.spec_num_accepted_tokens_total == stats.spec_num_draft_tokens_total > 30, stats
     assert seen["overflowing replays"] > 3 and seen["eager verify steps"] == 0, seen

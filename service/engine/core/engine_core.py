@@ -158,6 +158,9 @@ class StepOutputs(NamedTuple):
 # Steps in a row in which every request, run alone, still failed: then the model side is broken, not a
 # request, and the core gives up (the API process fails health, and Kubernetes restarts the pod).
 MAX_FAILED_STEPS_IN_A_ROW = 3
+# Logged when a step raised and its sequences are re-run one by one (`_execute_isolated`); the tests
+# fail on it unless they raise on purpose (tests/conftest.py), since a re-run hides a broken batch path.
+ISOLATED_STEP_WARNING = "a step of %d sequences failed (%r); running them one by one"
 # A step at least this long, and longer than any before it, is logged: the longest legitimate steps
 # (a first Triton compile or autotune, a long prefill) are what `--engine-stall-timeout` must exceed.
 LOG_STEP_OVER_S = 1.0
@@ -485,9 +488,7 @@ class EngineCore:
         Re-running is safe: nothing in the core moved yet, and a rerun writes the same KV slots with the
         same values. Past `MAX_FAILED_STEPS_IN_A_ROW` steps in which every sequence failed alone, the
         error is the model side's, not a request's: raise it and let the engine fail."""
-        logger.warning(
-            "a step of %d sequences failed (%r); running them one by one", len(out.requests), error
-        )
+        logger.warning(ISOLATED_STEP_WARNING, len(out.requests), error)
         sampled: dict[str, SampleResult] = {}
         prompt_logprobs: dict[str, tuple[int, list[SampleResult]]] = {}
         accepted: dict[str, int] = {}
