@@ -696,9 +696,17 @@ def sweep_fp8(copy_bw: float) -> list[str]:
         ("fp8, V slot-major, tile 64, widen v", fp8, False, DecodeConfig(tile_n=64, fp8_widen="v")),
     ]
     variants += [
-        (f"fp8, V token-major, tile {t}, stages {st}", fp8, True, DecodeConfig(tile_n=t, num_stages=st))
-        for t, st in ((64, 2), (128, 2), (64, 3), (32, 2), (128, 3))
-    ]
+        (
+            f"fp8, V token-major, tile {t}, stages {st}, warps {w}",
+            fp8,
+            True,
+            DecodeConfig(tile_n=t, num_stages=st, num_warps=w),
+        )
+        for t, st, w in (
+            (64, 2, 4), (128, 2, 4), (64, 3, 4), (32, 2, 4), (128, 3, 4),
+            (64, 2, 2), (32, 2, 2), (64, 2, 8), (128, 2, 8), (128, 3, 8),
+        )
+    ]  # fmt: skip
     variants += [
         ("fp8, V slot-major, tile 128, widen v", fp8, False, DecodeConfig(tile_n=128, fp8_widen="v")),
         ("fp8, V slot-major, tile 128, widen cast", fp8, False, DecodeConfig(tile_n=128, fp8_widen="cast")),
