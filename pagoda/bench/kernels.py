@@ -45,14 +45,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer shapes")
     parser.add_argument(
         "--sweep",
-        choices=["configs", "splits", "fp8", "long-prefill", "long-prefill-sdpa", "long-chunk"],
+        choices=[
+            "configs",
+            "splits",
+            "fp8",
+            "long-prefill",
+            "long-prefill-sdpa",
+            "long-chunk",
+            "fresh-prompts",
+        ],
         action="append",
         default=[],
         help="also time tile/warp/stage variants (configs), decode split counts (splits), decode over an "
         "fp8 cache by operand and config (fp8) or prefill configs on 8k-token chunks of 8k-32k contexts "
         "(long-prefill), or PyTorch SDPA's backends on those chunks as a prefix part and a causal part, with "
         "the paged prefix's gather (long-prefill-sdpa), or the engine's cuDNN path for such chunks against "
-        "the paged kernel, with its first call on a new shape (long-chunk)",
+        "the paged kernel, with its first call on a new shape (long-chunk), or whole prompts without a "
+        "cached prefix through the paged kernel's configs and library varlen kernels (fresh-prompts)",
     )
     parser.add_argument("--sweep-only", action="store_true", help="run the sweeps without the table")
     parser.add_argument(
@@ -586,6 +595,106 @@ def sweep_long_prefill_sdpa() -> list[str]:
     return lines
 
 
+# A prefill step of the grid's 2048 / 128 rows (four whole prompts in an 8,192-token budget) and of
+# 1000 / 1000's (eight), every prompt fresh: no cached prefix.
+FRESH_PROMPT_CASES = ((4, 2048), (8, 1000))
+
+
+def sweep_fresh_prompts(cases: tuple[tuple[int, int], ...] = FRESH_PROMPT_CASES) -> list[str]:
+    """Where a batch of whole prompts (no cached prefix) could attend: the paged kernel over the cache
+    by config (bf16, and fp8 with V token-major: the engine's layouts), against library kernels on the
+    step's own bf16 q / k / v, which need no cache read: FlashAttention's and cuDNN's variable-length
+    forward over the whole batch (one call), and cuDNN's SDPA a prompt at a time. Each cell: us and
+    TFLOP/s (causal FLOPs); "error X" where that op refuses the shapes on this PyTorch."""
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    from pagoda.kernels.attention import PrefillConfig, paged_attention
+    from pagoda.kernels.kv_cache import token_major_copy
+
+    shapes = " | ".join(f"{n}x{length}" for n, length in cases)
+    lines = [f"fresh-prompt prefill (us, TFLOP/s) at prompts x tokens {shapes}"]
+
+    def cell(fn: Callable[[], object], flops: float) -> str:
+        try:
+            us = _time(fn)
+            return f"{us:8.1f} {flops / us / 1e6:4.0f}"
+        except Exception as e:
+            return f"error {type(e).__name__}: {str(e)[:60]}"
+
+    configs: list[PrefillConfig | None] = [None]
+    configs += [
+        PrefillConfig(m, n, w, st)
+        for m, n, w, st in [
+            (128, 64, 4, 2),
+            (128, 64, 8, 2),
+            (128, 128, 8, 2),
+            (256, 64, 8, 2),
+            (64, 64, 4, 3),
+        ]
+    ]
+    for cache in ("bf16", "fp8 V token-major"):
+        for cfg in configs:
+            cells = []
+            for n, length in cases:
+                b = _paged_batch([length] * n, [length] * n)
+                if cache != "bf16":
+                    b["k_cache"] = b["k_cache"].to(torch.float8_e4m3fn)
+                    b["v_cache"] = token_major_copy(b["v_cache"].to(torch.float8_e4m3fn))
+                flops = n * causal_chunk_flops(length, length)
+                cells.append(cell(lambda b=b, cfg=cfg: paged_attention(**b, prefill_config=cfg), flops))
+                del b
+            torch.cuda.empty_cache()
+            name = "default" if cfg is None else (
+                f"block_m {cfg.block_m} tile {cfg.tile_n} warps {cfg.num_warps} stages {cfg.num_stages}"
+            )  # fmt: skip
+            lines.append(f"  paged kernel, {cache} cache, {name}: " + " | ".join(cells))
+            print(lines[-1], flush=True)
+    library: dict[str, list[str]] = {
+        "flash varlen": [],
+        "cudnn varlen": [],
+        "cudnn SDPA a prompt at a time": [],
+    }
+    for n, length in cases:
+        total = n * length
+        q = torch.randn(total, HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+        k = torch.randn(total, KV_HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        cu = torch.arange(0, total + 1, length, device=DEVICE, dtype=torch.int32)
+        flops = n * causal_chunk_flops(length, length)
+
+        def flash(q=q, k=k, v=v, cu=cu, length=length) -> object:
+            return torch.ops.aten._flash_attention_forward(
+                q, k, v, cu, cu, length, length, 0.0, True, False, scale=HEAD_DIM**-0.5
+            )
+
+        def cudnn(q=q, k=k, v=v, cu=cu, length=length) -> object:
+            return torch.ops.aten._cudnn_attention_forward(
+                q, k, v, None, cu, cu, length, length, False, 0.0, True, False, scale=HEAD_DIM**-0.5
+            )
+
+        qs = [q[i * length : (i + 1) * length].transpose(0, 1).unsqueeze(0) for i in range(n)]
+        ks = [k[i * length : (i + 1) * length].transpose(0, 1).unsqueeze(0).contiguous() for i in range(n)]
+        vs = [v[i * length : (i + 1) * length].transpose(0, 1).unsqueeze(0).contiguous() for i in range(n)]
+
+        def per_prompt(qs=qs, ks=ks, vs=vs) -> object:
+            with torch.nn.attention.sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                return [
+                    torch.nn.functional.scaled_dot_product_attention(a, b, c, is_causal=True, enable_gqa=True)
+                    for a, b, c in zip(qs, ks, vs, strict=True)
+                ]
+
+        library["flash varlen"].append(cell(flash, flops))
+        library["cudnn varlen"].append(cell(cudnn, flops))
+        library["cudnn SDPA a prompt at a time"].append(cell(per_prompt, flops))
+        del q, k, v, qs, ks, vs
+        torch.cuda.empty_cache()
+    for name, cells in library.items():
+        lines.append(f"  {name}, bf16 q/k/v of the step: " + " | ".join(cells))
+        print(lines[-1], flush=True)
+    return lines
+
+
 # 8k-token chunks (the engine's budget) at 8k-32k contexts, one whose lengths are no bucket's multiple,
 # and the chunks of a batch of 32k prompts once 7 others decode (8,185 tokens behind 16,370 / 24,555).
 LONG_CHUNK_CASES = ((8192, 8192), (8192, 16384), (8192, 32768), (8000, 24500), (8185, 24555), (8185, 32740))
@@ -782,6 +891,7 @@ def run(args: argparse.Namespace) -> int:
     sweep_lines += sweep_long_prefill() if "long-prefill" in args.sweep else []
     sweep_lines += sweep_long_prefill_sdpa() if "long-prefill-sdpa" in args.sweep else []
     sweep_lines += sweep_long_chunk() if "long-chunk" in args.sweep else []
+    sweep_lines += sweep_fresh_prompts() if "fresh-prompts" in args.sweep else []
     if sweep_lines and args.markdown:
         with open(args.markdown, "a") as f:
             f.write("\n" + "\n".join(sweep_lines) + "\n")
