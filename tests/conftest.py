@@ -49,23 +49,65 @@ class _IsolatedSteps(logging.Handler):
             self.messages.append(record.getMessage())
 
 
+_SERVERS: list[Any] = []  # every `ServeProcess` this process launched: the fixture below reads their logs
+
+
+def _register_servers() -> None:
+    from pagoda.service.serve_process import ServeProcess
+
+    launch = ServeProcess.launch
+
+    def launch_registered(self: ServeProcess) -> ServeProcess:
+        _SERVERS.append(self)
+        return launch(self)
+
+    ServeProcess.launch = launch_registered  # type: ignore[method-assign]
+
+
+_register_servers()
+
+
+def _log_sizes() -> dict[int, int]:
+    return {id(s): s.log_path.stat().st_size if s.log_path.exists() else 0 for s in _SERVERS}
+
+
+def _isolated_in_server_logs(since: dict[int, int]) -> list[str]:
+    """The isolated-step warnings the servers logged past `since` (their log sizes then)."""
+    if not _SERVERS:
+        return []
+    from pagoda.service.engine.core.engine_core import ISOLATED_STEP_WARNING
+
+    tail = ISOLATED_STEP_WARNING.rpartition("; ")[2]  # "running them one by one", after the formatted part
+    found = []
+    for server in _SERVERS:
+        if not server.log_path.exists():
+            continue
+        with open(server.log_path, "rb") as log:
+            log.seek(since.get(id(server), 0))
+            found += [line for line in log.read().decode(errors="replace").splitlines() if tail in line]
+    return found
+
+
 @pytest.fixture(autouse=True)
 def _steps_do_not_fail_quietly(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Fails a test in which an in-process engine step raised, unless it is marked `steps_may_fail`.
-    The core re-runs such a step one sequence at a time (`_execute_isolated`), which gives the right
-    tokens whenever the one-sequence path works: a batch path that raises would pass every test that
-    only compares outputs. (Engine cores in other processes log elsewhere: not seen here.)"""
+    """Fails a test in which an engine step raised, unless it is marked `steps_may_fail`: in this process
+    (the engine core's logger) or in a `pagoda serve` it launched (the part of its log written during
+    the test). The core re-runs such a step one sequence at a time (`_execute_isolated`), which gives the
+    right tokens whenever the one-sequence path works: a batch path that raises would pass every test
+    that only compares outputs. (Engines in pods or other launchers are not watched.)"""
     watch = _IsolatedSteps()
     core_logger = logging.getLogger("pagoda.service.engine.core.engine_core")
     core_logger.addHandler(watch)
+    since = _log_sizes()
     try:
         yield
     finally:
         core_logger.removeHandler(watch)
-    if watch.messages and request.node.get_closest_marker("steps_may_fail") is None:
+    found = watch.messages + _isolated_in_server_logs(since)
+    if found and request.node.get_closest_marker("steps_may_fail") is None:
         pytest.fail(
             "an engine step raised and was re-run one sequence at a time (mark the test steps_may_fail "
-            "if it raises on purpose): " + "; ".join(watch.messages[:3])
+            "if it raises on purpose): " + "; ".join(found[:3])
         )
 
 

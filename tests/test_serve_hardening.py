@@ -317,6 +317,7 @@ def test_grpc_refuses_what_http_refuses(server: ServeProcess) -> None:
 # ---- a failure inside the engine step ---------------------------------------------------------------------
 
 
+@pytest.mark.steps_may_fail
 def test_a_request_failing_inside_the_step_fails_alone(server: ServeProcess, client: openai.OpenAI) -> None:
     aclient = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=KEYS[0], max_retries=0, timeout=60)
 
