@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.llm_engine import LLMEngine
@@ -50,9 +51,21 @@ def _run(engine: LLMEngine, work: Work) -> dict[str, tuple[list[int], list[float
 
 
 class _Counting(StepGraphs):
-    """Counts the steps each path serves, so the test knows both ran."""
+    """Counts the steps each path serves, so the test knows both ran, and the LM heads each mixed step
+    ran: the graph's own only, unless its rows overflow the graph's logit rows (a verify step's)."""
 
-    decode_steps = mixed_steps = 0
+    decode_steps = mixed_steps = lm_heads = 0
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.mixed_lm_heads: list[int] = []
+        real = self.model.compute_logits
+
+        def counted(hidden: torch.Tensor) -> torch.Tensor:
+            self.lm_heads += 1
+            return real(hidden)
+
+        self.model.compute_logits = counted  # type: ignore[method-assign]
 
     def run(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         self.decode_steps += 1
@@ -60,7 +73,10 @@ class _Counting(StepGraphs):
 
     def run_mixed(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         self.mixed_steps += 1
-        return super().run_mixed(*args, **kwargs)
+        before = self.lm_heads
+        logits = super().run_mixed(*args, **kwargs)
+        self.mixed_lm_heads.append(self.lm_heads - before)
+        return logits
 
 
 @pytest.mark.parametrize("is_async", [False, True], ids=["in-turn", "async"])
@@ -82,6 +98,7 @@ def test_padded_graph_steps_give_the_eager_outputs(llama_ckpt: Path, is_async: b
     got = _run(engine, work)
 
     assert graphs.mixed_steps > 5 and graphs.decode_steps > 5
+    assert set(graphs.mixed_lm_heads) == {1}  # no step here overflows the logit rows: no second LM head
     assert {rid: tokens for rid, (tokens, _) in got.items()} == {rid: t for rid, (t, _) in expected.items()}
     for rid, (_, logprobs) in expected.items():
         assert got[rid][1] == pytest.approx(logprobs, abs=1e-4)
