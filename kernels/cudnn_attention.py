@@ -52,11 +52,16 @@ def gather_context(
     num_tokens: int,
     dtype: torch.dtype,
     length: int | None = None,  # the result's tokens (>= num_tokens): those past num_tokens are zero
-) -> torch.Tensor:  # [num_kv_heads, length, head_dim], contiguous
+    token_major: bool = False,
+) -> (
+    torch.Tensor
+):  # [num_kv_heads, length, head_dim], contiguous; token_major: [length, num_kv_heads, head_dim]
     """A sequence's first `num_tokens` cached keys (or values) as one dense tensor of `dtype`.
 
     Whole blocks are gathered as flat rows (each block is one contiguous run in either layout, so the
-    copy reads in long runs), then laid out head-major in the dtype cast."""
+    copy reads in long runs), then laid out head-major in the dtype cast; with `token_major`, token by
+    token as a slot-major cache holds them (the cast then copies in order, no transpose), for a caller
+    that hands cuDNN a strided head-major view."""
     num_blocks, block_size, num_kv_heads, head_dim = cache.shape
     block_elems = block_size * num_kv_heads * head_dim
     if cache.stride(0) != block_elems:
@@ -66,6 +71,13 @@ def gather_context(
     flat = cache.as_strided((num_blocks, block_elems), (block_elems, 1))
     rows = flat.index_select(0, block_ids[:n].long())  # [n, block_elems]
     blocks = rows.as_strided((n, block_size, num_kv_heads, head_dim), (block_elems, *cache.stride()[1:]))
+    if token_major:
+        rows_out = torch.empty(
+            (max(length, n * block_size), num_kv_heads, head_dim), dtype=dtype, device=cache.device
+        )
+        rows_out[: n * block_size].view(n, block_size, num_kv_heads, head_dim).copy_(blocks)
+        rows_out[num_tokens:].zero_()
+        return rows_out[:length]
     out = torch.empty((num_kv_heads, max(length, n * block_size), head_dim), dtype=dtype, device=cache.device)
     out[:, : n * block_size].view(num_kv_heads, n, block_size, head_dim).copy_(blocks.permute(2, 0, 1, 3))
     out[:, num_tokens:].zero_()
@@ -126,6 +138,7 @@ def chunk_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     bucket: int | None = None,  # SHAPE_BUCKET
+    token_major: bool = False,
 ) -> None:
     """Causal attention of one sequence's chunk of queries over its paged context.
 
@@ -134,7 +147,13 @@ def chunk_attention(
     rows start at position `split` too: the `prefix - split` rows ahead of the chunk's queries are
     zeros, as are the rows and keys padding that call to a multiple of `bucket`. A real query at
     position p then sees keys split..p, and no padded key (they sit past every real position). The
-    unmasked call takes the same padded rows, and the two merge by their log-sum-exp."""
+    unmasked call takes the same padded rows, and the two merge by their log-sum-exp.
+
+    `token_major` (a benchmark's variant, not the engine's yet): q, K and V go to the calls as strided
+    head-major views of token-major tensors (q itself when no row needs padding; K and V gathered in
+    the cache's token order), not copied head-major, and the outputs come back in whatever layout the
+    call chose. One H100's 2048 / 128 profile (BENCHMARKS.md, 2026-12-06) put the head-major copies at
+    as much time as cuDNN's kernel; on a GPU this variant is not measured yet."""
     q_len, num_heads, head_dim = q.shape
     prefix = context_len - q_len
     if prefix < 0 or out.shape != q.shape:
@@ -144,11 +163,25 @@ def chunk_attention(
     bucket = bucket or SHAPE_BUCKET
     split = prefix // bucket * bucket
     rows = -(-(context_len - split) // bucket) * bucket  # the causal call's (square) length
-    k = gather_context(k_cache, block_ids, context_len, q.dtype, split + rows).unsqueeze(0)
-    v = gather_context(v_cache, block_ids, context_len, q.dtype, split + rows).unsqueeze(0)
     first = prefix - split  # the chunk's first query row
-    qh = q.new_zeros((1, num_heads, rows, head_dim))
-    qh[0, :, first : first + q_len] = q.transpose(0, 1)
+    if token_major:
+        k, v = (
+            gather_context(c, block_ids, context_len, q.dtype, split + rows, True)
+            .transpose(0, 1)
+            .unsqueeze(0)
+            for c in (k_cache, v_cache)
+        )
+        if first == 0 and q_len == rows:
+            qh = q.transpose(0, 1).unsqueeze(0)
+        else:
+            padded = q.new_empty((rows, num_heads, head_dim))  # the padding rows' outputs are dropped
+            padded[first : first + q_len] = q
+            qh = padded.transpose(0, 1).unsqueeze(0)
+    else:
+        k = gather_context(k_cache, block_ids, context_len, q.dtype, split + rows).unsqueeze(0)
+        v = gather_context(v_cache, block_ids, context_len, q.dtype, split + rows).unsqueeze(0)
+        qh = q.new_zeros((1, num_heads, rows, head_dim))
+        qh[0, :, first : first + q_len] = q.transpose(0, 1)
     s = scale * k_scale
     own, own_lse = _attend(qh, k[:, :, split:], v[:, :, split:], causal=True, scale=s)
     own, own_lse = own[:, first : first + q_len], own_lse[:, first : first + q_len]

@@ -119,16 +119,21 @@ def test_warm_up_attends_the_budgets_chunk_behind_whole_budget_prefixes(
     assert layer.build_long_chunk_plans(8, 30, torch.float32) == [] and len(seen) == 2
 
 
+@pytest.mark.parametrize("token_major", [False, True], ids=["head-major", "token-major"])
 @pytest.mark.parametrize(
     ("prefix", "q_len", "bucket", "v_scale"),
-    [(0, 13, 4, 2.0), (0, 13, 4, 0.5), (7, 13, 4, 1.0), (7, 13, 4, 0.5), (9, 6, 8, 1.0), (16, 5, 4, 3.0)],
-)
+    [
+        (0, 13, 4, 2.0), (0, 13, 4, 0.5), (7, 13, 4, 1.0), (7, 13, 4, 0.5), (9, 6, 8, 1.0), (16, 5, 4, 3.0),
+        (0, 12, 4, 1.0), (8, 12, 4, 0.5),  # no row to pad: the token-major variant passes q itself
+    ],
+)  # fmt: skip
 def test_chunk_attention_is_the_reference_at_bucketed_shapes(
-    prefix: int, q_len: int, bucket: int, v_scale: float, monkeypatch: pytest.MonkeyPatch
+    prefix: int, q_len: int, bucket: int, v_scale: float, token_major: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`chunk_attention` on the CPU (PyTorch's flash op) against `reference.paged_attention`: whole
     prompts and chunks behind prefixes below, at and past a bucket, with V scaled; every call's query
-    and key lengths are multiples of the bucket (cuDNN builds a plan per shape), K and V alike."""
+    and key lengths are multiples of the bucket (cuDNN builds a plan per shape), K and V alike. Both
+    layouts of what the calls are handed (`token_major`: strided views, no head-major copies)."""
     from pagoda.kernels import reference
 
     torch.manual_seed(prefix * 100 + q_len)
@@ -148,7 +153,9 @@ def test_chunk_attention_is_the_reference_at_bucketed_shapes(
     # The defaults (unscaled K and V) where V is unscaled; an fp8 cache's K scale beside a V scale.
     k_scale = 1.0 if v_scale == 1.0 else 1.5
     scales = {} if v_scale == 1.0 else {"k_scale": k_scale, "v_scale": v_scale}
-    cudnn_attention.chunk_attention(q, kc, vc, blocks, context_len, 0.25, out, bucket=bucket, **scales)
+    cudnn_attention.chunk_attention(
+        q, kc, vc, blocks, context_len, 0.25, out, bucket=bucket, token_major=token_major, **scales
+    )
     want = reference.paged_attention(
         q, kc, vc, blocks[None], torch.tensor([context_len]), torch.tensor([0, q_len]), 0.25, q_len,
         context_len, k_scale, v_scale,
@@ -188,6 +195,11 @@ def test_the_gather_reads_the_table_s_blocks_and_zeros_past_the_context() -> Non
         padded = cudnn_attention.gather_context(layout, blocks, 7, torch.bfloat16, 12)
         assert padded.shape == (2, 12, 8) and torch.equal(padded[:, :7], want)
         assert not padded[:, 7:].any()
+        rows = cudnn_attention.gather_context(layout, blocks, 7, torch.bfloat16, 12, token_major=True)
+        assert (
+            rows.shape == (12, 2, 8) and rows.is_contiguous() and torch.equal(rows[:7], want.transpose(0, 1))
+        )
+        assert not rows[7:].any()
 
 
 def test_cudnn_runs_16_bit_queries_with_head_dims_multiple_of_8_up_to_128_on_the_cpu() -> None:

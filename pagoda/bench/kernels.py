@@ -706,9 +706,11 @@ def sweep_long_chunk(
     cases: tuple[tuple[int, int], ...] = LONG_CHUNK_CASES, buckets: tuple[int, ...] = LONG_CHUNK_BUCKETS
 ) -> list[str]:
     """The engine's path for long chunks (`cudnn_attention.chunk_attention`: the gather, cuDNN's two
-    calls, the merge) at each shape bucket, against the paged kernel with its long-prefill tiles, on the
-    same bf16 and fp8 (V token-major) caches; "first" is the first call on that shape, cuDNN's plan
-    build included; "diff" the largest difference between the two outputs."""
+    calls, the merge) at each shape bucket, and at the first bucket with q / K / V handed over as
+    strided views of token-major tensors (`token_major`: no head-major copies), against the paged kernel
+    with its long-prefill tiles, on the same bf16 and fp8 (V token-major) caches; "first" is the first
+    call on that shape, cuDNN's plan build included; "diff" the largest difference between the two
+    outputs."""
     import time
 
     import torch
@@ -721,7 +723,8 @@ def sweep_long_chunk(
     shapes = " | ".join(f"{q}x{c}" for q, c in cases)
     lines = [f"long-chunk path (us, TFLOP/s; first call ms; diff) at query x ctx {shapes}"]
     for cache in ("bf16", "fp8 V token-major"):
-        ours: dict[int, list[str]] = {bucket: [] for bucket in buckets}
+        variants = [(bucket, False) for bucket in buckets] + [(buckets[0], True)]
+        ours: dict[tuple[int, bool], list[str]] = {variant: [] for variant in variants}
         paged = []
         for q_len, ctx in cases:
             b = _paged_batch([ctx], [q_len])
@@ -730,10 +733,10 @@ def sweep_long_chunk(
                 b["v_cache"] = token_major_copy(b["v_cache"].to(torch.float8_e4m3fn))
             want = paged_attention(**b)
             flops = causal_chunk_flops(q_len, ctx)
-            for bucket in buckets:
+            for bucket, token_major in variants:
                 out = torch.empty_like(b["q"])
                 args = (b["q"], b["k_cache"], b["v_cache"], b["block_tables"][0], ctx, b["scale"], out)
-                kwargs = {"bucket": bucket}
+                kwargs = {"bucket": bucket, "token_major": token_major}
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 chunk_attention(*args, **kwargs)
@@ -743,7 +746,7 @@ def sweep_long_chunk(
                 us = 1e3 * triton.testing.do_bench(
                     lambda args=args, kwargs=kwargs: chunk_attention(*args, **kwargs), return_mode="median"
                 )
-                ours[bucket].append(
+                ours[bucket, token_major].append(
                     f"{us:8.1f} {flops / us / 1e6:4.0f} (first {first_ms:.0f} ms, diff {diff:.3f})"
                 )
                 del out
@@ -751,7 +754,10 @@ def sweep_long_chunk(
             paged.append(f"{us:8.1f} {flops / us / 1e6:4.0f}")
             del b, want
             torch.cuda.empty_cache()
-        rows = [(f"cuDNN chunk path, bucket {bucket}", ours[bucket]) for bucket in buckets]
+        rows = [
+            (f"cuDNN chunk path, bucket {bucket}" + (", token-major views" if token_major else ""), cells)
+            for (bucket, token_major), cells in ours.items()
+        ]
         for name, cells in (*rows, ("paged kernel", paged)):
             lines.append(f"  {cache}, {name}: " + " | ".join(cells))
             print(lines[-1], flush=True)

@@ -51,7 +51,10 @@ def _reference(q, k_cache, v_cache, blocks, context_len, k_scale, v_scale):
         (70, 20, 8),
     ],
 )
-def test_chunk_matches_the_reference(cache: str, context_len: int, q_len: int, bucket: int) -> None:
+@pytest.mark.parametrize("views", [False, True], ids=["copies", "token-major views"])
+def test_chunk_matches_the_reference(
+    cache: str, context_len: int, q_len: int, bucket: int, views: bool
+) -> None:
     torch.manual_seed(context_len * 100 + q_len)
     heads, kv_heads, dim, block_size, num_blocks = 8, 2, 32, 8, 24
     dtype = torch.bfloat16 if cache == "bf16" else FP8
@@ -60,7 +63,9 @@ def test_chunk_matches_the_reference(cache: str, context_len: int, q_len: int, b
     blocks = torch.randperm(num_blocks, device=DEVICE).to(torch.int32)  # whole row; some past the context
     q = torch.randn(q_len, heads, dim, device=DEVICE, dtype=torch.bfloat16)
     out = torch.full_like(q, float("nan"))
-    chunk_attention(q, k_cache, v_cache, blocks, context_len, dim**-0.5, out, k_scale, v_scale, bucket)
+    chunk_attention(
+        q, k_cache, v_cache, blocks, context_len, dim**-0.5, out, k_scale, v_scale, bucket, token_major=views
+    )
     want = _reference(q, k_cache, v_cache, blocks, context_len, k_scale, v_scale)
     torch.testing.assert_close(out.float(), want.float(), atol=2e-2 * v_scale, rtol=2e-2)
 
@@ -93,8 +98,10 @@ KERNEL_CASES = [(40, 40), (70, 25)] if INTERPRET else [(2500, 2500), (5000, 1500
 
 @pytest.mark.parametrize("cache", ["bf16", "fp8 V token-major"])
 @pytest.mark.parametrize(("context_len", "q_len"), KERNEL_CASES)
-def test_chunk_matches_the_paged_kernel(cache: str, context_len: int, q_len: int) -> None:
-    """Against the Triton kernel on the same cache (a 16-bit cache in q's dtype)."""
+@pytest.mark.parametrize("views", [False, True], ids=["copies", "token-major views"])
+def test_chunk_matches_the_paged_kernel(cache: str, context_len: int, q_len: int, views: bool) -> None:
+    """Against the Triton kernel on the same cache (a 16-bit cache in q's dtype); q a view of a wider
+    q / k / v product's rows, as the engine's is."""
     from pagoda.kernels.attention import paged_attention
 
     torch.manual_seed(q_len)
@@ -103,9 +110,11 @@ def test_chunk_matches_the_paged_kernel(cache: str, context_len: int, q_len: int
     dtype = GPU_DTYPE if cache == "bf16" else FP8
     k_cache, v_cache = _cache(num_blocks, block_size, kv_heads, dim, dtype, cache.endswith("token-major"))
     blocks = torch.randperm(num_blocks, device=DEVICE).to(torch.int32)
-    q = torch.randn(q_len, heads, dim, device=DEVICE, dtype=GPU_DTYPE)
-    out = torch.full_like(q, float("nan"))
-    chunk_attention(q, k_cache, v_cache, blocks, context_len, dim**-0.5, out, 1.0, 1.0, BUCKET)
+    q = torch.randn(q_len, heads + 2 * kv_heads, dim, device=DEVICE, dtype=GPU_DTYPE)[:, :heads]
+    out = torch.empty(q.shape, device=DEVICE, dtype=GPU_DTYPE).fill_(float("nan"))
+    chunk_attention(
+        q, k_cache, v_cache, blocks, context_len, dim**-0.5, out, 1.0, 1.0, BUCKET, token_major=views
+    )
     want = paged_attention(
         q, k_cache, v_cache, blocks[None],
         torch.tensor([context_len], dtype=torch.int32, device=DEVICE),
