@@ -53,9 +53,7 @@ def gather_context(
     dtype: torch.dtype,
     length: int | None = None,  # the result's tokens (>= num_tokens): those past num_tokens are zero
     token_major: bool = False,
-) -> (
-    torch.Tensor
-):  # [num_kv_heads, length, head_dim], contiguous; token_major: [length, num_kv_heads, head_dim]
+) -> torch.Tensor:  # [kv_heads, length, head_dim] contiguous; token_major: [length, kv_heads, head_dim]
     """A sequence's first `num_tokens` cached keys (or values) as one dense tensor of `dtype`.
 
     Whole blocks are gathered as flat rows (each block is one contiguous run in either layout, so the
@@ -150,10 +148,11 @@ def chunk_attention(
     unmasked call takes the same padded rows, and the two merge by their log-sum-exp.
 
     `token_major` (a benchmark's variant, not the engine's yet): q, K and V go to the calls as strided
-    head-major views of token-major tensors (q itself when no row needs padding; K and V gathered in
-    the cache's token order), not copied head-major, and the outputs come back in whatever layout the
-    call chose. One H100's 2048 / 128 profile (BENCHMARKS.md, 2026-12-06) put the head-major copies at
-    as much time as cuDNN's kernel; on a GPU this variant is not measured yet."""
+    head-major views of token-major tensors (q itself when no row needs padding, else its padding rows
+    left unwritten, their outputs dropped; K and V gathered in the cache's token order), not copied
+    head-major, and the outputs come back in whatever layout the call chose. One H100's 2048 / 128
+    profile (BENCHMARKS.md, 2026-12-06) put the head-major copies at as much time as cuDNN's kernel; on
+    a GPU this variant is not measured yet."""
     q_len, num_heads, head_dim = q.shape
     prefix = context_len - q_len
     if prefix < 0 or out.shape != q.shape:
