@@ -21,6 +21,7 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 HELP = "time the Triton kernels on this GPU against a device-to-device copy and PyTorch peers"
 
@@ -126,6 +127,23 @@ def _paged_batch(seq_lens: list[int], query_lens: list[int]) -> dict:
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
     )
+
+
+def _as_fp8_cache(b: dict) -> dict:
+    """`_paged_batch`'s batch over an fp8 cache in the engine's layout (V token-major)."""
+    import torch
+
+    from pagoda.kernels.kv_cache import token_major_copy
+
+    fp8 = torch.float8_e4m3fn
+    return {**b, "k_cache": b["k_cache"].to(fp8), "v_cache": token_major_copy(b["v_cache"].to(fp8))}
+
+
+def _prefill_name(cfg: Any) -> str:
+    """A `PrefillConfig`'s row name in the sweeps ("default" for None)."""
+    if cfg is None:
+        return "default"
+    return f"block_m {cfg.block_m} tile {cfg.tile_n} warps {cfg.num_warps} stages {cfg.num_stages}"
 
 
 def _sdpa(q, k, v, *, is_causal: bool, backend=None) -> tuple[Callable[[], object], str]:
@@ -449,7 +467,7 @@ def sweep(copy_bw: float) -> list[str]:
                 cells.append(f"{us:8.1f} {flops / us / 1e6:5.0f}")
             except Exception as e:
                 cells.append(f"error {type(e).__name__}")
-        name = f"block_m {cfg.block_m} tile {cfg.tile_n} warps {cfg.num_warps} stages {cfg.num_stages}"
+        name = _prefill_name(cfg)
         lines.append(f"  {name}: " + " | ".join(cells))
         print(lines[-1], flush=True)
     return lines
@@ -507,7 +525,6 @@ def sweep_long_prefill() -> list[str]:
     import torch
 
     from pagoda.kernels.attention import PrefillConfig, paged_attention
-    from pagoda.kernels.kv_cache import token_major_copy
 
     cases = [(8192, 8192), (8192, 32768)]
     lines = ["long-prefill sweep (us, TFLOP/s) at query x ctx " + " | ".join(f"{q}x{c}" for q, c in cases)]
@@ -526,8 +543,7 @@ def sweep_long_prefill() -> list[str]:
             for (q_len, ctx), b in base.items():
                 b = dict(b)
                 if cache != "bf16":
-                    b["k_cache"] = b["k_cache"].to(torch.float8_e4m3fn)
-                    b["v_cache"] = token_major_copy(b["v_cache"].to(torch.float8_e4m3fn))
+                    b = _as_fp8_cache(b)
                 try:
                     us = _time(lambda b=b, cfg=cfg: paged_attention(**b, prefill_config=cfg))
                     cells.append(f"{us:9.1f} {causal_chunk_flops(q_len, ctx) / us / 1e6:5.0f}")
@@ -535,9 +551,7 @@ def sweep_long_prefill() -> list[str]:
                     cells.append(f"error {type(e).__name__}")
                 del b
             torch.cuda.empty_cache()
-            name = "default" if cfg is None else (
-                f"block_m {cfg.block_m} tile {cfg.tile_n} warps {cfg.num_warps} stages {cfg.num_stages}"
-            )  # fmt: skip
+            name = _prefill_name(cfg)
             lines.append(f"  {cache}, {name}: " + " | ".join(cells))
             print(lines[-1], flush=True)
     return lines
@@ -610,7 +624,6 @@ def sweep_fresh_prompts(cases: tuple[tuple[int, int], ...] = FRESH_PROMPT_CASES)
     from torch.nn.attention import SDPBackend
 
     from pagoda.kernels.attention import PrefillConfig, paged_attention
-    from pagoda.kernels.kv_cache import token_major_copy
 
     shapes = " | ".join(f"{n}x{length}" for n, length in cases)
     lines = [f"fresh-prompt prefill (us, TFLOP/s) at prompts x tokens {shapes}"]
@@ -639,15 +652,12 @@ def sweep_fresh_prompts(cases: tuple[tuple[int, int], ...] = FRESH_PROMPT_CASES)
             for n, length in cases:
                 b = _paged_batch([length] * n, [length] * n)
                 if cache != "bf16":
-                    b["k_cache"] = b["k_cache"].to(torch.float8_e4m3fn)
-                    b["v_cache"] = token_major_copy(b["v_cache"].to(torch.float8_e4m3fn))
+                    b = _as_fp8_cache(b)
                 flops = n * causal_chunk_flops(length, length)
                 cells.append(cell(lambda b=b, cfg=cfg: paged_attention(**b, prefill_config=cfg), flops))
                 del b
             torch.cuda.empty_cache()
-            name = "default" if cfg is None else (
-                f"block_m {cfg.block_m} tile {cfg.tile_n} warps {cfg.num_warps} stages {cfg.num_stages}"
-            )  # fmt: skip
+            name = _prefill_name(cfg)
             lines.append(f"  paged kernel, {cache} cache, {name}: " + " | ".join(cells))
             print(lines[-1], flush=True)
     library: dict[str, list[str]] = {
@@ -718,7 +728,6 @@ def sweep_long_chunk(
 
     from pagoda.kernels.attention import paged_attention
     from pagoda.kernels.cudnn_attention import chunk_attention
-    from pagoda.kernels.kv_cache import token_major_copy
 
     shapes = " | ".join(f"{q}x{c}" for q, c in cases)
     lines = [f"long-chunk path (us, TFLOP/s; first call ms; diff) at query x ctx {shapes}"]
@@ -729,8 +738,7 @@ def sweep_long_chunk(
         for q_len, ctx in cases:
             b = _paged_batch([ctx], [q_len])
             if cache != "bf16":
-                b["k_cache"] = b["k_cache"].to(torch.float8_e4m3fn)
-                b["v_cache"] = token_major_copy(b["v_cache"].to(torch.float8_e4m3fn))
+                b = _as_fp8_cache(b)
             want = paged_attention(**b)
             flops = causal_chunk_flops(q_len, ctx)
             for bucket, token_major in variants:
