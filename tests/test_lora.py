@@ -395,7 +395,6 @@ def test_graph_steps_with_adapters_give_the_eager_outputs(
         runner.model, runner.device, config.max_num_seqs, config.max_num_batched_tokens, runner.max_model_len,
         config.block_size, capture=False, lora=runner.lora.batch,
     )  # fmt: skip
-
     assert run(engine) == expected
 
 
