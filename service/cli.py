@@ -229,9 +229,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     flag(
         "--max-cudagraph-capture-size",
-        "Largest decode batch that replays a CUDA graph (vLLM's compilation config field); larger ones "
-        "run eagerly. Past 256 the captured sizes step by 64.",
-        256,
+        "Largest decode batch that replays a decode CUDA graph (vLLM's compilation config field); larger "
+        "ones replay a mixed graph or run eagerly. Past 256 the captured sizes step by 128.",
+        512,
         int,
     )
     flag(

@@ -23,7 +23,7 @@ def _workload() -> Work:
     rng = random.Random(11)
     work: Work = []
     for i in range(24):
-        prompt = [rng.randrange(3, 49152) for _ in range(rng.randrange(1, 150))]
+        prompt = [rng.randrange(3, 49152) for _ in range(rng.randrange(1, 100))]
         if i % 3 == 0:
             params = SamplingParams(
                 temperature=0.9, top_p=0.9, seed=i, max_tokens=16, logprobs=1, ignore_eos=True
@@ -105,10 +105,16 @@ def test_padded_graph_steps_give_the_eager_outputs(llama_ckpt: Path, is_async: b
 
 
 def test_decode_sizes_stop_at_the_batch_and_the_capture_limit() -> None:
-    assert graph_batch_sizes(24) == [1, 2, 4, 8, 16]
-    assert graph_batch_sizes(1024)[-3:] == [224, 240, 256]  # the default limit: 256, as vLLM's was
-    assert graph_batch_sizes(1024, 640)[19:] == [256, 320, 384, 448, 512, 576, 640]
-    assert graph_batch_sizes(600, 1024)[-2:] == [512, 576]  # never above max_num_seqs
+    # Up to the first size that holds max_num_seqs rows, so a full batch replays a decode graph.
+    assert graph_batch_sizes(24) == [1, 2, 4, 8, 16, 32]
+    assert graph_batch_sizes(16) == [1, 2, 4, 8, 16]
+    assert graph_batch_sizes(1024)[-4:] == [240, 256, 384, 512]  # the default limit: 512, as vLLM's
+    assert graph_batch_sizes(1024, 256)[-2:] == [240, 256]
+    assert graph_batch_sizes(1024, 1024)[19:] == [256, 384, 512, 640, 768, 896, 1024]  # 128-row tiles
+    assert graph_batch_sizes(600, 1024)[-2:] == [512, 640]
+    assert graph_batch_sizes(640, 1024)[-2:] == [512, 640]
+    assert graph_batch_sizes(257, 1024)[-2:] == [256, 384]
+    assert graph_batch_sizes(1024, 700)[-2:] == [512, 640]  # never above the capture limit
     assert graph_batch_sizes(1, 1024) == [1]
     with pytest.raises(ValueError, match="max_cudagraph_capture_size"):
         EngineConfig(max_cudagraph_capture_size=0)

@@ -53,8 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     offline.add_argument(
         "--max-cudagraph-capture-size",
         type=int,
-        default=256,
-        help="largest decode batch that replays a CUDA graph (past 256 the sizes step by 64)",
+        default=512,
+        help="largest decode batch that replays a decode CUDA graph (past 256 the sizes step by 128)",
     )
     offline.add_argument(
         "--long-prefill-attention",

@@ -6,7 +6,7 @@ step). So the runner captures, once at start-up, the whole forward pass plus the
 input buffers, for two ladders of sizes:
 
 - decode: `bs` rows of one token each, for batch sizes 1, 2, 4, 8, 16, ... up to `max_num_seqs` or
-  `--max-cudagraph-capture-size` (256 by default; larger batches run eagerly);
+  `--max-cudagraph-capture-size` (512 by default; larger batches replay a mixed graph or run eagerly);
 - mixed: `T` tokens of up to `max_num_seqs` sequences, any of them prefill chunks, for token counts
   up to the step budget. Under load, requests arrive while others decode, so most steps carry a
   prefill chunk or two beside hundreds of decodes; without these graphs every such step runs eager.
@@ -41,12 +41,18 @@ logger = logging.getLogger(__name__)
 Hidden = torch.Tensor | None  # a mixed graph's hidden states (the LM head's input); a decode graph keeps none
 
 
-def graph_batch_sizes(max_num_seqs: int, max_capture: int = 256) -> list[int]:
-    """The decode graphs' batch sizes: 1, 2, 4, 8, then every 16 to 256 and every 64 past it, none
-    above `max_num_seqs` or `max_capture` (`EngineConfig.max_cudagraph_capture_size`)."""
-    limit = min(max_num_seqs, max_capture)
-    ladder = [1, 2, 4, 8, *range(16, 257, 16), *range(320, limit + 1, 64)]
-    return [bs for bs in ladder if bs <= limit] or [1]
+def graph_batch_sizes(max_num_seqs: int, max_capture: int = 512) -> list[int]:
+    """The decode graphs' batch sizes: 1, 2, 4, 8, then every 16 to 256 and every 128 past it, up to
+    the first that holds `max_num_seqs` rows, none above `max_capture`
+    (`EngineConfig.max_cudagraph_capture_size`).
+
+    Past 256 the steps are whole 128-row tiles of the fp8 GEMMs: on an H100 a 448-row decode graph's
+    projections took 1.27x a 512-row one's (BENCHMARKS.md, 2026-12-06, fifteenth session). The first
+    size past `max_num_seqs` is kept so that a full batch still replays a decode graph (padded) rather
+    than a mixed graph, which pads to its token ladder and launches the prefill kernel too."""
+    ladder = [1, 2, 4, 8, *range(16, 257, 16), *range(384, max(max_num_seqs, 384) + 128, 128)]
+    holds = next(bs for bs in ladder if bs >= max_num_seqs)
+    return [bs for bs in ladder if bs <= min(holds, max_capture)] or [1]
 
 
 def mixed_token_sizes(max_num_batched_tokens: int, limit: int = 2048) -> list[int]:
