@@ -231,7 +231,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-cudagraph-capture-size",
         "Largest decode batch that replays a decode CUDA graph (vLLM's compilation config field); larger "
         "ones replay a mixed graph or run eagerly. Past 256 the captured sizes step by 128.",
-        512,
+        1024,
         int,
     )
     flag(

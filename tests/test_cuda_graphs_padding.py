@@ -59,23 +59,27 @@ class _Counting(StepGraphs):
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         super().__init__(*args, **kwargs)
         self.mixed_lm_heads: list[int] = []
+        self.in_shared_buffer: list[bool] = []  # whether a step's logits were the graphs' one buffer
         real = self.model.compute_logits
 
-        def counted(hidden: torch.Tensor) -> torch.Tensor:
+        def counted(hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
             self.lm_heads += 1
-            return real(hidden)
+            return real(hidden, out)
 
         self.model.compute_logits = counted  # type: ignore[method-assign]
 
     def run(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         self.decode_steps += 1
-        return super().run(*args, **kwargs)
+        logits = super().run(*args, **kwargs)
+        self.in_shared_buffer.append(logits.data_ptr() == self.logits.data_ptr())
+        return logits
 
     def run_mixed(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         self.mixed_steps += 1
         before = self.lm_heads
         logits = super().run_mixed(*args, **kwargs)
         self.mixed_lm_heads.append(self.lm_heads - before)
+        self.in_shared_buffer.append(logits.data_ptr() == self.logits.data_ptr())
         return logits
 
 
@@ -99,6 +103,8 @@ def test_padded_graph_steps_give_the_eager_outputs(llama_ckpt: Path, is_async: b
 
     assert graphs.mixed_steps > 5 and graphs.decode_steps > 5
     assert set(graphs.mixed_lm_heads) == {1}  # no step here overflows the logit rows: no second LM head
+    # Every graph wrote its logits into one buffer, each step's read before the next overwrote them.
+    assert all(graphs.in_shared_buffer) and len(graphs.in_shared_buffer) > 10
     assert {rid: tokens for rid, (tokens, _) in got.items()} == {rid: t for rid, (t, _) in expected.items()}
     for rid, (_, logprobs) in expected.items():
         assert got[rid][1] == pytest.approx(logprobs, abs=1e-4)
@@ -108,8 +114,9 @@ def test_decode_sizes_stop_at_the_batch_and_the_capture_limit() -> None:
     # Up to the first size that holds max_num_seqs rows, so a full batch replays a decode graph.
     assert graph_batch_sizes(24) == [1, 2, 4, 8, 16, 32]
     assert graph_batch_sizes(16) == [1, 2, 4, 8, 16]
-    assert graph_batch_sizes(1024)[-4:] == [240, 256, 384, 512]  # the default limit: 512, as vLLM's
+    assert graph_batch_sizes(1024, 512)[-4:] == [240, 256, 384, 512]
     assert graph_batch_sizes(1024, 256)[-2:] == [240, 256]
+    assert graph_batch_sizes(2048)[-2:] == [896, 1024]  # the default limit
     assert graph_batch_sizes(1024, 1024)[19:] == [256, 384, 512, 640, 768, 896, 1024]  # 128-row tiles
     assert graph_batch_sizes(600, 1024)[-2:] == [512, 640]
     assert graph_batch_sizes(640, 1024)[-2:] == [512, 640]

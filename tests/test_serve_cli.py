@@ -81,7 +81,7 @@ def test_environment_sets_flags_and_command_line_wins(monkeypatch: pytest.Monkey
     monkeypatch.setenv("PAGODA_PRECISION", "fp32")
     monkeypatch.setenv("PAGODA_KV_CACHE_MEMORY_BYTES", "1048576")
     monkeypatch.setenv("PAGODA_CUDA_GRAPH_MAX_TOKENS", "0")
-    monkeypatch.setenv("PAGODA_MAX_CUDAGRAPH_CAPTURE_SIZE", "1024")
+    monkeypatch.setenv("PAGODA_MAX_CUDAGRAPH_CAPTURE_SIZE", "512")
     monkeypatch.setenv("PAGODA_API_SERVER_COUNT", "3")
     monkeypatch.setenv("PAGODA_LONG_PREFILL_ATTENTION", "cudnn")
     server, engine = serve_cli.build_configs(parse("--max-num-seqs", "9"))
@@ -92,7 +92,7 @@ def test_environment_sets_flags_and_command_line_wins(monkeypatch: pytest.Monkey
     assert engine.dtype == "float32"
     assert engine.kv_cache_memory_bytes == 1048576
     assert engine.cuda_graph_max_tokens == 0
-    assert engine.max_cudagraph_capture_size == 1024
+    assert engine.max_cudagraph_capture_size == 512
     assert engine.long_prefill_attention == "cudnn"
 
 

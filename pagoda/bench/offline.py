@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     offline.add_argument(
         "--max-cudagraph-capture-size",
         type=int,
-        default=512,
+        default=1024,
         help="largest decode batch that replays a decode CUDA graph (past 256 the sizes step by 128)",
     )
     offline.add_argument(

@@ -194,12 +194,12 @@ class EngineConfig:
     # The largest step (in tokens) that mixes prefill chunks with decodes and still replays a CUDA graph;
     # 0: decode-only steps alone (cuda_graphs.py).
     cuda_graph_max_tokens: int = 2048
-    # The largest decode batch that replays a decode CUDA graph (vLLM's `max_cudagraph_capture_size`,
-    # and its default); a larger one replays a mixed graph (cuda_graphs.py) or runs eagerly. Past 256
-    # the ladder steps by 128. Each decode graph keeps its float32 logits (~0.5 MB a row at a 128k
-    # vocabulary) in the graphs' pool, outside the KV cache's budget: 1024 measured 8% faster decode
-    # steps at 640 rows on an H100 (BENCHMARKS.md), but is not the default for that memory.
-    max_cudagraph_capture_size: int = 512
+    # The largest decode batch that replays a decode CUDA graph (vLLM's `max_cudagraph_capture_size`;
+    # its default is 512); a larger one replays a mixed graph (cuda_graphs.py) or runs eagerly. Past
+    # 256 the ladder steps by 128, and stops at the first size that holds max_num_seqs. A decode step
+    # of 640 rows was 8% faster in a decode graph than in the mixed graph it took at 512 (one H100,
+    # BENCHMARKS.md); the graphs share one logits buffer, so a larger ladder costs little memory.
+    max_cudagraph_capture_size: int = 1024
     # "cudnn": prompt chunks of LONG_CHUNK_TOKENS (4096) or more attend through cuDNN's fused attention
     # (kernels/cudnn_attention.py), faster at long contexts; "paged": the Triton kernel for every row.
     # Checked on an H100 (tests/kernels/check_cudnn_attention.py, tests/gpu/check_engine.py).

@@ -253,7 +253,11 @@ class LlamaForCausalLM(nn.Module):
         normed, _ = self.model.norm(hidden, residual)
         return normed
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
-        """Under tensor parallelism a collective: every rank calls it on the same rows, in the same order."""
+    def compute_logits(
+        self, hidden: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
+        """Under tensor parallelism a collective: every rank calls it on the same rows, in the same order.
+        `out`: a float32 [n, vocab] tensor the logits are written into (and returned), not a new one."""
         assert self.lm_head is not None, "the LM head is the last pipeline stage's"
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        return logits.float() if out is None else out.copy_(logits)

@@ -6,7 +6,7 @@ step). So the runner captures, once at start-up, the whole forward pass plus the
 input buffers, for two ladders of sizes:
 
 - decode: `bs` rows of one token each, for batch sizes 1, 2, 4, 8, 16, ... up to `max_num_seqs` or
-  `--max-cudagraph-capture-size` (512 by default; larger batches replay a mixed graph or run eagerly);
+  `--max-cudagraph-capture-size` (1024 by default; larger batches replay a mixed graph or run eagerly);
 - mixed: `T` tokens of up to `max_num_seqs` sequences, any of them prefill chunks, for token counts
   up to the step budget. Under load, requests arrive while others decode, so most steps carry a
   prefill chunk or two beside hundreds of decodes; without these graphs every such step runs eager.
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 Hidden = torch.Tensor | None  # a mixed graph's hidden states (the LM head's input); a decode graph keeps none
 
 
-def graph_batch_sizes(max_num_seqs: int, max_capture: int = 512) -> list[int]:
+def graph_batch_sizes(max_num_seqs: int, max_capture: int = 1024) -> list[int]:
     """The decode graphs' batch sizes: 1, 2, 4, 8, then every 16 to 256 and every 128 past it, up to
     the first that holds `max_num_seqs` rows, none above `max_capture`
     (`EngineConfig.max_cudagraph_capture_size`).
@@ -115,9 +115,16 @@ class StepGraphs:
         self.mixed_query_start_loc = zeros(max_num_seqs + 1)
         self.mixed_block_tables = zeros(max_num_seqs, width)
         self.logits_rows = zeros(max_num_seqs, dtype=torch.int64)
-        # Each graph's logits and, for a mixed graph, the hidden states they came from (`run_mixed`), kept
-        # in the graphs' memory pool: 8 KB a token row at an 8B's width in bf16, ~55 MB over the default
-        # ladder's 8 sizes (128 .. 2,048 tokens).
+        # Every graph writes its float32 logits into this one buffer, outside the graphs' pool: a replay's
+        # logits are read (sampled, on the device's queue) before the next replay overwrites them. Kept
+        # per graph they took ~0.5 MB a row at Llama-3's vocabulary in every graph: ~1.1 GB over the
+        # decode ladder to 256, and max_num_seqs rows in each of the 8 mixed graphs.
+        self.logits = torch.empty(
+            (max(max_bs, max_num_seqs), model.config.vocab_size), dtype=torch.float32, device=device
+        )
+        # For a mixed graph, the hidden states its logits came from (`run_mixed`), kept in the graphs'
+        # memory pool: 8 KB a token row at an 8B's width in bf16, ~55 MB over the default ladder's 8 sizes
+        # (128 .. 2,048 tokens).
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, Hidden]] = {}
 
     @property
@@ -138,7 +145,8 @@ class StepGraphs:
             max_seq_len=self.max_model_len,
         )
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], meta)
-        return self.model.compute_logits(hidden), None  # a decode step scores every row: no hidden kept
+        # A decode step scores every row: no hidden states kept.
+        return self.model.compute_logits(hidden, out=self.logits[:bs]), None
 
     def _mixed_forward(self, num_tokens: int) -> tuple[torch.Tensor, Hidden]:
         meta = AttentionMetadata(
@@ -150,7 +158,8 @@ class StepGraphs:
             max_seq_len=self.max_model_len,
         )
         hidden = self.model(self.input_ids[:num_tokens], self.positions[:num_tokens], meta)
-        return self.model.compute_logits(hidden.index_select(0, self.logits_rows)), hidden
+        rows = hidden.index_select(0, self.logits_rows)
+        return self.model.compute_logits(rows, out=self.logits[: len(self.logits_rows)]), hidden
 
     def _forward(self, key: tuple[str, int]) -> tuple[torch.Tensor, Hidden]:  # logits, hidden
         kind, size = key
