@@ -306,3 +306,24 @@ def test_a_repetition_penalty_of_two_halves_positive_and_doubles_negative_logits
     adjusted = Sampler(VOCAB, {EOS}).adjusted_logits(logits, reqs)
     assert adjusted[:, 5].tolist() == [1.5, 1.5] and adjusted[:, 6].tolist() == [-6.0, -6.0]
     assert adjusted[:, 9].tolist() == [3.0, 3.0]
+
+
+def test_plain_greedy_rows_in_the_model_dtype_pick_what_float32_picks() -> None:
+    """A step graph hands the sampler bf16 logits; a batch of plain greedy rows takes their argmax as
+    they are. Ties (bf16 rounds many logits together) and a padded column must come out as through
+    float32, and a row that needs more than the argmax (here its log-probabilities) widens the batch."""
+    torch.manual_seed(0)
+    logits = (torch.randn(6, VOCAB + 28) * 3).to(torch.bfloat16)
+    logits[:, VOCAB + 5] = 100.0  # a padded column of the embedding
+    logits[1, 17] = logits[1, 40] = logits[1, :VOCAB].max() + 1  # a tie: the first wins
+    logits[2, :VOCAB] = 0.0  # all tied
+    want = logits[:, :VOCAB].float().argmax(dim=1).tolist()
+    assert want[1:3] == [17, 0]
+    plain = [_request(_greedy(), i) for i in range(6)]
+    assert [r.token_id for r in Sampler(VOCAB, {EOS})(logits, plain).results()] == want
+    with_logprobs = [*plain[:5], _request(_greedy(logprobs=2), 5)]
+    results = Sampler(VOCAB, {EOS})(logits, with_logprobs).results()
+    assert [r.token_id for r in results] == want
+    assert results[5].logprob == pytest.approx(
+        torch.log_softmax(logits[5, :VOCAB].float(), 0)[want[5]].item()
+    )

@@ -255,9 +255,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(
         self, hidden: torch.Tensor, out: torch.Tensor | None = None
-    ) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
+    ) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32, or out's dtype
         """Under tensor parallelism a collective: every rank calls it on the same rows, in the same order.
-        `out`: a float32 [n, vocab] tensor the logits are written into (and returned), not a new one."""
+        `out`: an [n, vocab] tensor the logits are written into (and returned), not a new float32 one."""
         assert self.lm_head is not None, "the LM head is the last pipeline stage's"
         logits = self.lm_head(hidden)
         return logits.float() if out is None else out.copy_(logits)

@@ -115,12 +115,14 @@ class StepGraphs:
         self.mixed_query_start_loc = zeros(max_num_seqs + 1)
         self.mixed_block_tables = zeros(max_num_seqs, width)
         self.logits_rows = zeros(max_num_seqs, dtype=torch.int64)
-        # Every graph writes its float32 logits into this one buffer, outside the graphs' pool: a replay's
-        # logits are read (sampled, on the device's queue) before the next replay overwrites them. Kept
-        # per graph they took ~0.5 MB a row at Llama-3's vocabulary in every graph: ~1.1 GB over the
-        # decode ladder to 256, and max_num_seqs rows in each of the 8 mixed graphs.
+        # Every graph writes its logits, in the LM head's dtype, into this one buffer outside the graphs'
+        # pool: a replay's logits are read (sampled, on the device's queue) before the next replay
+        # overwrites them. Kept per graph, as float32, they took ~0.5 MB a row at Llama-3's vocabulary
+        # in every graph: ~1.1 GB over the decode ladder to 256, and max_num_seqs rows in each of the 8
+        # mixed graphs. The sampler widens them only where a row needs more than their argmax.
+        head = model.lm_head.weight.dtype if model.lm_head is not None else torch.float32
         self.logits = torch.empty(
-            (max(max_bs, max_num_seqs), model.config.vocab_size), dtype=torch.float32, device=device
+            (max(max_bs, max_num_seqs), model.config.vocab_size), dtype=head, device=device
         )
         # For a mixed graph, the hidden states its logits came from (`run_mixed`), kept in the graphs'
         # memory pool: 8 KB a token row at an 8B's width in bf16, ~55 MB over the default ladder's 8 sizes
@@ -233,7 +235,7 @@ class StepGraphs:
         block_tables: np.ndarray,
         fill_inputs: Callable[[torch.Tensor], None] | None = None,
         token_slots: np.ndarray | None = None,
-    ) -> torch.Tensor:  # [bs, vocab] float32 logits
+    ) -> torch.Tensor:  # [bs, vocab] logits in the LM head's dtype
         """Replay the smallest decode graph that holds this batch (rows of one token each).
         `fill_inputs` writes, on the device, the input ids the host does not know yet; `token_slots`:
         each token's LoRA slot (with adapters)."""
@@ -251,7 +253,7 @@ class StepGraphs:
         logits_rows: np.ndarray,
         fill_inputs: Callable[[torch.Tensor], None] | None = None,
         token_slots: np.ndarray | None = None,
-    ) -> torch.Tensor:  # [len(logits_rows), vocab] float32 logits
+    ) -> torch.Tensor:  # [len(logits_rows), vocab] logits (the LM head's dtype; float32 past the rows)
         """Replay the smallest mixed graph that holds this flattened batch (`ModelRunner.prepare`'s
         layout) and return the logits of the token rows `logits_rows`. The graphs compute the logits of
         up to `max_num_seqs` rows (one a sequence); a speculative verify step scores each drafting

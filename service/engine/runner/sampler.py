@@ -156,6 +156,20 @@ class BitmaskStaging:
         return staged
 
 
+def _argmax_of_raw_logits(r: Request) -> bool:
+    """Whether `r`'s next token is the argmax of its logits as the model gave them: greedy, without
+    log-probabilities, and nothing moves a logit (penalties, logit_bias, min_tokens' bans)."""
+    p = r.params
+    return (
+        p.is_greedy
+        and p.logprobs is None
+        and not p.logit_bias
+        and not (p.presence_penalty or p.frequency_penalty)
+        and p.repetition_penalty == 1.0
+        and r.num_output_tokens >= p.min_tokens
+    )
+
+
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: set[int]) -> None:
         self.vocab_size = vocab_size
@@ -165,9 +179,18 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, reqs: list[Request], grammar: GrammarBitmask | None = None
     ) -> SampledBatch:
-        """`logits`: [num_rows, vocab] float32, one row per request in `reqs`; `grammar`: the allowed
-        tokens of the rows under a grammar (its rows index `reqs`). Queues the sampling and the copies
-        back; `results()` of what it returns waits for them."""
+        """`logits`: [num_rows, vocab] float32 (or the LM head's dtype, from a step graph), one row per
+        request in `reqs`; `grammar`: the allowed tokens of the rows under a grammar (its rows index
+        `reqs`). Queues the sampling and the copies back; `results()` of what it returns waits for them.
+
+        A batch of plain greedy rows takes the argmax of the logits as they are: the same token as
+        through float32 (a widening is exact, and argmax keeps the first of equal values either way),
+        without a float32 copy of the batch's logits (~0.2 ms a step at 512 rows of a 128k
+        vocabulary on an H100)."""
+        if grammar is None and all(_argmax_of_raw_logits(r) for r in reqs):
+            tokens = logits[:, : self.vocab_size].argmax(dim=1)
+            host, ready = _to_host([tokens])
+            return SampledBatch(tokens, host, ready, [None] * len(reqs))
         device = logits.device
         params = [r.params for r in reqs]
         logits = self.adjusted_logits(logits, reqs)
