@@ -47,7 +47,7 @@ def graph_batch_sizes(max_num_seqs: int, max_capture: int = 1024) -> list[int]:
     (`EngineConfig.max_cudagraph_capture_size`).
 
     Past 256 the steps are whole 128-row tiles of the fp8 GEMMs: on an H100 a 448-row decode graph's
-    projections took 1.27x a 512-row one's (BENCHMARKS.md, 2026-12-06, fifteenth session). The first
+    projections took 1.23x a 512-row one's (BENCHMARKS.md, 2026-12-06, fifteenth session). The first
     size past `max_num_seqs` is kept so that a full batch still replays a decode graph (padded) rather
     than a mixed graph, which pads to its token ladder and launches the prefill kernel too."""
     ladder = [1, 2, 4, 8, *range(16, 257, 16), *range(384, max(max_num_seqs, 384) + 128, 128)]
