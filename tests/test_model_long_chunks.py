@@ -3,7 +3,9 @@ answers as the paged path, in a batch that mixes them with decodes and short pre
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -74,12 +76,23 @@ def test_the_engine_sends_long_chunks_through_cudnn_by_default(
 ) -> None:
     """The engine's default (`long_prefill_attention="cudnn"`) hands an eager step's long chunks to
     `cudnn_attention` and gives the paged engine's greedy tokens; "paged" never calls it. The threshold is
-    lowered to 8 tokens, so a 19-token prompt in chunks of 12 and 7 takes the path once."""
+    lowered to 8 tokens, so a 19-token prompt in chunks of 12 and 7 takes the path once. The calls hand
+    cuDNN token-major views (K and V gathered token-major), the layout timed faster on a GPU."""
     from pagoda.service.engine.runner import model_runner
     from pagoda.service.llm import LLM
     from pagoda.service.sampling_params import SamplingParams
 
     monkeypatch.setattr(model_runner, "LONG_CHUNK_TOKENS", 8)
+    layouts: list[bool] = []
+    real_gather = cudnn_attention.gather_context
+
+    def gather(*args: Any, **kwargs: Any) -> torch.Tensor:
+        call = inspect.signature(real_gather).bind(*args, **kwargs)
+        call.apply_defaults()
+        layouts.append(call.arguments["token_major"])
+        return real_gather(*args, **kwargs)
+
+    monkeypatch.setattr(cudnn_attention, "gather_context", gather)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     common: dict = {"dtype": "bfloat16", "device": "cpu", "max_num_batched_tokens": 12, "enforce_eager": True}
     outputs = {}
@@ -89,6 +102,7 @@ def test_the_engine_sends_long_chunks_through_cudnn_by_default(
             outputs[attention] = llm.generate([PROMPT], params)[0].outputs[0].token_ids
         assert (cudnn_calls[0] - before > 0) == (attention == "cudnn"), (attention, cudnn_calls[0] - before)
     assert outputs["cudnn"] == outputs["paged"]
+    assert layouts and all(layouts), layouts
 
 
 def test_warm_up_attends_the_budgets_chunk_behind_whole_budget_prefixes(
@@ -192,6 +206,8 @@ def test_the_gather_reads_the_table_s_blocks_and_zeros_past_the_context() -> Non
     for layout in (cache, token_major_copy(cache)):
         got = cudnn_attention.gather_context(layout, blocks, 7, torch.bfloat16)
         assert got.shape == (2, 7, 8) and torch.equal(got, want)
+        tokens = cudnn_attention.gather_context(layout, blocks, 7, torch.bfloat16, token_major=True)
+        assert tokens.shape == (7, 2, 8) and torch.equal(tokens, want.transpose(0, 1))
         padded = cudnn_attention.gather_context(layout, blocks, 7, torch.bfloat16, 12)
         assert padded.shape == (2, 12, 8) and torch.equal(padded[:, :7], want)
         assert not padded[:, 7:].any()
