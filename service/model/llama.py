@@ -259,5 +259,4 @@ class LlamaForCausalLM(nn.Module):
         """Under tensor parallelism a collective: every rank calls it on the same rows, in the same order.
         `out`: an [n, vocab] tensor the logits are written into (and returned), not a new float32 one."""
         assert self.lm_head is not None, "the LM head is the last pipeline stage's"
-        logits = self.lm_head(hidden)
-        return logits.float() if out is None else out.copy_(logits)
+        return self.lm_head(hidden).float() if out is None else self.lm_head(hidden, out)

@@ -130,8 +130,12 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """The same row split as the embedding (so tied weights are one tensor); logits are gathered."""
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab] logits, written into `out` when given (one rank: by the GEMM itself
+        where `out` has the weights' dtype, as F.linear's own matmul; else copied in)."""
+        if self.tp.size == 1 and out is not None and out.dtype == self.weight.dtype:
+            return torch.matmul(hidden, self.weight.t(), out=out)
         logits = F.linear(hidden, self.weight)
-        if self.tp.size == 1:
-            return logits
-        return self.tp.all_gather(logits)[:, : self.vocab_size]
+        if self.tp.size > 1:
+            logits = self.tp.all_gather(logits)[:, : self.vocab_size]
+        return logits if out is None else out.copy_(logits)
