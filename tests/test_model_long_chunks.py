@@ -228,6 +228,15 @@ def test_cudnn_runs_16_bit_queries_with_head_dims_multiple_of_8_up_to_128_on_the
     assert not cudnn_attention.is_supported(torch.zeros(2, 4, 64, dtype=torch.bfloat16, device="meta"))
 
 
+def test_the_gather_refuses_a_cache_whose_blocks_are_not_contiguous_runs() -> None:
+    """A slice of each block's slots, or one block broadcast over the table, is no flat row a block."""
+    cache = torch.zeros(6, 4, 2, 8, dtype=torch.bfloat16)
+    blocks = torch.tensor([4, 1], dtype=torch.int32)
+    for layout in (cache[:, :2], cache[:1].expand(6, 4, 2, 8)):
+        with pytest.raises(ValueError, match="cache blocks must be contiguous runs"):
+            cudnn_attention.gather_context(layout, blocks, 2, torch.bfloat16)
+
+
 def test_the_attention_call_refuses_keys_and_values_of_other_lengths() -> None:
     """PyTorch's CPU op would read past a K view shorter than V (or than a causal call's queries)."""
     q = torch.zeros(1, 4, 8, 16, dtype=torch.bfloat16)
@@ -236,6 +245,7 @@ def test_the_attention_call_refuses_keys_and_values_of_other_lengths() -> None:
         (kv[:, :, :4], kv, False),
         (kv, kv[:, :, :4], False),
         (kv[:, :, :4], kv[:, :, :4], True),
+        (torch.cat([kv, kv], 2), torch.cat([kv, kv], 2), True),  # a causal call's queries are its keys
     ):
         with pytest.raises(ValueError, match="cudnn_attention: q"):
             cudnn_attention._attend(q, k, v, causal, 0.25)
