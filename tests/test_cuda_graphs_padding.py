@@ -83,8 +83,16 @@ class _Counting(StepGraphs):
         return logits
 
 
-@pytest.mark.parametrize("is_async", [False, True], ids=["in-turn", "async"])
-def test_padded_graph_steps_give_the_eager_outputs(llama_ckpt: Path, is_async: bool) -> None:
+@pytest.mark.parametrize(
+    ("is_async", "max_capture"),
+    [(False, 1024), (True, 1024), (False, 8)],
+    ids=["in-turn", "async", "capture-8"],
+)
+def test_padded_graph_steps_give_the_eager_outputs(
+    llama_ckpt: Path, is_async: bool, max_capture: int
+) -> None:
+    """`max_capture` 8: decode steps of 9-24 rows take the mixed graphs, which score more rows than the
+    largest decode graph holds (the shared logits buffer must hold max_num_seqs rows)."""
     config = EngineConfig(
         model=str(llama_ckpt), dtype="float32", async_scheduling=is_async, max_num_batched_tokens=160,
         max_num_seqs=24, kv_cache_memory_bytes=8 << 20,
@@ -96,7 +104,7 @@ def test_padded_graph_steps_give_the_eager_outputs(llama_ckpt: Path, is_async: b
     runner = engine.runner.runner
     graphs = _Counting(
         runner.model, runner.device, config.max_num_seqs, config.max_num_batched_tokens,
-        runner.max_model_len, config.block_size, capture=False,
+        runner.max_model_len, config.block_size, capture=False, max_capture=max_capture,
     )  # fmt: skip
     runner.graphs = graphs
     got = _run(engine, work)

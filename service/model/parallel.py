@@ -132,7 +132,12 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] logits, written into `out` when given (one rank: by the GEMM itself
-        where `out` has the weights' dtype, as F.linear's own matmul; else copied in)."""
+        where `out` has the weights' dtype, as F.linear's own matmul; else copied in). An `out` of
+        another shape is refused: matmul would reallocate it (inside a CUDA graph's capture too)."""
+        if out is not None and out.shape != (hidden.shape[0], self.vocab_size):
+            raise ValueError(
+                f"LM head: out {tuple(out.shape)} for {hidden.shape[0]} rows of {self.vocab_size}"
+            )
         if self.tp.size == 1 and out is not None and out.dtype == self.weight.dtype:
             return torch.matmul(hidden, self.weight.t(), out=out)
         logits = F.linear(hidden, self.weight)

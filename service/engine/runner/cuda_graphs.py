@@ -52,7 +52,7 @@ def graph_batch_sizes(max_num_seqs: int, max_capture: int = 1024) -> list[int]:
     than a mixed graph, which pads to its token ladder and launches the prefill kernel too."""
     ladder = [1, 2, 4, 8, *range(16, 257, 16), *range(384, max(max_num_seqs, 384) + 128, 128)]
     holds = next(bs for bs in ladder if bs >= max_num_seqs)
-    return [bs for bs in ladder if bs <= min(holds, max_capture)] or [1]
+    return [bs for bs in ladder if bs <= min(holds, max_capture)]
 
 
 def mixed_token_sizes(max_num_batched_tokens: int, limit: int = 2048) -> list[int]:
