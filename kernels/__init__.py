@@ -138,16 +138,21 @@ def rotary_embedding(
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     scaled_dtype: torch.dtype | None = None,
     q_out: torch.Tensor | None = None,
+    kv_out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Rotary position embedding in the rotate-half (GPT-NeoX / Hugging Face Llama) layout. `kv_write`:
     (value, k_cache, v_cache, slot_mapping, k_scale, v_scale): then write the rotated K and the V into
     the cache too, as `write_kv(k, *kv_write)` after it (one launch on the GPU). `scales` (row, column):
     q, k, v are an fp8 qkv product still to be scaled into `scaled_dtype`; the rotated q goes to `q_out`,
-    k and v to the cache only."""
+    k and v to the cache only. `q_out` without `scales`: the rotated q goes there, q stays. `kv_out`
+    (with `kv_write`): the rotated K and the V in q's (or `scaled_dtype`) dtype go there as well."""
     if use_triton(q):
         fn = _triton_fn("rotary", "rotary_embedding")
-        fn(positions, q, k, cos_sin_cache, kv_write, scales=scales, scaled_dtype=scaled_dtype, q_out=q_out)
+        fn(positions, q, k, cos_sin_cache, kv_write, scales=scales, scaled_dtype=scaled_dtype, q_out=q_out,
+           kv_out=kv_out)  # fmt: skip
         return
+    if kv_out is not None and kv_write is None:
+        raise ValueError("rotary_embedding: kv_out goes with kv_write")
     if scales is not None:
         assert kv_write is not None and q_out is not None and scaled_dtype is not None
         row, col = scales
@@ -160,10 +165,16 @@ def rotary_embedding(
         kv_write = (v, *kv_write[1:])  # type: ignore[assignment]
         reference.rotary_embedding(positions, q, k, cos_sin_cache)
         q_out.copy_(q)
+    elif q_out is not None:
+        q_out.copy_(q)
+        reference.rotary_embedding(positions, q_out, k, cos_sin_cache)
     else:
         reference.rotary_embedding(positions, q, k, cos_sin_cache)
     if kv_write is not None:
         reference.write_kv(k, *kv_write)
+        if kv_out is not None:
+            kv_out[0].copy_(k)
+            kv_out[1].copy_(kv_write[0])
 
 
 @dataclass(frozen=True)

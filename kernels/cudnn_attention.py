@@ -125,6 +125,35 @@ def transient_bytes(
     return 2 * num_kv_heads * keys * head_dim * size + num_heads * rows * (3 * head_dim * size + 2 * 4)
 
 
+def prompt_attention(
+    q: torch.Tensor,  # [>= rows, num_heads, head_dim]: the step's rotated queries from the prompt's first
+    k: torch.Tensor,  # [>= rows, num_kv_heads, head_dim]: its rotated keys (`rotary_embedding(kv_out=)`)
+    v: torch.Tensor,  # [>= rows, num_kv_heads, head_dim]
+    q_len: int,  # the prompt's tokens: the whole context (no cached prefix)
+    scale: float,
+    out: torch.Tensor,  # [q_len, num_heads, head_dim], written
+    bucket: int | None = None,  # SHAPE_BUCKET
+) -> None:
+    """Causal attention of a whole prompt over its own keys and values, as this step computed them (in
+    q's dtype, before an fp8 cache rounds them), where `chunk_attention` would gather them back from the
+    cache: one call on strided head-major views of the step's token-major rows.
+
+    The call's length is `q_len` rounded up to `bucket` (cuDNN builds a plan per shape), so it reads
+    `rows - q_len` rows past the prompt: whatever follows it in the step (the next sequence's tokens,
+    or the zeroed rows the caller leaves past the step's end). Under the top-left causal mask a real
+    query at position p sees keys 0..p only, never those rows; their own outputs are dropped."""
+    bucket = bucket or SHAPE_BUCKET
+    rows = -(-q_len // bucket) * bucket
+    if out.shape[0] != q_len or q_len < 1 or any(t.shape[0] < rows for t in (q, k, v)):
+        raise ValueError(
+            f"prompt_attention: a {q_len}-token prompt takes {rows} rows of q, k and v (got "
+            f"{q.shape[0]}, {k.shape[0]}, {v.shape[0]}) and an out of {q_len} (got {out.shape[0]})"
+        )
+    qh, kh, vh = (t[:rows].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    own, _ = _attend(qh, kh, vh, causal=True, scale=scale)
+    out.copy_(own[:, :q_len].transpose(0, 1))
+
+
 def chunk_attention(
     q: torch.Tensor,  # [q_len, num_heads, head_dim]: the last q_len positions of the context
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]

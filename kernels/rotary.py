@@ -54,6 +54,27 @@ def _load_heads(
 
 
 @triton.jit
+def _store_heads(
+    out_ptr,  # [num_tokens, heads, head_dim]
+    token,
+    first,  # [BLOCK_H, BLOCK_HALF]: the first half of head_dim
+    second,
+    num_heads,
+    stride_t,
+    stride_h,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    heads = tl.arange(0, BLOCK_H)
+    offs = tl.arange(0, BLOCK_HALF)
+    mask = (heads < num_heads)[:, None] & (offs < HALF)[None, :]
+    ptrs = out_ptr + token * stride_t + heads[:, None] * stride_h + offs[None, :]
+    tl.store(ptrs, first.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptrs + HALF, second.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rotate(
     x_ptr,  # [num_tokens, heads, head_dim] of this tensor (q or k)
     out_ptr,  # where the rotated heads go (x_ptr: in place), when STORE
@@ -81,12 +102,7 @@ def _rotate(
     o1 = (x1f * cos[None, :] - x2f * sin[None, :]).to(x1.dtype)
     o2 = (x2f * cos[None, :] + x1f * sin[None, :]).to(x1.dtype)
     if STORE:
-        heads = tl.arange(0, BLOCK_H)
-        offs = tl.arange(0, BLOCK_HALF)
-        mask = (heads < num_heads)[:, None] & (offs < HALF)[None, :]
-        ptrs = out_ptr + token * stride_ot + heads[:, None] * stride_oh + offs[None, :]
-        tl.store(ptrs, o1.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(ptrs + HALF, o2.to(out_ptr.dtype.element_ty), mask=mask)
+        _store_heads(out_ptr, token, o1, o2, num_heads, stride_ot, stride_oh, HALF, BLOCK_HALF, BLOCK_H)
     return o1, o2
 
 
@@ -137,6 +153,8 @@ def _rotary_kernel(
     k_scale,
     v_scale,
     q_out_ptr,  # [num_tokens, num_heads, head_dim] in DTYPE (q_ptr: in place)
+    k_out_ptr,  # [num_tokens, num_kv_heads, head_dim] in DTYPE: the rotated K (KV_OUT)
+    v_out_ptr,  # [num_tokens, num_kv_heads, head_dim] in DTYPE: the V (KV_OUT)
     row_scale_ptr,  # [num_tokens] float32 (SCALED)
     col_scale_ptr,  # [(num_heads + 2 * num_kv_heads) * head_dim] float32, q's columns, k's, v's (SCALED)
     num_heads,
@@ -150,6 +168,10 @@ def _rotary_kernel(
     stride_vh,
     stride_qot,
     stride_qoh,
+    stride_kot,
+    stride_koh,
+    stride_vot,
+    stride_voh,
     stride_kcb,
     stride_kcs,
     stride_kch,
@@ -167,6 +189,7 @@ def _rotary_kernel(
     QUANT: tl.constexpr,  # the cache is fp8
     SCALED: tl.constexpr,  # q, k, v are an unscaled fp8 product: scale into DTYPE first; k is not stored
     DTYPE: tl.constexpr,
+    KV_OUT: tl.constexpr,  # also store the rotated K and the V in DTYPE (with WRITE_KV)
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
@@ -191,6 +214,13 @@ def _rotary_kernel(
                     stride_kcd, HALF, BLOCK_HALF, BLOCK_HK, BLOCK_SIZE, QUANT)  # fmt: skip
         _store_slot(v_cache_ptr, slot, v1, v2, v_scale, num_kv_heads, stride_vcb, stride_vcs, stride_vch,
                     stride_vcd, HALF, BLOCK_HALF, BLOCK_HK, BLOCK_SIZE, QUANT)  # fmt: skip
+        if KV_OUT:
+            _store_heads(
+                k_out_ptr, token, k1, k2, num_kv_heads, stride_kot, stride_koh, HALF, BLOCK_HALF, BLOCK_HK
+            )
+            _store_heads(
+                v_out_ptr, token, v1, v2, num_kv_heads, stride_vot, stride_voh, HALF, BLOCK_HALF, BLOCK_HK
+            )
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -207,6 +237,7 @@ def rotary_embedding(
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # (row [num_tokens, 1], column [1, q+k+v])
     scaled_dtype: torch.dtype | None = None,
     q_out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim] in scaled_dtype
+    kv_out: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([num_tokens, num_kv_heads, head_dim],) x 2
 ) -> None:
     """Rotary position embedding in the rotate-half (GPT-NeoX / Hugging Face Llama) layout. With
     `kv_write`, the same launch then stores the rotated K and the V into their cache slots, as
@@ -215,7 +246,12 @@ def rotary_embedding(
     With `scales` (and `kv_write`, `scaled_dtype`, `q_out`), q, k and v are column ranges of an fp8
     qkv projection's product that `torch._scaled_mm` ran with unit scales: each is scaled first, as
     `quant.scale_product(qkv, *scales, scaled_dtype)` would, then the rotated q goes to `q_out` and k
-    and v to the cache only (k is left as it was)."""
+    and v to the cache only (k is left as it was).
+
+    `kv_out` (with `kv_write`): the same launch also stores the rotated K and the V, as the cache gets
+    them but in q's dtype (`scaled_dtype` with `scales`), for attention over a prompt's own keys and
+    values without reading them back from the cache (`cudnn_attention.prompt_attention`). `q_out`
+    serves without `scales` too: the rotated q goes there, q is left as it was."""
     if q.dim() != 3 or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise ValueError(
             "rotary_embedding: want q [num_tokens, num_heads, head_dim], "
@@ -248,6 +284,10 @@ def rotary_embedding(
     if scales is not None:
         _check_scales(q, k, kv_write, scales, scaled_dtype, q_out)
         assert q_out is not None and scaled_dtype is not None
+    elif q_out is not None and (q_out.shape != q.shape or q_out.dtype != q.dtype or q_out.stride(-1) != 1):
+        raise ValueError(f"rotary_embedding: q_out must be like q, {q.dtype} {tuple(q.shape)}")
+    if kv_out is not None:
+        _check_kv_out(k, kv_write, kv_out, scaled_dtype or q.dtype)
     if num_tokens == 0:
         return
     half = head_dim // 2
@@ -255,18 +295,20 @@ def rotary_embedding(
         kv_write if kv_write is not None else (k, k, k, positions, 1.0, 1.0)
     )
     q_out = q if q_out is None else q_out
+    k_out, v_out = kv_out if kv_out is not None else (k, k)
     row_scale, col_scale = (t.contiguous() for t in scales) if scales is not None else (positions, positions)
     _rotary_kernel[(num_tokens,)](
         positions, q, k, cos_sin_cache, v, k_cache, v_cache, slots, float(k_scale), float(v_scale),
-        q_out, row_scale, col_scale,
+        q_out, k_out, v_out, row_scale, col_scale,
         num_heads, k.shape[1], q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
         v.stride(0), v.stride(1), q_out.stride(0), q_out.stride(1),
+        k_out.stride(0), k_out.stride(1), v_out.stride(0), v_out.stride(1),
         *_cache_strides(k_cache), *_cache_strides(v_cache),
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
         WRITE_KV=kv_write is not None, BLOCK_SIZE=k_cache.shape[1] if kv_write is not None else 1,
         QUANT=k_cache.dtype == FP8_CACHE, SCALED=scales is not None,
-        DTYPE=_TL_DTYPES[scaled_dtype or q.dtype], num_warps=4,
+        DTYPE=_TL_DTYPES[scaled_dtype or q.dtype], KV_OUT=kv_out is not None, num_warps=4,
     )  # fmt: skip
 
 
@@ -292,6 +334,22 @@ def _check_scales(
         raise ValueError(
             f"rotary_embedding: q_out must be {scaled_dtype} {tuple(q.shape)}, contiguous in head_dim"
         )
+
+
+def _check_kv_out(
+    k: torch.Tensor,
+    kv_write: KVWrite | None,
+    kv_out: tuple[torch.Tensor, torch.Tensor],
+    dtype: torch.dtype,
+) -> None:
+    if kv_write is None:
+        raise ValueError("rotary_embedding: kv_out goes with kv_write (its launch loads V)")
+    for t in kv_out:
+        if t.shape != k.shape or t.dtype != dtype or t.stride(-1) != 1 or t.device != k.device:
+            raise ValueError(
+                f"rotary_embedding: kv_out must be {dtype} {tuple(k.shape)} on {k.device}, contiguous in "
+                f"head_dim; got {[(t.dtype, tuple(t.shape), t.device) for t in kv_out]}"
+            )
 
 
 def _cache_strides(cache: torch.Tensor) -> tuple[int, ...]:  # (block, slot, head, dim); 0s for a stand-in

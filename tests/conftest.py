@@ -391,15 +391,22 @@ def smollm2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 @pytest.fixture
 def cudnn_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """`[n]`: how many times `cudnn_attention.chunk_attention` ran during the test (it still runs)."""
+    """`[n, whole]`: how many times `cudnn_attention.chunk_attention` or `prompt_attention` ran during the
+    test, and `prompt_attention` alone (both still run)."""
     from pagoda.kernels import cudnn_attention
 
-    calls = [0]
-    real = cudnn_attention.chunk_attention
+    calls = [0, 0]
 
-    def counted(*args: Any, **kwargs: Any) -> None:
-        calls[0] += 1
-        real(*args, **kwargs)
+    def counting(name: str, whole: bool) -> None:
+        real = getattr(cudnn_attention, name)
 
-    monkeypatch.setattr(cudnn_attention, "chunk_attention", counted)
+        def counted(*args: Any, **kwargs: Any) -> None:
+            calls[0] += 1
+            calls[1] += whole
+            real(*args, **kwargs)
+
+        monkeypatch.setattr(cudnn_attention, name, counted)
+
+    counting("chunk_attention", False)
+    counting("prompt_attention", True)
     return calls

@@ -38,13 +38,14 @@ def test_a_step_leaves_room_for_a_long_chunk_s_gathered_context() -> None:
     """`step_activation_bytes`: the largest step's activations and float32 logits, plus, where prompt
     chunks of the budget's length attend through cuDNN, their gathered context at the longest context
     (`cudnn_attention.transient_bytes`); not where they attend paged (the flag, fp32, a budget under
-    LONG_CHUNK_TOKENS). A draft model's step adds its own activations and logits."""
+    LONG_CHUNK_TOKENS). From WHOLE_PROMPT_TOKENS whole prompts' own K and V rows too, a bucket past the
+    step. A draft model's step adds its own activations and logits."""
     import torch
 
     from pagoda.kernels.cudnn_attention import transient_bytes
     from pagoda.service.engine.config import EngineConfig
     from pagoda.service.engine.runner.model_runner import step_activation_bytes
-    from pagoda.service.model.attention import LONG_CHUNK_TOKENS, PagedAttention
+    from pagoda.service.model.attention import LONG_CHUNK_TOKENS, WHOLE_PROMPT_TOKENS, PagedAttention
     from pagoda.service.model.config import ModelConfig
 
     raw = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 64}
@@ -61,17 +62,24 @@ def test_a_step_leaves_room_for_a_long_chunk_s_gathered_context() -> None:
         config = EngineConfig(max_num_batched_tokens=8192, max_num_seqs=4, **fields)  # type: ignore[arg-type]
         return step_activation_bytes(config, mc, attention, dtype, cpu, draft_config)
 
+    def own(tokens: int) -> int:  # whole prompts' K and V, 2 kv heads of 16 in bf16, 512 rows past the step
+        return 2 * (tokens + 512) * 2 * 16 * 2
+
     step = 8192 * (4 * 64 + 3 * 128) * 2 + 3 * 4 * 100 * 4
     assert step_bytes(long_prefill_attention="paged") == step
-    assert step_bytes() == step + transient_bytes(8192, 65536, 4, 2, 16, bf16)
-    assert step_bytes(max_model_len=16384) == step + transient_bytes(8192, 16384, 4, 2, 16, bf16)
+    assert step_bytes() == step + transient_bytes(8192, 65536, 4, 2, 16, bf16) + own(8192)
+    assert step_bytes(max_model_len=16384) == step + transient_bytes(8192, 16384, 4, 2, 16, bf16) + own(8192)
     assert step_bytes(torch.float32) == 2 * step - 3 * 4 * 100 * 4  # fp32 queries: the paged kernel
-    few = EngineConfig(max_num_batched_tokens=LONG_CHUNK_TOKENS - 1, max_num_seqs=4)
-    small_step = (LONG_CHUNK_TOKENS - 1) * (4 * 64 + 3 * 128) * 2 + 3 * 4 * 100 * 4
-    assert step_activation_bytes(few, mc, attention, bf16, cpu) == small_step
+    for tokens in (LONG_CHUNK_TOKENS - 1, WHOLE_PROMPT_TOKENS, WHOLE_PROMPT_TOKENS - 1):
+        few = EngineConfig(max_num_batched_tokens=tokens, max_num_seqs=4)
+        small_step = tokens * (4 * 64 + 3 * 128) * 2 + 3 * 4 * 100 * 4
+        whole = own(tokens) if tokens >= WHOLE_PROMPT_TOKENS else 0
+        assert step_activation_bytes(few, mc, attention, bf16, cpu) == small_step + whole, tokens
     at = EngineConfig(max_num_batched_tokens=LONG_CHUNK_TOKENS, max_num_seqs=4)
     at_step = LONG_CHUNK_TOKENS * (4 * 64 + 3 * 128) * 2 + 3 * 4 * 100 * 4
     long_chunk = transient_bytes(LONG_CHUNK_TOKENS, 65536, 4, 2, 16, bf16)
-    assert step_activation_bytes(at, mc, attention, bf16, cpu) == at_step + long_chunk
+    assert step_activation_bytes(at, mc, attention, bf16, cpu) == at_step + long_chunk + own(
+        LONG_CHUNK_TOKENS
+    )
     with_draft = step_bytes(long_prefill_attention="paged", draft_config=draft)
     assert with_draft == step + 8192 * (4 * 32 + 3 * 48) * 2 + 3 * 4 * 100 * 4

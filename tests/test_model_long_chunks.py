@@ -20,7 +20,8 @@ PROMPT = [1, 504, 3458, 282, 4649, 314, 17535, 30, 378, 3821, 5284, 281, 260, 72
 
 
 def test_the_split_names_each_long_chunk_and_lays_out_the_runs_between() -> None:
-    """Rows 1 and 3 are long: the runs are rows [0], [2] and [4], each with its own query offsets."""
+    """Rows 1 and 3 are long: the runs are rows [0], [2] and [4], each with its own query offsets. A
+    whole prompt is long from `whole_prompt_tokens`."""
     lens = np.array([1, 9, 3, 12, 1])
     starts = np.concatenate([[0], np.cumsum(lens)])
     seq_lens = np.array([40, 30, 3, 50, 7])
@@ -43,6 +44,14 @@ def test_the_split_names_each_long_chunk_and_lays_out_the_runs_between() -> None
     assert not middle.long_chunks and not middle.paged_runs
     plain = attention_metadata(batch, torch.device("cpu"), long_chunk_tokens=13)
     assert not plain.long_chunks and not plain.paged_runs
+    # Whole prompts (no cached prefix: row 2, 3 tokens of 3) from their own, lower threshold; row 1's
+    # 9 tokens behind a prefix stay below the long-chunk one.
+    whole = attention_metadata(batch, torch.device("cpu"), long_chunk_tokens=13, whole_prompt_tokens=3)
+    assert whole.long_chunks == (LongChunk(2, 10, 13, 3),) and whole.long_chunks[0].whole_prompt
+    assert [(start, end) for start, end, _ in whole.paged_runs] == [(0, 10), (13, 26)]
+    assert not meta.long_chunks[0].whole_prompt
+    for above in (4, 13):
+        assert not attention_metadata(batch, torch.device("cpu"), 13, above).long_chunks
 
 
 @pytest.mark.parametrize("bucket", [4, 512])
@@ -71,18 +80,54 @@ def test_long_chunks_give_the_paged_paths_logits(
     assert taken == 4  # the chunks of 7, 19, 12 and 8 tokens
 
 
+def test_whole_prompts_under_fp8_attend_the_rotary_launch_s_scaled_keys_and_values(
+    llama_ckpt: Path, paged_runner, monkeypatch: pytest.MonkeyPatch, cudnn_calls: list[int]
+) -> None:
+    """W8A8 hands the rotary launch qkv_proj's unscaled product: for a whole prompt it scales and
+    rotates K and V into the step's own rows too (`kv_out`), which `prompt_attention` reads instead of
+    the cache. The product is `torch._scaled_mm`'s on a GPU: a stand-in (the float32 product of the
+    codes, as tests/test_fp8.py's) holds the wiring here. A bf16 cache holds those K and V bit for bit,
+    so the logits are exactly those of the same chunks gathered back from the cache (`chunk_attention`,
+    the own rows switched off); against the paged kernel fp8 activations amplify the two kernels' bf16
+    rounding (up to 0.26 here), which the bf16 test above bounds."""
+    from pagoda.kernels import reference
+    from pagoda.service.model.attention import PagedAttention
+    from pagoda.service.model.fp8 import Fp8Linear, ScaledProduct, quantize_model_fp8
+
+    def unscaled_product_gpu_stand_in(self: Fp8Linear, x: object) -> ScaledProduct:
+        xq, x_scale = x if isinstance(x, tuple) else reference.quantize_fp8_rows(x)  # type: ignore[arg-type]
+        return ScaledProduct(xq.float() @ self.weight.float().t(), x_scale, self.weight_scale, self.out_dtype)
+
+    model, _ = load_model(llama_ckpt, dtype=torch.bfloat16)
+    quantize_model_fp8(model, torch.device("cpu"))
+    assert all(layer.self_attn.defer_qkv_scales for layer in model.model.layers)
+    monkeypatch.setattr(Fp8Linear, "product_with_scales", unscaled_product_gpu_stand_in)
+    steps = ({0: PROMPT, 1: PROMPT[:3]}, {0: [5], 1: [9], 2: PROMPT[:11]})
+    own = paged_runner(model, long_chunk_tokens=6)
+    got = [own.step(chunks) for chunks in steps]
+    assert cudnn_calls == [2 * len(model.model.layers)] * 2  # the 19- and 11-token prompts, every layer
+    monkeypatch.setattr(PagedAttention, "_own_rows", lambda *args: None)
+    gathered = paged_runner(model, long_chunk_tokens=6)
+    for chunks, g in zip(steps, got, strict=True):
+        for a, b in zip(g, gathered.step(chunks), strict=True):
+            assert torch.equal(a, b)
+    assert cudnn_calls == [4 * len(model.model.layers), 2 * len(model.model.layers)]  # from the cache
+
+
 def test_the_engine_sends_long_chunks_through_cudnn_by_default(
     llama_ckpt: Path, monkeypatch: pytest.MonkeyPatch, cudnn_calls: list[int]
 ) -> None:
     """The engine's default (`long_prefill_attention="cudnn"`) hands an eager step's long chunks to
     `cudnn_attention` and gives the paged engine's greedy tokens; "paged" never calls it. The threshold is
-    lowered to 8 tokens, so a 19-token prompt in chunks of 12 and 7 takes the path once. The calls hand
-    cuDNN token-major views (K and V gathered token-major), the layout timed faster on a GPU."""
+    lowered to 6 tokens, so a 19-token prompt in chunks of 12 and 7 takes the path twice: the first chunk,
+    a whole prompt, on the step's own K/V (`prompt_attention`), the second behind its cached prefix
+    (`chunk_attention`), which hands cuDNN token-major views (K and V gathered token-major), the layout
+    timed faster on a GPU."""
     from pagoda.service.engine.runner import model_runner
     from pagoda.service.llm import LLM
     from pagoda.service.sampling_params import SamplingParams
 
-    monkeypatch.setattr(model_runner, "LONG_CHUNK_TOKENS", 8)
+    monkeypatch.setattr(model_runner, "LONG_CHUNK_TOKENS", 6)
     layouts: list[bool] = []
     real_gather = cudnn_attention.gather_context
 
@@ -97,10 +142,11 @@ def test_the_engine_sends_long_chunks_through_cudnn_by_default(
     common: dict = {"dtype": "bfloat16", "device": "cpu", "max_num_batched_tokens": 12, "enforce_eager": True}
     outputs = {}
     for attention in ("paged", "cudnn"):
-        before = cudnn_calls[0]
+        before = list(cudnn_calls)
         with LLM(str(llama_ckpt), long_prefill_attention=attention, **common) as llm:
             outputs[attention] = llm.generate([PROMPT], params)[0].outputs[0].token_ids
-        assert (cudnn_calls[0] - before > 0) == (attention == "cudnn"), (attention, cudnn_calls[0] - before)
+        whole, chunks = cudnn_calls[1] - before[1], cudnn_calls[0] - cudnn_calls[1] - before[0] + before[1]
+        assert (whole > 0, chunks > 0) == ((attention == "cudnn",) * 2), (attention, whole, chunks)
     assert outputs["cudnn"] == outputs["paged"]
     assert layouts and all(layouts), layouts
 
@@ -131,6 +177,30 @@ def test_warm_up_attends_the_budgets_chunk_behind_whole_budget_prefixes(
     assert seen == [(8, 16, 8), (8, 24, 8)]  # 30 tokens in blocks of 4: 8 block ids
     assert torch.equal(cache, before)
     assert layer.build_long_chunk_plans(8, 30, torch.float32) == [] and len(seen) == 2
+
+
+def test_warm_up_attends_whole_prompts_of_every_bucketed_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`PagedAttention.build_whole_prompt_plans(5, 30)` with a bucket of 8: one `prompt_attention` call per
+    length a 5- to 30-token prompt is padded to (8 to 32), on rows laid out as a step's own (token-major,
+    contiguous); none in fp32."""
+    from pagoda.service.model.attention import PagedAttention, allocate_kv_cache
+
+    monkeypatch.setattr(cudnn_attention, "SHAPE_BUCKET", 8)
+    layer = PagedAttention(4, 2, 16)
+    allocate_kv_cache([layer], 8, 4, torch.bfloat16, torch.device("cpu"), v_token_major=True)
+    seen: list[tuple[int, ...]] = []
+    real = cudnn_attention.prompt_attention
+
+    def recorded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_len: int, *rest: object) -> None:
+        assert all(t.is_contiguous() for t in (q, k, v)) and (q.shape[1], k.shape[1], v.shape[1]) == (4, 2, 2)
+        seen.append((q.shape[0], k.shape[0], q_len))
+        real(q, k, v, q_len, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cudnn_attention, "prompt_attention", recorded)
+    assert layer.build_whole_prompt_plans(5, 30, torch.bfloat16) == [8, 16, 24, 32]
+    assert seen == [(n, n, n) for n in (8, 16, 24, 32)]
+    assert layer.build_whole_prompt_plans(5, 30, torch.float32) == [] and len(seen) == 4
+    assert layer.build_whole_prompt_plans(31, 30, torch.bfloat16) == [] and len(seen) == 4
 
 
 @pytest.mark.parametrize("token_major", [False, True], ids=["head-major", "token-major"])

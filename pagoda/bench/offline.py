@@ -69,6 +69,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a benchmark knob: prompt chunks of this many tokens or more attend through cuDNN (the "
         "engine's threshold is LONG_CHUNK_TOKENS, 4096; needs --long-prefill-attention cudnn, one rank)",
     )
+    offline.add_argument(
+        "--whole-prompt-tokens",
+        type=int,
+        default=None,
+        help="a benchmark knob: whole prompts (no cached prefix) of this many tokens or more attend through "
+        "cuDNN on the step's own keys and values (the engine's threshold is WHOLE_PROMPT_TOKENS, 2048); 0: "
+        "none do, below the long-chunk threshold (needs --long-prefill-attention cudnn, one rank)",
+    )
     offline.add_argument("--peer", choices=["transformers", "none"], default="transformers")
     offline.add_argument(
         "--repeat",
@@ -199,6 +207,14 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
         args.long_prefill_attention != "cudnn" or args.tensor_parallel_size != 1
     ):
         raise SystemExit("--long-chunk-tokens: only with --long-prefill-attention cudnn on one rank")
+    if args.whole_prompt_tokens is not None and (
+        args.long_prefill_attention != "cudnn"
+        or args.tensor_parallel_size != 1
+        or args.whole_prompt_tokens < 0
+    ):
+        raise SystemExit(
+            "--whole-prompt-tokens: 0 or more, only with --long-prefill-attention cudnn on one rank"
+        )
     llm = LLM(
         args.model,
         dtype=args.dtype,
@@ -215,6 +231,8 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
     runner = llm.engine.runner
     if args.long_chunk_tokens is not None:
         runner.runner.long_chunk_tokens = args.long_chunk_tokens  # the ModelRunner's eager steps read it
+    if args.whole_prompt_tokens is not None:
+        runner.runner.whole_prompt_tokens = args.whole_prompt_tokens or None
     vocab = runner.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     warm_up = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

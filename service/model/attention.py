@@ -23,6 +23,11 @@ class LongChunk:
     end: int
     context_len: int  # its context, this chunk included
 
+    @property
+    def whole_prompt(self) -> bool:
+        """No cached prefix: the chunk is its whole context, so its own K/V are all it attends."""
+        return self.context_len == self.end - self.start
+
 
 # From this many query tokens a chunk's attention is a dense causal attention that cuDNN runs faster
 # than the paged kernel (`cudnn_attention`'s docstring has the numbers). Half the default 8192-token
@@ -31,6 +36,13 @@ class LongChunk:
 # at 4096; 64 x 8k / 512 20.0 s -> 18.9 s). At 2k-token chunks and less the paged kernel was at SDPA's
 # speed (BENCHMARKS.md) and a CUDA graph may hold the step.
 LONG_CHUNK_TOKENS = 4096
+# A whole prompt (no cached prefix) of this many tokens or more in an eager step is attended by cuDNN on
+# the keys and values the step computed (`cudnn_attention.prompt_attention`), with no cache read. One
+# H100, 4 x 2,048-token prompts, Llama-3-8B heads (`pagoda bench kernels --sweep fresh-prompts`,
+# BENCHMARKS.md 2026-12-06): 346 us a layer against the paged kernel's 558 over an fp8 cache (462 bf16);
+# 8 x 1,000 258 against 311. From 2,048 a prompt's padding to the next SHAPE_BUCKET (512) costs at most a
+# quarter of its rows.
+WHOLE_PROMPT_TOKENS = 2048
 
 
 @dataclass
@@ -78,12 +90,20 @@ class PagedAttention(nn.Module):
         `scaled` ((row, column) scales, dtype): q, k, v are an fp8 qkv product still to be scaled, which
         that launch does too (with `rotary` only); the rotated q then comes in a new tensor."""
         kv_write = (v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        own = self._own_rows(q, k, meta, rotary is not None, scaled)
         if rotary is None:
             if scaled is not None:
                 raise ValueError(
                     "PagedAttention: an unscaled qkv product is scaled by the rotary launch only"
                 )
             kernels.write_kv(k, *kv_write)
+        elif own is not None:
+            q_out, k_out, v_out = (t[: q.shape[0]] for t in own)
+            scales, dtype = scaled if scaled is not None else (None, None)
+            kernels.rotary_embedding(
+                rotary[0], q, k, rotary[1], kv_write, scales, dtype, q_out, (k_out, v_out)
+            )
+            q = q_out
         elif scaled is None:
             kernels.rotary_embedding(rotary[0], q, k, rotary[1], kv_write)
         else:
@@ -92,8 +112,34 @@ class PagedAttention(nn.Module):
             kernels.rotary_embedding(rotary[0], q, k, rotary[1], kv_write, scales, dtype, q_out)
             q = q_out
         if meta.long_chunks and cudnn_attention.is_supported(q):
-            return self._attend_long_chunks(q, meta)
+            return self._attend_long_chunks(q, meta, own)
         return self._paged(q, meta)
+
+    def _own_rows(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        meta: AttentionMetadata,
+        rotary: bool,
+        scaled: tuple[tuple[torch.Tensor, torch.Tensor], torch.dtype] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Where the step has whole prompts for `cudnn_attention.prompt_attention`: buffers for the
+        rotary launch's q, K and V, token-major, with SHAPE_BUCKET - 1 zeroed rows past the step's end
+        (a prompt's call reads up to its bucket)."""
+        dtype = scaled[1] if scaled is not None else q.dtype
+        if not rotary or not any(c.whole_prompt for c in meta.long_chunks):
+            return None
+        probe = q.new_empty((0, *q.shape[1:]), dtype=dtype)
+        if not cudnn_attention.is_supported(probe):
+            return None
+        rows, pad = q.shape[0], cudnn_attention.SHAPE_BUCKET - 1
+        own = tuple(
+            torch.empty((rows + pad, heads, self.head_dim), dtype=dtype, device=q.device)
+            for heads in (self.num_heads, k.shape[1], k.shape[1])
+        )
+        for t in own:
+            t[rows:].zero_()
+        return own  # type: ignore[return-value]
 
     def _paged(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return kernels.paged_attention(
@@ -129,11 +175,40 @@ class PagedAttention(nn.Module):
             )
         return contexts
 
-    def _attend_long_chunks(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def build_whole_prompt_plans(self, first: int, last: int, dtype: torch.dtype) -> list[int]:
+        """cuDNN's plans for whole prompts of `first` to `last` tokens (`prompt_attention`'s calls, one per
+        SHAPE_BUCKET-rounded length), on zeros laid out as `forward` lays out a step's own rows: built
+        here, not mid-traffic (`build_long_chunk_plans` says what a plan costs). The lengths attended;
+        none where `cudnn_attention` does not run."""
+        q = torch.zeros((0, self.num_heads, self.head_dim), dtype=dtype, device=self.k_cache.device)
+        if not cudnn_attention.is_supported(q) or first > last:
+            return []
+        bucket = cudnn_attention.SHAPE_BUCKET
+        lengths = list(range(-(-first // bucket) * bucket, -(-last // bucket) * bucket + 1, bucket))
+        for n in lengths:
+            own = [
+                q.new_zeros((n, heads, self.head_dim))
+                for heads in (self.num_heads,) + (self.num_kv_heads,) * 2
+            ]
+            cudnn_attention.prompt_attention(*own, n, self.scale, torch.empty_like(own[0]))
+        return lengths
+
+    def _attend_long_chunks(
+        self,
+        q: torch.Tensor,
+        meta: AttentionMetadata,
+        own: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for start, end, run in meta.paged_runs:
             out[start:end] = self._paged(q[start:end], run)
         for c in meta.long_chunks:
+            if own is not None and c.whole_prompt:
+                oq, ok, ov = (t[c.start :] for t in own)
+                cudnn_attention.prompt_attention(
+                    oq, ok, ov, c.end - c.start, self.scale, out[c.start : c.end]
+                )
+                continue
             cudnn_attention.chunk_attention(
                 q[c.start : c.end], self.k_cache, self.v_cache, meta.block_tables[c.row], c.context_len,
                 self.scale, out[c.start : c.end], self.k_scale, self.v_scale,

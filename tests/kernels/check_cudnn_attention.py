@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pagoda.kernels import kv_cache, reference
-from pagoda.kernels.cudnn_attention import chunk_attention, gather_context, is_supported
+from pagoda.kernels.cudnn_attention import chunk_attention, gather_context, is_supported, prompt_attention
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if not INTERPRET and not torch.cuda.is_available():
@@ -122,6 +122,45 @@ def test_chunk_matches_the_paged_kernel(cache: str, context_len: int, q_len: int
         dim**-0.5, q_len, context_len,
     )  # fmt: skip
     torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention in float32 over q's own rows, GQA by repeating K and V's heads: [L, heads, dim]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.float().repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))
+    scores = q.float().transpose(0, 1) @ k.transpose(1, 2) * scale  # [heads, L, L]
+    mask = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool, device=q.device).triu(1)
+    return (scores.masked_fill(mask, float("-inf")).softmax(-1) @ v).transpose(0, 1)
+
+
+# (the prompt's tokens, the rows that follow it in the step): a bucket's worth past a whole bucket,
+# rows past the prompt read from what follows (another prompt's rows, here large values), an exact bucket.
+PROMPT_CASES = [(45, 7), (45, 40), (48, 0)] if INTERPRET else [(2048, 0), (2300, 300), (2600, 600)]
+
+
+@pytest.mark.parametrize(("q_len", "after"), PROMPT_CASES)
+def test_whole_prompt_on_its_own_rows_matches_causal_attention(q_len: int, after: int) -> None:
+    """`prompt_attention` on the step's own token-major q, K and V: causal attention of the prompt alone,
+    whatever the rows after it hold (the call reads them up to its bucket; the causal mask keeps every
+    real query from them). On a GPU at Llama-3-8B's heads and the engine's bucket, in bf16."""
+    torch.manual_seed(q_len + after)
+    (heads, kv_heads, dim), bucket = HEADS, BUCKET or 512
+    rows = -(-q_len // bucket) * bucket
+    total = max(q_len + after, rows)
+    q, k, v = (
+        torch.randn(total, n, dim, device=DEVICE, dtype=GPU_DTYPE) for n in (heads, kv_heads, kv_heads)
+    )
+    for t in (k, v):
+        t[q_len:] = 30.0  # what follows: seen by any real query, the output would show it
+    out = torch.full((q_len, heads, dim), float("nan"), device=DEVICE, dtype=GPU_DTYPE)
+    prompt_attention(q, k, v, q_len, dim**-0.5, out, BUCKET)
+    want = _causal(q[:q_len], k[:q_len], v[:q_len], dim**-0.5)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="takes"):
+        prompt_attention(q[: rows - 1], k, v, q_len, dim**-0.5, out, BUCKET)  # short of the bucket
+    if rows > q_len:
+        with pytest.raises(ValueError, match="takes"):
+            prompt_attention(q, k, v, q_len, dim**-0.5, out[:-1], BUCKET)
 
 
 @pytest.mark.parametrize("v_scale", [1.0, 1.7])

@@ -430,6 +430,51 @@ def test_rotary_applies_fp8_qkv_scales(scaled_dtype: torch.dtype, fp8_cache: boo
         )
 
 
+@pytest.mark.parametrize("scaled", [False, True], ids=["q, k, v in dtype", "unscaled fp8 product"])
+@pytest.mark.parametrize("path", ["triton", "reference"])
+def test_rotary_hands_back_the_rotated_k_and_v(
+    scaled: bool, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`kv_out`: the rotated K and the V, as the cache gets them but in q's dtype (`scaled_dtype` for an fp8
+    product), beside the cache write; `q_out` without scales takes the rotated q and leaves q as it was.
+    The Triton kernel and the dispatcher's reference path (the CPU engine's) alike; refused without
+    `kv_write` or in another shape or dtype."""
+    monkeypatch.setenv("PAGODA_KERNELS", path)
+    num_tokens, num_heads, num_kv_heads, head_dim = 7, 4, 2, 32
+    dtype = torch.float16
+    columns = (num_heads + 2 * num_kv_heads) * head_dim
+    acc = randn(num_tokens, columns, dtype=torch.float32 if scaled else dtype) * (300 if scaled else 2)
+    row_scale = (torch.rand(num_tokens, 1, device=DEVICE) + 0.5) * 1e-3
+    col_scale = (torch.rand(1, columns, device=DEVICE) + 0.5) * 1e-2
+    cache = cos_sin_cache(64, head_dim)
+    positions = torch.randint(0, 64, (num_tokens,), device=DEVICE)
+    slots = torch.randperm(4 * 16)[:num_tokens].to(DEVICE)
+    kv = torch.zeros(2, 4, 16, num_kv_heads, head_dim, device=DEVICE, dtype=torch.float8_e4m3fn)
+
+    def views(x: torch.Tensor) -> list[torch.Tensor]:
+        return list(x.view(num_tokens, -1, head_dim).split([num_heads, num_kv_heads, num_kv_heads], dim=1))
+
+    want = scale_product(acc, row_scale, col_scale, dtype) if scaled else acc.clone()
+    q_ref, k_ref, v_ref = views(want)
+    reference.rotary_embedding(positions, q_ref, k_ref, cache)
+    q, k, v = views(acc)
+    before = acc.clone()
+    q_out, k_out, v_out = (torch.full(t.shape, float("nan"), dtype=dtype, device=DEVICE) for t in (q, k, v))
+    extra = {"scales": (row_scale, col_scale), "scaled_dtype": dtype} if scaled else {}
+    write = (v, kv[0], kv[1], slots, 1.0, 1.0)
+    kernels.rotary_embedding(positions, q, k, cache, write, q_out=q_out, kv_out=(k_out, v_out), **extra)
+    for got, ref in ((q_out, q_ref), (k_out, k_ref), (v_out, v_ref)):
+        assert torch.equal(got, ref)
+    assert torch.equal(q, before.view(num_tokens, -1, head_dim)[:, :num_heads])  # q_out took it
+    assert kv.float().abs().sum() > 0  # the cache was written too
+    with pytest.raises(ValueError, match=r"goe?s? with kv_write"):
+        kernels.rotary_embedding(positions, q, k, cache, q_out=q_out, kv_out=(k_out, v_out), **extra)
+    if path == "triton":
+        with pytest.raises(ValueError, match="kv_out must be"):
+            kernels.rotary_embedding(positions, q, k, cache, write, q_out=q_out, kv_out=(k_out[:3], v_out),
+                                     **extra)  # fmt: skip
+
+
 def test_rotary_refuses_wrong_cache_width() -> None:
     q, k = randn(2, 4, 64), randn(2, 1, 64)
     with pytest.raises(ValueError, match="cos_sin_cache"):

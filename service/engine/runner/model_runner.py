@@ -36,6 +36,7 @@ from pagoda.service.engine.runner.sampler import SampledBatch, Sampler, SampleRe
 from pagoda.service.engine.runner.spec_verify import verify_drafts
 from pagoda.service.model.attention import (
     LONG_CHUNK_TOKENS,
+    WHOLE_PROMPT_TOKENS,
     PagedAttention,
     allocate_kv_cache,
     copy_kv_blocks,
@@ -94,6 +95,14 @@ def step_activation_bytes(
         total += cudnn_attention.transient_bytes(
             tokens, context, attention.num_heads, attention.num_kv_heads, attention.head_dim, dtype
         )
+    if (
+        config.long_prefill_attention == "cudnn"
+        and tokens >= WHOLE_PROMPT_TOKENS
+        and cudnn_attention.is_supported(q)
+    ):
+        # Whole prompts' own K and V beside the rotated q (`PagedAttention._own_rows`), past the step too.
+        rows = tokens + cudnn_attention.SHAPE_BUCKET
+        total += 2 * rows * attention.num_kv_heads * attention.head_dim * size
     return total
 
 
@@ -261,6 +270,7 @@ class ModelRunner:
         self.max_model_len = self._max_model_len()
         # Eager steps' prompt chunks this long attend through cuDNN (`--long-prefill-attention cudnn`).
         self.long_chunk_tokens = LONG_CHUNK_TOKENS if config.long_prefill_attention == "cudnn" else None
+        self.whole_prompt_tokens = WHOLE_PROMPT_TOKENS if self.long_chunk_tokens is not None else None
         max_blocks = -(-self.max_model_len // config.block_size) + 1  # +1: a fork's copy-on-write slack
         self.block_tables = BlockTables(config.max_num_seqs + 64, max_blocks)
         self.sampler = Sampler(mc.vocab_size, eos_token_ids)
@@ -442,12 +452,18 @@ class ModelRunner:
                     budget, self.max_model_len, self.dtype
                 )
             logger.debug("cuDNN plans built for %d-token chunks at contexts %s", budget, built)
+        if self.whole_prompt_tokens is not None and budget >= self.whole_prompt_tokens and self.pp.size == 1:
+            with torch.inference_mode():
+                built = self.model.attention_layers()[0].build_whole_prompt_plans(
+                    self.whole_prompt_tokens, budget, self.dtype
+                )
+            logger.debug("cuDNN plans built for whole prompts of %s tokens", built)
         torch.cuda.synchronize(self.device)
 
     def _forward_eager(
         self, batch: dict[str, np.ndarray], fill_inputs: InputFill | None = None
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        meta = attention_metadata(batch, self.device, self.long_chunk_tokens)
+        meta = attention_metadata(batch, self.device, self.long_chunk_tokens, self.whole_prompt_tokens)
         input_ids = self._input_ids(batch, fill_inputs)
         return self.model(input_ids, to_device(batch["positions"], torch.int64, self.device), meta)
 

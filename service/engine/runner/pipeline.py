@@ -84,12 +84,16 @@ def split_micro_batches(
 
 
 def attention_metadata(
-    batch: dict[str, np.ndarray], device: torch.device, long_chunk_tokens: int | None = None
+    batch: dict[str, np.ndarray],
+    device: torch.device,
+    long_chunk_tokens: int | None = None,
+    whole_prompt_tokens: int | None = None,
 ) -> AttentionMetadata:
     """A flattened batch's attention layout on the device (a whole step's, a micro-batch's, or the draft
     model's). With `long_chunk_tokens` (`LONG_CHUNK_TOKENS` where the engine attends long chunks through
-    cuDNN), sequences with that many query tokens or more become `LongChunk`s, and the others get the
-    layout of each run between them too."""
+    cuDNN), sequences with that many query tokens or more become `LongChunk`s, as do whole prompts (no
+    cached prefix) of `whole_prompt_tokens` or more, and the others get the layout of each run between
+    them too."""
 
     def dev(name: str, dtype: torch.dtype) -> torch.Tensor:
         return to_device(batch[name], dtype, device)
@@ -102,10 +106,16 @@ def attention_metadata(
         max_query_len=int(np.max(batch["max_query_len"])),
         max_seq_len=int(batch["seq_lens"].max()),
     )
-    if long_chunk_tokens is None or meta.max_query_len < long_chunk_tokens:
+    if long_chunk_tokens is None:
+        return meta
+    whole = long_chunk_tokens if whole_prompt_tokens is None else min(whole_prompt_tokens, long_chunk_tokens)
+    if meta.max_query_len < whole:
         return meta
     starts, seq_lens = batch["query_start_loc"], batch["seq_lens"]
-    long_rows = np.flatnonzero(np.diff(starts) >= long_chunk_tokens)
+    lens = np.diff(starts)
+    long_rows = np.flatnonzero((lens >= long_chunk_tokens) | ((lens >= whole) & (lens == seq_lens)))
+    if not len(long_rows):
+        return meta
     meta.long_chunks = tuple(
         LongChunk(int(r), int(starts[r]), int(starts[r + 1]), int(seq_lens[r])) for r in long_rows
     )
