@@ -327,3 +327,42 @@ def test_plain_greedy_rows_in_the_model_dtype_pick_what_float32_picks() -> None:
     assert results[5].logprob == pytest.approx(
         torch.log_softmax(logits[5, :VOCAB].float(), 0)[want[5]].item()
     )
+
+
+@pytest.mark.parametrize(
+    ("params", "output", "raw", "want"),
+    [
+        (_greedy(presence_penalty=1.0), [5], {5: 1.0, 9: 0.5}, 9),
+        (_greedy(frequency_penalty=1.0), [5], {5: 1.0, 9: 0.5}, 9),
+        (_greedy(repetition_penalty=2.0), [], {5: 1.0, 9: 0.75}, 9),  # 5 is in the prompt: 1.0 -> 0.5
+        (_greedy(repetition_penalty=0.5), [], {5: 1.0, 9: 1.5}, 5),  # below 1 it raises seen tokens: 2.0
+        (_greedy(logit_bias={9: 5.0}), [], {5: 1.0}, 9),
+        (_greedy(min_tokens=3), [], {EOS: 1.0, 9: 0.5}, 9),  # EOS banned before 3 tokens
+        (_greedy(logprobs=1), [], {5: 1.0}, 5),
+    ],
+    ids=["presence", "frequency", "repetition 2", "repetition 0.5", "logit_bias", "min_tokens", "logprobs"],
+)
+def test_a_greedy_batch_that_asks_for_more_than_the_raw_argmax_gets_it(
+    params: SamplingParams, output: list[int], raw: dict[int, float], want: int
+) -> None:
+    """The greedy shortcut (the argmax of the logits as given) must not take a batch whose every row
+    moves a logit or asks for log-probabilities: each such batch alone, where the raw argmax differs
+    from the answer (or the log-probabilities would be missing)."""
+    logits = torch.zeros(2, VOCAB)
+    for token, value in raw.items():
+        logits[:, token] = value
+    reqs = [_request(params, i, list(output)) for i in range(2)]
+    results = Sampler(VOCAB, {EOS})(logits, reqs).results()
+    assert [r.token_id for r in results] == [want, want]
+    if params.logprobs is not None:
+        expected = torch.log_softmax(logits[0], 0)[want].item()
+        assert all(r.logprob == pytest.approx(expected) and r.top is not None for r in results)
+
+
+def test_a_plain_greedy_batch_under_a_grammar_keeps_to_it() -> None:
+    """Plain greedy rows, but one under a grammar that forbids the argmax: not the shortcut's batch."""
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 50] = 30.0
+    reqs = [_request(_greedy(), i) for i in range(2)]
+    grammar = GrammarBitmask([1], np.stack([_mask([7])]))
+    assert [r.token_id for r in Sampler(VOCAB, {EOS})(logits, reqs, grammar).results()] == [50, 7]
