@@ -89,7 +89,9 @@ def test_whole_prompts_under_fp8_attend_the_rotary_launch_s_scaled_keys_and_valu
     codes, as tests/test_fp8.py's) holds the wiring here. A bf16 cache holds those K and V bit for bit,
     so the logits are exactly those of the same chunks gathered back from the cache (`chunk_attention`,
     the own rows switched off); against the paged kernel fp8 activations amplify the two kernels' bf16
-    rounding (up to 0.26 here), which the bf16 test above bounds."""
+    rounding (up to 0.26 here), which the bf16 test above bounds. With a bucket of 4, the 13-token
+    prompt that ends the first step reads 3 rows past it (the zeroed rows the layer leaves there); the
+    second step holds a whole prompt beside a chunk behind its cached prefix (which reads the cache)."""
     from pagoda.kernels import reference
     from pagoda.service.model.attention import PagedAttention
     from pagoda.service.model.fp8 import Fp8Linear, ScaledProduct, quantize_model_fp8
@@ -102,16 +104,18 @@ def test_whole_prompts_under_fp8_attend_the_rotary_launch_s_scaled_keys_and_valu
     quantize_model_fp8(model, torch.device("cpu"))
     assert all(layer.self_attn.defer_qkv_scales for layer in model.model.layers)
     monkeypatch.setattr(Fp8Linear, "product_with_scales", unscaled_product_gpu_stand_in)
-    steps = ({0: PROMPT, 1: PROMPT[:3]}, {0: [5], 1: [9], 2: PROMPT[:11]})
+    monkeypatch.setattr(cudnn_attention, "SHAPE_BUCKET", 4)
+    steps = ({0: PROMPT[:7], 1: PROMPT[:3], 2: PROMPT[:13]}, {0: PROMPT[7:], 1: [9], 2: [11], 3: PROMPT})
     own = paged_runner(model, long_chunk_tokens=6)
     got = [own.step(chunks) for chunks in steps]
-    assert cudnn_calls == [2 * len(model.model.layers)] * 2  # the 19- and 11-token prompts, every layer
+    layers = len(model.model.layers)
+    assert cudnn_calls == [4 * layers, 3 * layers]  # prompts of 7, 13 and 19 tokens; the 12-token chunk
     monkeypatch.setattr(PagedAttention, "_own_rows", lambda *args: None)
     gathered = paged_runner(model, long_chunk_tokens=6)
     for chunks, g in zip(steps, got, strict=True):
         for a, b in zip(g, gathered.step(chunks), strict=True):
             assert torch.equal(a, b)
-    assert cudnn_calls == [4 * len(model.model.layers), 2 * len(model.model.layers)]  # from the cache
+    assert cudnn_calls == [8 * layers, 3 * layers]  # all four from the cache
 
 
 def test_the_engine_sends_long_chunks_through_cudnn_by_default(
