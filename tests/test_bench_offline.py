@@ -129,3 +129,24 @@ def test_long_chunk_tokens_moves_the_cudnn_threshold(
     assert bench.main([*args, "--long-chunk-tokens", "8"]) == 0 and cudnn_calls[0] > 0
     with pytest.raises(SystemExit, match="only with --long-prefill-attention cudnn"):
         bench.main([*args, "--long-chunk-tokens", "8", "--long-prefill-attention", "paged"])
+
+
+def test_whole_prompt_tokens_moves_the_own_rows_threshold(
+    llama_ckpt: Path, cudnn_calls: list[int], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--whole-prompt-tokens 8` (a benchmark knob): 12-token whole prompts attend through cuDNN on the
+    step's own K/V (`prompt_attention`), which the engine's 2048-token threshold leaves to the paged
+    kernel; 0 switches it off; refused with the paged attention or below 0."""
+    args = ["offline", "--model", str(llama_ckpt), "--device", "cpu", "--dtype", "bfloat16", "--peer", "none",
+            "--num-prompts", "2", "--input-len", "12", "--output-len", "2",
+            "--max-num-batched-tokens", "32"]  # fmt: skip
+    assert bench.main(args) == 0 and cudnn_calls == [0, 0]
+    assert bench.main([*args, "--whole-prompt-tokens", "0"]) == 0 and cudnn_calls == [0, 0]
+    assert bench.main([*args, "--whole-prompt-tokens", "8"]) == 0 and cudnn_calls[1] > 0
+    assert cudnn_calls[0] == cudnn_calls[1]  # whole prompts only: no chunk behind a prefix
+    for bad in (
+        ["--whole-prompt-tokens", "8", "--long-prefill-attention", "paged"],
+        ["--whole-prompt-tokens", "-1"],
+    ):
+        with pytest.raises(SystemExit, match="only with --long-prefill-attention cudnn"):
+            bench.main([*args, *bad])
