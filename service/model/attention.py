@@ -124,20 +124,20 @@ class PagedAttention(nn.Module):
         scaled: tuple[tuple[torch.Tensor, torch.Tensor], torch.dtype] | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Where the step has whole prompts for `cudnn_attention.prompt_attention`: buffers for the
-        rotary launch's q, K and V, token-major, with SHAPE_BUCKET - 1 zeroed rows past the step's end
-        (a prompt's call reads up to its bucket)."""
-        dtype = scaled[1] if scaled is not None else q.dtype
+        rotary launch's q, K and V, token-major, with SHAPE_BUCKET - 1 rows past the step's end (a
+        prompt's call reads up to its bucket). Those K and V rows are zeroed: on the CPU a NaN there
+        reached real rows' outputs; q's are left, their outputs dropped."""
         if not rotary or not any(c.whole_prompt for c in meta.long_chunks):
             return None
-        probe = q.new_empty((0, *q.shape[1:]), dtype=dtype)
-        if not cudnn_attention.is_supported(probe):
+        dtype = scaled[1] if scaled is not None else q.dtype
+        if not cudnn_attention.is_supported(q.new_empty((0, *q.shape[1:]), dtype=dtype)):
             return None
         rows, pad = q.shape[0], cudnn_attention.SHAPE_BUCKET - 1
         own = tuple(
             torch.empty((rows + pad, heads, self.head_dim), dtype=dtype, device=q.device)
             for heads in (self.num_heads, k.shape[1], k.shape[1])
         )
-        for t in own:
+        for t in own[1:]:
             t[rows:].zero_()
         return own  # type: ignore[return-value]
 
