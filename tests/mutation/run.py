@@ -80,6 +80,11 @@ TARGETS: dict[str, Target] = {
     # and the merge, through the tiny model against the paged path (tests/kernels' file needs the
     # interpreter or a GPU, which a mutant's run does not set).
     "cudnn_attention": Target("kernels/cudnn_attention.py", ("tests/test_model_long_chunks.py",)),
+    # The model's attention layer: which chunks go to cuDNN, whole prompts on the step's own K/V rows
+    # (their buffers, zeroed tails, plans), the KV cache's layout and budget, on the tiny model.
+    "model_attention": Target(
+        "service/model/attention.py", ("tests/test_model_long_chunks.py", "tests/test_kv_cache_budget.py")
+    ),
     # fp8 projections: the quantization, both product paths (their GPU calls through a `_scaled_mm`
     # stand-in) and the deferred scales' wiring, against the float32 emulation.
     "fp8": Target("service/model/fp8.py", ("tests/test_fp8.py",)),
