@@ -83,7 +83,8 @@ TARGETS: dict[str, Target] = {
     # The model's attention layer: which chunks go to cuDNN, whole prompts on the step's own K/V rows
     # (their buffers, zeroed tails, plans), the KV cache's layout and budget, on the tiny model.
     "model_attention": Target(
-        "service/model/attention.py", ("tests/test_model_long_chunks.py", "tests/test_kv_cache_budget.py")
+        "service/model/attention.py",
+        ("tests/test_model_long_chunks.py", "tests/test_kv_cache_budget.py", "tests/test_kv_cache_layout.py"),
     ),
     # fp8 projections: the quantization, both product paths (their GPU calls through a `_scaled_mm`
     # stand-in) and the deferred scales' wiring, against the float32 emulation.
