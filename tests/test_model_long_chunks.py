@@ -181,6 +181,7 @@ def test_warm_up_attends_the_budgets_chunk_behind_whole_budget_prefixes(
     assert seen == [(8, 16, 8), (8, 24, 8)]  # 30 tokens in blocks of 4: 8 block ids
     assert torch.equal(cache, before)
     assert layer.build_long_chunk_plans(8, 30, torch.float32) == [] and len(seen) == 2
+    assert layer.build_long_chunk_plans(8, 32, torch.bfloat16) == [16, 24, 32]  # a context of the whole model
 
 
 def test_warm_up_attends_whole_prompts_of_every_bucketed_length(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -205,6 +206,7 @@ def test_warm_up_attends_whole_prompts_of_every_bucketed_length(monkeypatch: pyt
     assert seen == [(n, n, n) for n in (8, 16, 24, 32)]
     assert layer.build_whole_prompt_plans(5, 30, torch.float32) == [] and len(seen) == 4
     assert layer.build_whole_prompt_plans(31, 30, torch.bfloat16) == [] and len(seen) == 4
+    assert layer.build_whole_prompt_plans(17, 17, torch.bfloat16) == [24] and seen[-1] == (24, 24, 24)
 
 
 @pytest.mark.parametrize("token_major", [False, True], ids=["head-major", "token-major"])

@@ -84,7 +84,12 @@ TARGETS: dict[str, Target] = {
     # (their buffers, zeroed tails, plans), the KV cache's layout and budget, on the tiny model.
     "model_attention": Target(
         "service/model/attention.py",
-        ("tests/test_model_long_chunks.py", "tests/test_kv_cache_budget.py", "tests/test_kv_cache_layout.py"),
+        (
+            "tests/test_model_long_chunks.py",
+            "tests/test_kv_cache_budget.py",
+            "tests/test_kv_cache_layout.py",
+            "tests/test_model_llama.py",  # the layer against transformers' attention (its softmax scale)
+        ),
     ),
     # fp8 projections: the quantization, both product paths (their GPU calls through a `_scaled_mm`
     # stand-in) and the deferred scales' wiring, against the float32 emulation.
