@@ -52,6 +52,37 @@ def test_the_split_names_each_long_chunk_and_lays_out_the_runs_between() -> None
     assert not meta.long_chunks[0].whole_prompt
     for above in (4, 13):
         assert not attention_metadata(batch, torch.device("cpu"), 13, above).long_chunks
+    # At a real prompt's size (ints past CPython's small-int cache: compared by value).
+    assert LongChunk(0, 5000, 9096, 4096).whole_prompt and not LongChunk(0, 5000, 9096, 4097).whole_prompt
+
+
+def test_the_layer_without_rotary_writes_the_cache_and_attends_causally() -> None:
+    """`PagedAttention` handed q, K and V as they are (no rotary launch): K and V go to their slots, the
+    output is causal softmax attention at 1/sqrt(head_dim); an fp8 product still to be scaled is refused
+    there (only the rotary launch scales)."""
+    from pagoda.service.model.attention import PagedAttention, allocate_kv_cache
+
+    torch.manual_seed(3)
+    layer = PagedAttention(4, 2, 16)
+    allocate_kv_cache([layer], 4, 4, torch.float32, torch.device("cpu"), v_token_major=False)
+    q, k, v = torch.randn(6, 4, 16), torch.randn(6, 2, 16), torch.randn(6, 2, 16)
+    batch = {
+        "slot_mapping": np.array([8, 9, 10, 11, 4, 5]),  # blocks 2 and 1
+        "block_tables": np.array([[2, 1]]),
+        "seq_lens": np.array([6]),
+        "query_start_loc": np.array([0, 6]),
+        "max_query_len": np.array([6]),
+    }
+    meta = attention_metadata(batch, torch.device("cpu"))
+    out = layer(q.clone(), k.clone(), v.clone(), meta)
+    assert torch.equal(layer.k_cache[2], k[:4]) and torch.equal(layer.v_cache[1, :2], v[4:])
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
+    ).transpose(0, 1)
+    torch.testing.assert_close(out, expected)
+    scales = (torch.ones(6, 1), torch.ones(1, 64))
+    with pytest.raises(ValueError, match="scaled by the rotary launch only"):
+        layer(q, k, v, meta, scaled=(scales, torch.float32))
 
 
 @pytest.mark.parametrize("bucket", [4, 512])
@@ -207,6 +238,7 @@ def test_warm_up_attends_whole_prompts_of_every_bucketed_length(monkeypatch: pyt
     assert layer.build_whole_prompt_plans(5, 30, torch.float32) == [] and len(seen) == 4
     assert layer.build_whole_prompt_plans(31, 30, torch.bfloat16) == [] and len(seen) == 4
     assert layer.build_whole_prompt_plans(17, 17, torch.bfloat16) == [24] and seen[-1] == (24, 24, 24)
+    assert layer.build_whole_prompt_plans(16, 16, torch.bfloat16) == [16]  # a whole bucket: no more
 
 
 @pytest.mark.parametrize("token_major", [False, True], ids=["head-major", "token-major"])
