@@ -56,16 +56,18 @@ def test_the_split_names_each_long_chunk_and_lays_out_the_runs_between() -> None
     assert LongChunk(0, 5000, 9096, 4096).whole_prompt and not LongChunk(0, 5000, 9096, 4097).whole_prompt
 
 
-def test_the_layer_without_rotary_writes_the_cache_and_attends_causally() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_layer_without_rotary_writes_the_cache_and_attends_causally(dtype: torch.dtype) -> None:
     """`PagedAttention` handed q, K and V as they are (no rotary launch): K and V go to their slots, the
     output is causal softmax attention at 1/sqrt(head_dim); an fp8 product still to be scaled is refused
-    there (only the rotary launch scales)."""
+    there (only the rotary launch scales). In bf16 the prompt is a whole-prompt long chunk, which
+    without the rotary launch has no own rows and attends from the cache."""
     from pagoda.service.model.attention import PagedAttention, allocate_kv_cache
 
     torch.manual_seed(3)
     layer = PagedAttention(4, 2, 16)
-    allocate_kv_cache([layer], 4, 4, torch.float32, torch.device("cpu"), v_token_major=False)
-    q, k, v = torch.randn(6, 4, 16), torch.randn(6, 2, 16), torch.randn(6, 2, 16)
+    allocate_kv_cache([layer], 4, 4, dtype, torch.device("cpu"), v_token_major=False)
+    q, k, v = (torch.randn(6, n, 16).to(dtype) for n in (4, 2, 2))
     batch = {
         "slot_mapping": np.array([8, 9, 10, 11, 4, 5]),  # blocks 2 and 1
         "block_tables": np.array([[2, 1]]),
@@ -73,7 +75,8 @@ def test_the_layer_without_rotary_writes_the_cache_and_attends_causally() -> Non
         "query_start_loc": np.array([0, 6]),
         "max_query_len": np.array([6]),
     }
-    meta = attention_metadata(batch, torch.device("cpu"))
+    meta = attention_metadata(batch, torch.device("cpu"), 9, 2)  # 6 tokens of 6: a whole prompt
+    assert meta.long_chunks[0].whole_prompt
     out = layer(q.clone(), k.clone(), v.clone(), meta)
     assert torch.equal(layer.k_cache[2], k[:4]) and torch.equal(layer.v_cache[1, :2], v[4:])
     expected = torch.nn.functional.scaled_dot_product_attention(
@@ -82,7 +85,7 @@ def test_the_layer_without_rotary_writes_the_cache_and_attends_causally() -> Non
     torch.testing.assert_close(out, expected)
     scales = (torch.ones(6, 1), torch.ones(1, 64))
     with pytest.raises(ValueError, match="scaled by the rotary launch only"):
-        layer(q, k, v, meta, scaled=(scales, torch.float32))
+        layer(q, k, v, meta, scaled=(scales, dtype))
 
 
 @pytest.mark.parametrize("bucket", [4, 512])
