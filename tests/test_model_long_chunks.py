@@ -60,8 +60,9 @@ def test_the_split_names_each_long_chunk_and_lays_out_the_runs_between() -> None
 def test_the_layer_without_rotary_writes_the_cache_and_attends_causally(dtype: torch.dtype) -> None:
     """`PagedAttention` handed q, K and V as they are (no rotary launch): K and V go to their slots, the
     output is causal softmax attention at 1/sqrt(head_dim); an fp8 product still to be scaled is refused
-    there (only the rotary launch scales). In bf16 the prompt is a whole-prompt long chunk, which
-    without the rotary launch has no own rows and attends from the cache."""
+    there (only the rotary launch scales). The prompt is a whole-prompt long chunk: in bf16, which
+    `cudnn_attention` takes, it attends from the cache (no own rows without the rotary launch); in fp32
+    the paged kernel attends it."""
     from pagoda.service.model.attention import PagedAttention, allocate_kv_cache
 
     torch.manual_seed(3)
