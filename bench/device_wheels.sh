@@ -8,7 +8,8 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 py=${1:-$root/.venv/bin/python}
 names="msgspec pyzmq fastapi starlette uvicorn httptools pydantic pydantic-core annotated-types typing-inspection
-typing-extensions anyio opentelemetry-api grpcio grpcio-health-checking grpcio-reflection protobuf llguidance"
+typing-extensions anyio opentelemetry-api grpcio grpcio-health-checking grpcio-reflection protobuf llguidance
+prometheus-fastapi-instrumentator"
 pins=$("$py" -m pip freeze | awk -F'==' -v names="$names" '
     BEGIN { n = split(names, list, " "); for (i = 1; i <= n; i++) want[tolower(list[i])] = 1 }
     { key = tolower($1); gsub("_", "-", key); if (key in want) print $1 "==" $2 }')

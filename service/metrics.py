@@ -27,6 +27,7 @@ from prometheus_client.core import (
     InfoMetricFamily,
     Metric,
 )
+from prometheus_fastapi_instrumentator import Instrumentator
 
 from pagoda.service.engine.messages import STEP_SECONDS_BUCKETS
 from pagoda.service.outputs import RequestMetrics, RequestOutput
@@ -40,6 +41,12 @@ ERROR_KINDS = ("invalid_request", "not_found", "queue_full", "unavailable", "int
 # Seconds. TTFT spans a cached-prefix hit on a GPU (~10 ms) to a long prefill on the CPU (~minutes).
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0, 300.0)
 OUTPUT_STAGES = ("core_to_api", "api_process", "stream_wait")  # see AsyncEngine.observe_delay
+# The routes the platform calls rather than users (kubelet probes, the scrape itself, the router's load
+# polls): left out of the per-route HTTP series, as vLLM leaves out its probes. Regexes, searched.
+UNCOUNTED_ROUTES = ("^/metrics$", "^/health$", "^/v1/health/", "^/get_load$", "^/version$")
+# Seconds, for `http_request_duration_seconds` by route: a generation takes seconds to minutes, so the
+# library's default (0.1, 0.5, 1) would put nearly every completion past its last bucket.
+_HTTP_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -299,6 +306,15 @@ class ServerMetrics:
 
     def observe_output_delay(self, stage: str, seconds: float) -> None:
         self._output_delay[stage].observe(max(seconds, 0.0))
+
+    def instrument_http(self, app: Any) -> None:
+        """Per-route HTTP series on `app` (a Starlette app), through the library vLLM's server uses, under
+        its names: `http_requests_total{method, status, handler}` (status by class: 2xx, 4xx, 5xx; a path no
+        route matches is the handler `none`), the request and response sizes, the latency by route and
+        without labels. Call it after the app's other middleware: outermost, it counts their refusals too."""
+        Instrumentator(excluded_handlers=list(UNCOUNTED_ROUTES), registry=self._request_registry).instrument(
+            app, latency_lowr_buckets=_HTTP_BUCKETS
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

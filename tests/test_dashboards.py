@@ -31,11 +31,7 @@ def documented() -> dict[str, str]:
 def queried(dashboard: dict) -> set[str]:
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     exprs += [v["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
-    return {
-        m
-        for e in exprs
-        for m in re.findall(r"\b(?:pagoda_[a-z0-9_]+|vllm:[a-z0-9_]+|vllm_router_[a-z0-9_]+)", e)
-    }
+    return {m for e in exprs for m in re.findall(r"\b(?:pagoda_|vllm:|vllm_router_|http_)[a-z0-9_]+", e)}
 
 
 def test_every_queried_series_is_exported() -> None:
@@ -61,6 +57,7 @@ def test_the_dashboard_shows_the_scaling_signals_and_latencies() -> None:
         "pagoda_time_to_first_token_seconds",
         "pagoda_inter_token_latency_seconds",
         "pagoda_generation_tokens_total",
+        "http_requests_total",
     } <= names
 
 

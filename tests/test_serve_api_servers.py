@@ -21,6 +21,7 @@ import httpx
 import openai
 import pytest
 from process_group import children, cmdline, group_members, status, wait_for
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda.service.grpc_gen import inference_pb2 as pb
 from pagoda.service.grpc_gen import inference_pb2_grpc as pb_grpc
@@ -256,5 +257,13 @@ def test_sigkill_of_process_0_takes_every_process_with_it(launch: Callable[..., 
             model="llama", messages=[{"role": "user", "content": "Hi"}]
         )
     assert refused.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+    # The per-route HTTP series, summed over both processes, count the key guard's refusal too.
+    counts = {
+        (s.labels["handler"], s.labels["status"]): s.value
+        for family in text_string_to_metric_families(httpx.get(f"{server.base_url}/metrics").text)
+        for s in family.samples
+        if s.name == "http_requests_total"
+    }
+    assert counts == {("/v1/messages", "2xx"): 1, ("/v1/messages/count_tokens", "4xx"): 1}, counts
     server.kill()
     assert wait_for(lambda: not group_members(pgid), 10), group_members(pgid)

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda.service.serve_process import ServeProcess
 
@@ -453,6 +454,49 @@ def test_metrics_exports_every_documented_name_and_values_move(server: ServeProc
     text = httpx.get(f"{server.base_url}/metrics").text
     assert f'vllm:num_requests_waiting{{model_name="{MODEL}"}} 0.0' in text
     assert re.search(r'vllm:cache_config_info\{block_size="16",num_gpu_blocks="\d+"\} 1.0', text)
+
+
+def _samples(server: ServeProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a scrape by (name, its labels sorted)."""
+    text = httpx.get(f"{server.base_url}/metrics").text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_http_series_count_each_route_by_status_class_and_leave_the_probes_out(server: ServeProcess) -> None:
+    """vLLM's per-route series (prometheus-fastapi-instrumentator): one count per request by route,
+    method and status class, a path no route matches as `none`, sizes from Content-Length; the probes,
+    the router's load polls and the scrapes themselves are not counted."""
+    before = _samples(server)
+    url = f"{server.base_url}/v1/completions"
+    body = {"model": MODEL, "prompt": "Count me", "max_tokens": 2, **EXACT}
+    ok = httpx.post(url, json=body, timeout=30)
+    missing = httpx.post(url, json={**body, "model": "x"}, timeout=30)
+    nowhere = httpx.get(f"{server.base_url}/v1/no/such/route")
+    assert (ok.status_code, missing.status_code, nowhere.status_code) == (200, 404, 404)
+    uncounted = ["/health", "/v1/health/live", "/v1/health/ready", "/get_load", "/version", "/metrics"]
+    for path in uncounted:
+        assert httpx.get(f"{server.base_url}{path}").status_code == 200, path
+    after = _samples(server)
+
+    def moved(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    completions = {"handler": "/v1/completions"}
+    assert moved("http_requests_total", method="POST", status="2xx", **completions) == 1
+    assert moved("http_requests_total", method="POST", status="4xx", **completions) == 1
+    assert moved("http_requests_total", method="GET", status="4xx", handler="none") == 1
+    assert moved("http_request_duration_seconds_count", method="POST", **completions) == 2
+    assert moved("http_request_duration_highr_seconds_count") == 3
+    sent = len(ok.request.content) + len(missing.request.content)
+    assert moved("http_request_size_bytes_sum", **completions) == sent
+    assert moved("http_response_size_bytes_sum", **completions) == len(ok.content) + len(missing.content)
+    handlers = {dict(labels).get("handler") for name, labels in after if name.startswith("http_")}
+    assert handlers.isdisjoint(uncounted), handlers
 
 
 def test_hostile_sampling_values_are_refused_or_harmless(server: ServeProcess, client: openai.OpenAI) -> None:

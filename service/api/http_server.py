@@ -104,6 +104,7 @@ def build_app(
             allow_methods=["GET", "POST", "OPTIONS"],
             allow_headers=["Authorization", "Content-Type"],
         )
+    client.metrics.instrument_http(app)  # last: the outermost middleware
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> Response:
