@@ -60,6 +60,8 @@ class _Counting(StepGraphs):
         super().__init__(*args, **kwargs)
         self.mixed_lm_heads: list[int] = []
         self.in_shared_buffer: list[bool] = []  # whether a step's logits were the graphs' one buffer
+        self.decode_rows: list[int] = []  # each decode-graph step's batch
+        self.pure_decode_mixed = 0  # mixed-graph steps whose rows were all decodes
         real = self.model.compute_logits
 
         def counted(hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -70,12 +72,14 @@ class _Counting(StepGraphs):
 
     def run(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         self.decode_steps += 1
+        self.decode_rows.append(len(args[0]))
         logits = super().run(*args, **kwargs)
         self.in_shared_buffer.append(logits.data_ptr() == self.logits.data_ptr())
         return logits
 
     def run_mixed(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         self.mixed_steps += 1
+        self.pure_decode_mixed += len(args[0]["input_ids"]) == len(args[0]["seq_lens"])
         before = self.lm_heads
         logits = super().run_mixed(*args, **kwargs)
         self.mixed_lm_heads.append(self.lm_heads - before)
@@ -110,6 +114,12 @@ def test_padded_graph_steps_give_the_eager_outputs(
     got = _run(engine, work)
 
     assert graphs.mixed_steps > 5 and graphs.decode_steps > 5
+    # A pure decode step takes a decode graph whenever one holds it, the largest included (32 for 24
+    # sequences: steps of 17-24 rows); past the capture limit it takes a mixed graph.
+    sizes = graph_batch_sizes(config.max_num_seqs, max_capture)
+    assert graphs.max_batch_size == sizes[-1]
+    assert sizes[-2] < max(graphs.decode_rows) <= sizes[-1]
+    assert (graphs.pure_decode_mixed > 0) == (max_capture == 8)
     assert set(graphs.mixed_lm_heads) == {1}  # no step here overflows the logit rows: no second LM head
     # Every graph wrote its logits into one buffer, each step's read before the next overwrote them.
     assert all(graphs.in_shared_buffer) and len(graphs.in_shared_buffer) > 10
@@ -145,3 +155,24 @@ def test_mixed_sizes_stop_at_the_step_budget() -> None:
     assert mixed_token_sizes(8192, limit=600) == [128, 256, 384, 512]
     with pytest.raises(ValueError, match="cuda_graph_max_tokens"):
         EngineConfig(cuda_graph_max_tokens=-1)
+
+
+def test_the_shared_logits_buffer_is_in_the_lm_heads_dtype_with_a_row_per_sequence(llama_ckpt: Path) -> None:
+    """bf16 logits take half a float32 buffer's memory (~0.25 MB a row at Llama-3's vocabulary), and the
+    buffer holds max_num_seqs rows even where the decode graphs stop below it (a mixed graph's rows)."""
+    config = EngineConfig(
+        model=str(llama_ckpt), dtype="bfloat16", max_num_seqs=4, kv_cache_memory_bytes=8 << 20
+    )
+    runner = LLMEngine(config).runner.runner
+    graphs = StepGraphs(
+        runner.model,
+        runner.device,
+        4,
+        160,
+        runner.max_model_len,
+        config.block_size,
+        capture=False,
+        max_capture=2,
+    )
+    assert graphs.logits.dtype == torch.bfloat16
+    assert graphs.logits.shape == (4, runner.model.config.vocab_size)

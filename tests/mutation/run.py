@@ -151,7 +151,8 @@ TARGETS: dict[str, Target] = {
             "tests/test_speculative.py",
             "tests/test_lora.py",
             "-k",
-            "padded or sizes or graph_paths or verify_steps_replay or graph_steps_with_adapters",
+            "padded or sizes or graph_paths or verify_steps_replay or graph_steps_with_adapters"
+            " or logits_buffer",
         ),
         180.0,
     ),
