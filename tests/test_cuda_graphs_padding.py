@@ -88,17 +88,19 @@ class _Counting(StepGraphs):
 
 
 @pytest.mark.parametrize(
-    ("is_async", "max_capture"),
-    [(False, 1024), (True, 1024), (False, 8)],
-    ids=["in-turn", "async", "capture-8"],
+    ("is_async", "max_capture", "budget"),
+    [(False, 1024, 160), (True, 1024, 160), (False, 8, 160), (False, 1024, 256)],
+    ids=["in-turn", "async", "capture-8", "two-mixed-sizes"],
 )
 def test_padded_graph_steps_give_the_eager_outputs(
-    llama_ckpt: Path, is_async: bool, max_capture: int
+    llama_ckpt: Path, is_async: bool, max_capture: int, budget: int
 ) -> None:
     """`max_capture` 8: decode steps of 9-24 rows take the mixed graphs, which score more rows than the
-    largest decode graph holds (the shared logits buffer must hold max_num_seqs rows)."""
+    largest decode graph holds (the shared logits buffer must hold max_num_seqs rows). A budget of 160
+    tokens leaves steps of 129-160 tokens to the eager path, between graph steps; at 256 every step fits
+    one of the two mixed graphs."""
     config = EngineConfig(
-        model=str(llama_ckpt), dtype="float32", async_scheduling=is_async, max_num_batched_tokens=160,
+        model=str(llama_ckpt), dtype="float32", async_scheduling=is_async, max_num_batched_tokens=budget,
         max_num_seqs=24, kv_cache_memory_bytes=8 << 20,
     )  # fmt: skip
     work = _workload()
@@ -111,6 +113,15 @@ def test_padded_graph_steps_give_the_eager_outputs(
         runner.max_model_len, config.block_size, capture=False, max_capture=max_capture,
     )  # fmt: skip
     runner.graphs = graphs
+    eager_steps = 0
+    eager = runner._forward_eager
+
+    def counted_eager(*args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal eager_steps
+        eager_steps += 1
+        return eager(*args, **kwargs)
+
+    runner._forward_eager = counted_eager  # type: ignore[method-assign]
     got = _run(engine, work)
 
     assert graphs.mixed_steps > 5 and graphs.decode_steps > 5
@@ -120,6 +131,8 @@ def test_padded_graph_steps_give_the_eager_outputs(
     assert graphs.max_batch_size == sizes[-1]
     assert sizes[-2] < max(graphs.decode_rows) <= sizes[-1]
     assert (graphs.pure_decode_mixed > 0) == (max_capture == 8)
+    # A step runs eagerly only past the mixed ladder's largest size (the smallest graph that holds it).
+    assert (eager_steps > 0) == (budget > mixed_token_sizes(budget)[-1]), eager_steps
     assert set(graphs.mixed_lm_heads) == {1}  # no step here overflows the logit rows: no second LM head
     # Every graph wrote its logits into one buffer, each step's read before the next overwrote them.
     assert all(graphs.in_shared_buffer) and len(graphs.in_shared_buffer) > 10
