@@ -20,9 +20,13 @@ def test_offline_table_and_prefill_profile(
     out = tmp_path / "bench.md"
     args = ["offline", "--model", str(llama_ckpt), "--device", "cpu", "--dtype", "float32", "--peer", "none",
             "--num-prompts", "3", "--input-len", "12", "--output-len", "3", "--max-num-batched-tokens", "16",
-            "--profile-prefill", "--output", str(out)]  # fmt: skip
+            "--profile-prefill", "--busy-trace", str(tmp_path / "t.json"), "--output", str(out)]  # fmt: skip
     assert bench.main(args) == 0
     printed = capsys.readouterr().out
+    # The prefill's host calls, written beside the path --busy-trace names (no --busy-steps: no other).
+    assert sorted(p.name for p in tmp_path.glob("t*")) == ["t.prefill.json"]
+    events = json.loads((tmp_path / "t.prefill.json").read_text())["traceEvents"]
+    assert any(e.get("name") == "aten::linear" for e in events)
     line = re.search(
         r"prefill of 3 x 12 tokens: (\d+) steps, ([\d.]+) ms .* projections at ([\d.]+) TFLOP/s", printed
     )

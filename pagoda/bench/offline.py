@@ -102,7 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="with --busy-steps: also record the host's calls and write a Chrome trace of those steps "
         "(chrome://tracing, Perfetto) to this file, to see what the GPU waits on between kernels; "
-        "on the CPU, the host's trace alone",
+        "on the CPU, the host's trace alone. With --profile-prefill: the prefill's, to PATH with "
+        "'.prefill' before its extension",
     )
     offline.add_argument(
         "--busy-top",
@@ -298,7 +299,10 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
     if args.profile_prefill:
         print(
             _prefill_profile(
-                llm, random_prompts(args.num_prompts, args.input_len, vocab, seed=7), args.busy_top
+                llm,
+                random_prompts(args.num_prompts, args.input_len, vocab, seed=7),
+                args.busy_top,
+                _prefill_trace_path(args.busy_trace),
             )
         )
     setup = Setup(runner.device, runner.dtype, vocab, runner.max_model_len)
@@ -314,6 +318,14 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
 
 def _mode_name(is_async: bool) -> str:
     return " (async)" if is_async else " (in turn)"
+
+
+def _prefill_trace_path(path: str | None) -> str | None:
+    """`--busy-trace`'s file for `--profile-prefill`: `trace.json` -> `trace.prefill.json`."""
+    if path is None:
+        return None
+    stem, dot, ext = path.rpartition(".")
+    return f"{stem}.prefill.{ext}" if dot else f"{path}.prefill"
 
 
 def _trace_path(path: str | None, is_async: bool, both_modes: bool) -> str | None:
@@ -430,11 +442,12 @@ def projection_params(mc: Any) -> int:
     return mc.num_hidden_layers * per_layer
 
 
-def _prefill_profile(llm: Any, prompts: list[list[int]], top: int = 0) -> str:
+def _prefill_profile(llm: Any, prompts: list[list[int]], top: int = 0, trace: str | None = None) -> str:
     """The prefill of all `prompts` added at once, as an offline run starts: each request samples one
     token and finishes, so the steps run are the prefill's. Wall time per step and the projections'
     TFLOP/s (2 x `projection_params` x prompt tokens over the wall time); on a GPU also the busy time
-    the profiler saw and, with `top`, the kernels with most of it."""
+    the profiler saw and, with `top`, the kernels with most of it; with `trace`, the host's calls too,
+    written there as a Chrome trace (`python -m pagoda.bench.trace` reads it)."""
     from torch.profiler import ProfilerActivity, profile
 
     from pagoda.service.sampling_params import SamplingParams
@@ -447,7 +460,9 @@ def _prefill_profile(llm: Any, prompts: list[list[int]], top: int = 0) -> str:
     sync(device)
     steps = 0
     on_gpu = device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CUDA]) if on_gpu else nullcontext() as prof:
+    activities = [ProfilerActivity.CUDA] if on_gpu else []
+    activities += [ProfilerActivity.CPU] if trace else []
+    with profile(activities=activities) if activities else nullcontext() as prof:
         start = time.perf_counter()
         while engine.has_unfinished or engine.core.has_unfinished:
             engine.step()
@@ -460,7 +475,9 @@ def _prefill_profile(llm: Any, prompts: list[list[int]], top: int = 0) -> str:
         f"prefill of {len(prompts)} x {len(prompts[0])} tokens: {steps} steps, {1000 * wall:.1f} ms "
         f"({1000 * wall / steps:.2f} ms/step), projections at {tflops:.1f} TFLOP/s"
     )
-    if prof is not None:
+    if trace and prof is not None:
+        prof.export_chrome_trace(trace)
+    if on_gpu and prof is not None:
         kernels = device_work(prof.key_averages())
         busy_ms = sum(e.self_device_time_total for e in kernels) / 1000
         busy = f"; GPU busy {busy_ms:.1f} ms ({100 * busy_ms / (1000 * wall):.0f}%)"
