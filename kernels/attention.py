@@ -42,7 +42,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, cast
 
 import torch
@@ -607,6 +607,45 @@ def decode_splits(
         min_partition = triton.cdiv(triton.cdiv(max_seq_len, num_splits), cfg.tile_n) * cfg.tile_n
         num_splits = triton.cdiv(max_seq_len, min_partition)
     return num_splits, min_partition
+
+
+def decode_split_counts(cfg: DecodeConfig, num_kv_heads: int, max_seq_len: int, num_sms: int) -> list[int]:
+    """One split count for each compiled variant of the decode and reduce kernels that contexts of up to
+    `max_seq_len` tokens can launch: Triton compiles the reduce for each power-of-two SPLITS_PAD and
+    specializes both kernels' `num_splits` on being 1 and on being a multiple of 16. Every count from 1
+    to the most (one sequence at the longest context, `decode_splits`) is reachable."""
+    most, _ = decode_splits(cfg, 1, num_kv_heads, max_seq_len, num_sms)
+    first: dict[tuple[int, bool, bool], int] = {}
+    for n in range(1, most + 1):
+        first.setdefault((triton.next_power_of_2(n), n == 1, n % 16 == 0), n)
+    return list(first.values())
+
+
+def compile_decode_variants(
+    q: torch.Tensor,  # [>= 1, num_heads, head_dim]: the dtype, heads and device of the model's queries
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    max_seq_len: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> list[int]:
+    """Launch the decode path once for each of `decode_split_counts`, one query token over block 0
+    (read only), so that Triton compiles every variant before the first request. A variant first met
+    mid-traffic compiles inside some step and stalls every request in it: one reduce kernel took 67 ms
+    on the H100 machine's host (BENCHMARKS.md 2026-12-07), met when whole prompts and long chunks,
+    which go to cuDNN, had kept the warm-up's long prompts off the paged kernels. The counts launched."""
+    decode, _ = _default_configs(q, k_cache, is_token_major(v_cache))
+    counts = decode_split_counts(decode, k_cache.shape[2], max_seq_len, _num_sms(q.device))
+    one = q[:1]
+    blocks = torch.zeros((1, triton.cdiv(max_seq_len, k_cache.shape[1])), dtype=torch.int32, device=q.device)
+    seq_lens = torch.full((1,), max_seq_len, dtype=torch.int32, device=q.device)
+    starts = torch.tensor([0, 1], dtype=torch.int32, device=q.device)
+    for n in counts:
+        paged_attention(
+            one, k_cache, v_cache, blocks, seq_lens, starts, 1.0, 1, max_seq_len,
+            decode_config=replace(decode, num_splits=n), k_scale=k_scale, v_scale=v_scale,
+        )  # fmt: skip
+    return counts
 
 
 def _check(

@@ -175,6 +175,17 @@ class PagedAttention(nn.Module):
             )
         return contexts
 
+    def compile_decode_variants(self, max_seq_len: int, dtype: torch.dtype) -> list[int]:
+        """Compile the decode kernels for every split count contexts up to `max_seq_len` can take
+        (`kernels.attention.compile_decode_variants`), before the first request. The split counts
+        launched; none where the Triton kernels do not run (the CPU's reference)."""
+        q = torch.zeros((1, self.num_heads, self.head_dim), dtype=dtype, device=self.k_cache.device)
+        if not kernels.use_triton(q):
+            return []
+        from pagoda.kernels.attention import compile_decode_variants
+
+        return compile_decode_variants(q, self.k_cache, self.v_cache, max_seq_len, self.k_scale, self.v_scale)
+
     def build_whole_prompt_plans(self, first: int, last: int, dtype: torch.dtype) -> list[int]:
         """cuDNN's plans for whole prompts of `first` to `last` tokens (`prompt_attention`'s calls, one per
         SHAPE_BUCKET-rounded length), on zeros laid out as `forward` lays out a step's own rows: built

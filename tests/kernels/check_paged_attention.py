@@ -23,6 +23,8 @@ from pagoda.kernels.attention import (  # noqa: E402
     LONG_PREFILL_TOKENS,
     DecodeConfig,
     PrefillConfig,
+    compile_decode_variants,
+    decode_split_counts,
     decode_splits,
     long_prefill_config,
     paged_attention,
@@ -167,6 +169,54 @@ def test_split_choice() -> None:
     assert decode_splits(old, 1, 8, 1100, 132) == (5, 256)
     with pytest.raises(ValueError, match="num_splits"):
         DecodeConfig(num_splits=0)
+
+
+def variant(num_splits: int) -> tuple[int, bool, bool]:
+    """What Triton compiles the decode and reduce kernels for: the reduce's SPLITS_PAD, and num_splits
+    specialized on being 1 and on divisibility by 16."""
+    return 1 << (num_splits - 1).bit_length(), num_splits == 1, num_splits % 16 == 0
+
+
+def test_decode_split_counts_cover_every_variant_a_batch_can_launch() -> None:
+    # An H200's 132 SMs, 8 kv heads, a 128k context: one sequence takes up to 66 splits.
+    counts = decode_split_counts(DecodeConfig(), 8, 131072, 132)
+    assert counts == [1, 2, 3, 5, 9, 16, 17, 32, 33, 48, 65]
+    # (8 kv heads on 34 SMs: 17 splits at most, the one count of its variant.)
+    for kv_heads, max_len, sms in (
+        (8, 131072, 132),
+        (2, 4096, 132),
+        (8, 1100, 78),
+        (1, 40000, 16),
+        (8, 9000, 34),
+    ):
+        counts = decode_split_counts(DecodeConfig(), kv_heads, max_len, sms)
+        assert len({variant(n) for n in counts}) == len(counts)  # one launch a variant
+        launched = {variant(n) for n in counts}
+        for num_seqs in (1, 2, 3, 5, 8, 13, 64, 256):
+            for seq_len in (1, 63, 64, 65, 700, 1100, 4096, 9000, max_len):
+                n, _ = decode_splits(DecodeConfig(), num_seqs, kv_heads, min(seq_len, max_len), sms)
+                assert variant(n) in launched, (kv_heads, max_len, sms, num_seqs, seq_len, n)
+
+
+def test_compile_decode_variants_launches_each_count_and_writes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pagoda.kernels import attention
+
+    b = make_batch([1], [40], num_heads=4, num_kv_heads=2, dtype=torch.float16)
+    launched: list[tuple[int | None, int, list[int]]] = []
+
+    def spy(q, k_cache, v_cache, block_tables, seq_lens, starts, *args, **kw):  # type: ignore[no-untyped-def]
+        launched.append((kw["decode_config"].num_splits, q.shape[0], seq_lens.tolist()))
+        return paged_attention(q, k_cache, v_cache, block_tables, seq_lens, starts, *args, **kw)
+
+    monkeypatch.setattr(attention, "paged_attention", spy)
+    caches = b["k_cache"].clone(), b["v_cache"].clone()
+    counts = compile_decode_variants(b["q"], b["k_cache"], b["v_cache"], 300)
+    cfg = DecodeConfig() if b["q"].is_cuda else attention._INTERPRETER_DECODE
+    assert counts == decode_split_counts(cfg, 2, 300, attention._num_sms(b["q"].device)) and len(counts) > 3
+    assert launched == [(n, 1, [300]) for n in counts]  # one query token over the longest context
+    assert torch.equal(b["k_cache"], caches[0]) and torch.equal(b["v_cache"], caches[1])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -445,6 +445,9 @@ class ModelRunner:
                     continue
                 hidden = self._forward_eager(batch)
                 self.model.compute_logits(hidden[self._last_rows(batch, list(range(len(lens))))])
+        with torch.inference_mode():
+            counts = self.model.attention_layers()[0].compile_decode_variants(self.max_model_len, self.dtype)
+        logger.debug("decode kernels compiled for %s splits", counts)
         if self.long_chunk_tokens is not None and budget >= self.long_chunk_tokens and self.pp.size == 1:
             # The budget's chunk behind whole-budget prefixes: cuDNN's plans (the first chunk's was above).
             with torch.inference_mode():
