@@ -404,3 +404,43 @@ def test_the_transient_bound_holds_what_chunk_attention_allocates(
         worst = max(worst, sum(held.values()))
     # The last prefix is 3 past a bucket: the most padded rows (6 queries take 3 buckets), the most keys.
     assert worst == bound
+
+
+def test_warm_up_compiles_the_decode_variants_where_triton_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`PagedAttention.compile_decode_variants` hands the layer's caches, one query token of its heads
+    and the context length to the kernels' warm-up where the Triton kernels run (PAGODA_KERNELS=triton
+    stands for a GPU here), and does nothing on the reference path."""
+    from pagoda.kernels import attention as triton_attention
+    from pagoda.service.model.attention import PagedAttention, allocate_kv_cache
+
+    layer = PagedAttention(4, 2, 16)
+    allocate_kv_cache([layer], 8, 4, torch.bfloat16, torch.device("cpu"), v_token_major=True)
+    layer.k_scale, layer.v_scale = 0.5, 2.0
+    calls: list[tuple[object, ...]] = []
+
+    def recorded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: object) -> list[int]:
+        calls.append((tuple(q.shape), q.dtype, k is layer.k_cache, v is layer.v_cache, *rest))
+        return [1, 2]
+
+    monkeypatch.setattr(triton_attention, "compile_decode_variants", recorded)
+    monkeypatch.setenv("PAGODA_KERNELS", "reference")
+    assert layer.compile_decode_variants(30, torch.bfloat16) == [] and not calls
+    monkeypatch.setenv("PAGODA_KERNELS", "triton")
+    assert layer.compile_decode_variants(30, torch.bfloat16) == [1, 2]
+    assert calls == [((1, 4, 16), torch.bfloat16, True, True, 30, 0.5, 2.0)]
+
+
+def test_warm_up_batches_hold_each_sequence_count_triton_compiles_apart() -> None:
+    """The warm-up's prompt batches fit the step budget and hold 1 sequence, a multiple of 16 and a count
+    that is neither (the prefill kernel's variants), in token totals of each kind too."""
+    from pagoda.service.engine.runner.model_runner import warm_up_query_lens
+
+    for budget in (16, 100, 2048, 8192):
+        batches = warm_up_query_lens(budget)
+        assert batches[0] == [budget] and all(sum(b) <= budget and min(b) >= 1 for b in batches)
+        kinds = {(len(b) == 1, len(b) % 16 == 0) for b in batches}
+        assert kinds == {(True, False), (False, True), (False, False)}, (budget, batches)
+        totals = {(sum(b) == 1, sum(b) % 16 == 0) for b in batches}
+        assert {(False, True), (False, False)} <= totals, (budget, batches)
+        singles = [b[0] for b in batches if len(b) == 1][1:]
+        assert singles == [n for n in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096) if n < budget]

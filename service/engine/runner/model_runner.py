@@ -106,6 +106,23 @@ def step_activation_bytes(
     return total
 
 
+def warm_up_query_lens(budget: int) -> list[list[int]]:
+    """The prompt batches the warm-up runs, each as its prompts' lengths, for a step budget of `budget`
+    tokens: the budget in one prompt, then single prompts of 16, 32, ... tokens (cuBLAS picks its GEMM
+    kernels by shape, and loading each kernel's module the first time costs ~0.1 s on the GPU machine's
+    host: CUDA lazy loading), then batches of 4, 16 and 3 prompts. Triton specializes an integer argument
+    on being 1 and on being a multiple of 16, and the prefill kernel takes the step's sequence count, so
+    the batches hold 1, 16 and a count that is neither."""
+    singles = [[n] for n in (2**i for i in range(4, 16)) if n < budget]
+    return [
+        [budget],
+        *singles,
+        [max(budget // 4, 1)] * 4,
+        *([[budget // 16] * 16] if budget >= 16 else []),
+        [1, 1, max(min(17, budget - 3), 1)],  # 19 tokens (15 under a budget of 16): no multiple of 16
+    ]
+
+
 InputFill = Callable[[torch.Tensor], None]  # writes inputs the host does not have into a step's input ids
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -420,10 +437,7 @@ class ModelRunner:
         """Compile the prefill kernels before the first request: on a slow host a Triton compile takes
         about a second, which would land in some user's time to first token. Writes no KV (slot -1)."""
         budget = min(self.config.max_num_batched_tokens, self.max_model_len)
-        # Single prompts of 16, 32, ... tokens too: cuBLAS picks its GEMM kernels by shape, and loading
-        # each kernel's module the first time costs ~0.1 s on the GPU machine's host (CUDA lazy loading).
-        singles = [[n] for n in (2**i for i in range(4, 16)) if n < budget]
-        for query_lens in ([budget], *singles, [max(budget // 4, 1)] * 4, [1, 1, min(17, budget)]):
+        for query_lens in warm_up_query_lens(budget):
             lens = np.asarray(query_lens, dtype=np.int64)
             starts = np.zeros(len(lens) + 1, dtype=np.int64)
             np.cumsum(lens, out=starts[1:])
