@@ -178,7 +178,11 @@ def _decode_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+# The block table's row stride is its widest row in an eager step (step to step: 1, a multiple of 16 or
+# neither) and max_model_len's blocks + 1 in a CUDA graph: it only offsets a row, and specialized it
+# would multiply the variants `compile_decode_variants` compiles by three. num_splits stays specialized:
+# those variants are compiled before the first request.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]

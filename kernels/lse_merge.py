@@ -13,7 +13,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# num_tokens, a chunk's length (8,192 or 8,192 less the decoding rows beside it), only masks the last
+# tile: specialized, the first chunk of each kind would compile it inside a step.
+@triton.jit(do_not_specialize=["num_tokens"])
 def _merge_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim]
     a_ptr,  # [num_heads, num_tokens, head_dim]

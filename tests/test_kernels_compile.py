@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from triton.runtime.jit import JITFunction
+
 SCRIPT = Path(__file__).parent / "kernels" / "compile_for_gpu.py"
 
 
@@ -50,3 +52,20 @@ def test_fp8_decode_widens_v_before_shared_memory(tmp_path: Path) -> None:
     tm = counts["token-major"]
     assert tm["ld.shared.b8"] == 0 and tm["ld.global byte"] == 0 and tm["cp.async narrower"] == 0, counts
     assert tm["cp.async 16-byte"] >= counts["v"]["cp.async 16-byte"] > 0, counts
+
+
+def test_arguments_that_change_step_to_step_are_not_specialized() -> None:
+    """Triton compiles a kernel again for each new combination of its integer arguments being 1 or a
+    multiple of 16; one first met in a served step compiles inside it (a reduce variant stalled a step
+    67 ms on an H100, BENCHMARKS.md 2026-12-07). Arguments that change step to step and only bound or
+    offset are left unspecialized; the decode path's split count stays specialized, its variants
+    compiled by the warm-up (`compile_decode_variants`)."""
+    from pagoda.kernels import attention, lse_merge
+
+    def unspecialized(fn: JITFunction) -> set[str]:
+        return {p.name for p in fn.params if p.do_not_specialize}
+
+    assert unspecialized(attention._decode_kernel) == {"stride_bt"}
+    assert unspecialized(attention._prefill_kernel) == {"num_seqs", "stride_bt"}
+    assert unspecialized(lse_merge._merge_kernel) == {"num_tokens"}
+    assert unspecialized(attention._reduce_kernel) == set()

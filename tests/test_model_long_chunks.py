@@ -430,16 +430,15 @@ def test_warm_up_compiles_the_decode_variants_where_triton_runs(monkeypatch: pyt
     assert calls == [((1, 4, 16), torch.bfloat16, True, True, 30, 0.5, 2.0)]
 
 
-def test_warm_up_batches_hold_each_sequence_count_triton_compiles_apart() -> None:
-    """The warm-up's prompt batches fit the step budget and hold 1 sequence, a multiple of 16 and a count
-    that is neither (the prefill kernel's variants), in token totals of each kind too."""
+def test_warm_up_batches_fit_the_budget_and_total_tokens_of_each_kind_triton_compiles_apart() -> None:
+    """The warm-up's prompt batches fit the step budget, and their token totals hold a multiple of 16 and
+    a count that is not (Triton's variants of a kernel taking the step's token count)."""
     from pagoda.service.engine.runner.model_runner import warm_up_query_lens
 
     for budget in (16, 100, 2048, 8192):
         batches = warm_up_query_lens(budget)
         assert batches[0] == [budget] and all(sum(b) <= budget and min(b) >= 1 for b in batches)
-        kinds = {(len(b) == 1, len(b) % 16 == 0) for b in batches}
-        assert kinds == {(True, False), (False, True), (False, False)}, (budget, batches)
+        assert sorted({len(b) for b in batches}) == [1, 3, 4]
         totals = {(sum(b) == 1, sum(b) % 16 == 0) for b in batches}
         assert {(False, True), (False, False)} <= totals, (budget, batches)
         singles = [b[0] for b in batches if len(b) == 1][1:]

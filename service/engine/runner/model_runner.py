@@ -110,17 +110,12 @@ def warm_up_query_lens(budget: int) -> list[list[int]]:
     """The prompt batches the warm-up runs, each as its prompts' lengths, for a step budget of `budget`
     tokens: the budget in one prompt, then single prompts of 16, 32, ... tokens (cuBLAS picks its GEMM
     kernels by shape, and loading each kernel's module the first time costs ~0.1 s on the GPU machine's
-    host: CUDA lazy loading), then batches of 4, 16 and 3 prompts. Triton specializes an integer argument
-    on being 1 and on being a multiple of 16, and the prefill kernel takes the step's sequence count, so
-    the batches hold 1, 16 and a count that is neither."""
+    host: CUDA lazy loading), then batches of 4 and 3 prompts. Triton specializes an integer argument on
+    being 1 and on being a multiple of 16 (the kernels taking a step's token count): the totals are the
+    budget and 19 tokens (15 under a budget of 16); batches of one token are the decode graphs'. The
+    decode path's split variants are `PagedAttention.compile_decode_variants`'."""
     singles = [[n] for n in (2**i for i in range(4, 16)) if n < budget]
-    return [
-        [budget],
-        *singles,
-        [max(budget // 4, 1)] * 4,
-        *([[budget // 16] * 16] if budget >= 16 else []),
-        [1, 1, max(min(17, budget - 3), 1)],  # 19 tokens (15 under a budget of 16): no multiple of 16
-    ]
+    return [[budget], *singles, [max(budget // 4, 1)] * 4, [1, 1, max(min(17, budget - 3), 1)]]
 
 
 InputFill = Callable[[torch.Tensor], None]  # writes inputs the host does not have into a step's input ids
