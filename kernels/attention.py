@@ -730,12 +730,15 @@ def paged_attention(
     prefill_config: PrefillConfig | None = None,
     k_scale: float = 1.0,  # the cache holds K / k_scale (an fp8 cache; 1.0 otherwise)
     v_scale: float = 1.0,
+    decode_rows: bool = True,  # False: no sequence has a single query token (the decode kernels are skipped)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's query tokens over its paged context (GQA aware).
 
     `max_query_len` and `max_seq_len` size the grids and must bound every row (they are not checked
-    against the tensors: that would synchronize). `out` serves static buffers (CUDA graphs) and
-    poisoned-output checks; the configs are for tests and benchmarks.
+    against the tensors: that would synchronize), as `decode_rows` must be true where any sequence has a
+    single query token: the decode kernel attends those rows (its programs for the others exit at once,
+    but its launch and the reduce's cost the host ~20-40 us of Python each). `out` serves static buffers
+    (CUDA graphs) and poisoned-output checks; the configs are for tests and benchmarks.
     """
     _check(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     num_tokens, num_heads, head_dim = q.shape
@@ -782,23 +785,25 @@ def paged_attention(
         and _has_fp8_conversion(q.device)
     )
     v_sub = min(block_size, dcfg.tile_n) if token_major else 0
+    # The decode rows' launches: the split decode kernel, then the merge of its splits.
     num_splits, min_partition = decode_splits(dcfg, num_seqs, num_kv_heads, max_seq_len, _num_sms(q.device))
-    if num_splits > 1:
+    if decode_rows and num_splits > 1:
         part_out = torch.empty(
             (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
         )
         part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
-    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse,
-        scale_log2, float(v_scale), min_partition, num_splits, *strides, out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, TILE_N=dcfg.tile_n, DOT_PRECISION=precision,
-        DOT_DTYPE=dot_dtype, V_ASM=v_asm, V_SUB=v_sub,
-        num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
-    )  # fmt: skip
-    if num_splits > 1:
+    if decode_rows:
+        _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse,
+            scale_log2, float(v_scale), min_partition, num_splits, *strides, out.stride(0), out.stride(1),
+            GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+            BLOCK_SIZE=block_size, TILE_N=dcfg.tile_n, DOT_PRECISION=precision,
+            DOT_DTYPE=dot_dtype, V_ASM=v_asm, V_SUB=v_sub,
+            num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
+        )  # fmt: skip
+    if decode_rows and num_splits > 1:
         _reduce_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse, seq_lens, query_start_loc, min_partition, num_splits,
             out.stride(0), out.stride(1),

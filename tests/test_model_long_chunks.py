@@ -42,6 +42,12 @@ def test_the_split_names_each_long_chunk_and_lays_out_the_runs_between() -> None
     assert (middle.max_query_len, middle.max_seq_len) == (3, 3)
     assert middle.slot_mapping.tolist() == [10, 11, 12]
     assert not middle.long_chunks and not middle.paged_runs
+    # Rows 0 and 4 decode (one query token): their runs launch the decode kernels, row 2's does not.
+    assert [run.decode_rows for _, _, run in meta.paged_runs] == [True, False, True] and meta.decode_rows
+    prompts = attention_metadata(
+        {**batch, "query_start_loc": np.array([0, 2, 11, 14, 26, 28])}, torch.device("cpu")
+    )
+    assert not prompts.decode_rows  # no row of one token: an eager prompt step
     plain = attention_metadata(batch, torch.device("cpu"), long_chunk_tokens=13)
     assert not plain.long_chunks and not plain.paged_runs
     # Whole prompts (no cached prefix: row 2, 3 tokens of 3) from their own, lower threshold; row 1's

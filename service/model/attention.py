@@ -55,6 +55,9 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     max_query_len: int
     max_seq_len: int
+    # False where no sequence has a single query token (an eager prompt step, the runs between long
+    # chunks): the decode kernels are not launched. A CUDA graph's metadata keeps True: its rows change.
+    decode_rows: bool = True
     long_chunks: tuple[LongChunk, ...] = ()
     # With long_chunks: the other sequences, as the runs between them, each (start, end) of the step's
     # tokens and the run's own layout; a step without them leaves this empty.
@@ -154,6 +157,7 @@ class PagedAttention(nn.Module):
             meta.max_seq_len,
             self.k_scale,
             self.v_scale,
+            meta.decode_rows,
         )
 
     def build_long_chunk_plans(self, chunk: int, max_model_len: int, dtype: torch.dtype) -> list[int]:

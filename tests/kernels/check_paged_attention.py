@@ -171,6 +171,33 @@ def test_split_choice() -> None:
         DecodeConfig(num_splits=0)
 
 
+def test_without_decode_rows_the_decode_kernels_are_not_launched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`decode_rows=False` (an eager step of prompt chunks only): the prefill kernel alone writes every
+    row, the output the reference's; where a row does decode, the flag is what launches its kernel (its
+    output is left unwritten without it)."""
+    from pagoda.kernels import attention
+
+    prompts = make_batch([5, 17, 2], [5, 40, 9], num_heads=4, num_kv_heads=2, dtype=torch.float16)
+    mixed = make_batch([1, 17, 1], [30, 40, 9], num_heads=4, num_kv_heads=2, dtype=torch.float16)
+    launched: list[str] = []
+    for name in ("_decode_kernel", "_reduce_kernel", "_prefill_kernel"):
+        kernel = getattr(attention, name)
+
+        class Recorded:
+            def __getitem__(self, grid, kernel=kernel, name=name):  # type: ignore[no-untyped-def]
+                launched.append(name)
+                return kernel[grid]
+
+        monkeypatch.setattr(attention, name, Recorded())
+    check(prompts, decode_config=decode_config(num_splits=2), decode_rows=False)
+    assert launched == ["_prefill_kernel"]
+    check(mixed, decode_config=decode_config(num_splits=2))  # decode_rows=True by default
+    assert launched[1:] == ["_decode_kernel", "_reduce_kernel", "_prefill_kernel"]
+    out = torch.full_like(mixed["q"], float("nan"))
+    paged_attention(**mixed, out=out, decode_rows=False)
+    assert out[0].isnan().all() and out[-1].isnan().all() and not out[1:18].isnan().any()
+
+
 def variant(num_splits: int) -> tuple[int, bool, bool]:
     """What Triton compiles the decode and reduce kernels for: the reduce's SPLITS_PAD, and num_splits
     specialized on being 1 and on divisibility by 16."""

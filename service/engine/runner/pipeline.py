@@ -105,6 +105,7 @@ def attention_metadata(
         query_start_loc=dev("query_start_loc", torch.int32),
         max_query_len=int(np.max(batch["max_query_len"])),
         max_seq_len=int(batch["seq_lens"].max()),
+        decode_rows=bool((np.diff(batch["query_start_loc"]) == 1).any()),
     )
     if long_chunk_tokens is None:
         return meta
