@@ -78,18 +78,20 @@ def paged_attention(
     k_scale: float = 1.0,  # the cache holds K / k_scale (an fp8 cache; 1.0 otherwise)
     v_scale: float = 1.0,
     decode_rows: bool = True,  # False: no sequence has a single query token (the Triton path skips decode)
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], written when given
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each sequence's query tokens over its paged context (GQA aware); the cache
     may be q's dtype or float8_e4m3fn."""
     if use_triton(q):
         return _triton_fn("attention", "paged_attention")(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len,
-            k_scale=k_scale, v_scale=v_scale, decode_rows=decode_rows,
+            k_scale=k_scale, v_scale=v_scale, decode_rows=decode_rows, out=out,
         )  # fmt: skip
-    return reference.paged_attention(
+    result = reference.paged_attention(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len,
         k_scale, v_scale,
     )  # fmt: skip
+    return result if out is None else out.copy_(result)
 
 
 def rms_norm(

@@ -144,7 +144,9 @@ class PagedAttention(nn.Module):
             t[rows:].zero_()
         return own  # type: ignore[return-value]
 
-    def _paged(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _paged(
+        self, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return kernels.paged_attention(
             q,
             self.k_cache,
@@ -158,6 +160,7 @@ class PagedAttention(nn.Module):
             self.k_scale,
             self.v_scale,
             meta.decode_rows,
+            out,
         )
 
     def build_long_chunk_plans(self, chunk: int, max_model_len: int, dtype: torch.dtype) -> list[int]:
@@ -216,7 +219,7 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for start, end, run in meta.paged_runs:
-            out[start:end] = self._paged(q[start:end], run)
+            self._paged(q[start:end], run, out[start:end])
         for c in meta.long_chunks:
             if own is not None and c.whole_prompt:
                 oq, ok, ov = (t[c.start :] for t in own)
