@@ -449,3 +449,39 @@ def test_warm_up_batches_fit_the_budget_and_total_tokens_of_each_kind_triton_com
         assert {(False, True), (False, False)} <= totals, (budget, batches)
         singles = [b[0] for b in batches if len(b) == 1][1:]
         assert singles == [n for n in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096) if n < budget]
+
+
+def test_a_steps_layers_share_one_set_of_own_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whole prompts' own-row buffers are made by a step's first layer and reused by the next (one set
+    in the step's metadata, its K / V tail zeroed once); each layer's output is what it gives alone."""
+    from pagoda.service.model.attention import AttentionMetadata, PagedAttention, allocate_kv_cache
+
+    monkeypatch.setattr(cudnn_attention, "SHAPE_BUCKET", 4)
+    torch.manual_seed(5)
+    layers = [PagedAttention(4, 2, 16), PagedAttention(4, 2, 16)]
+    allocate_kv_cache(layers, 8, 4, torch.bfloat16, torch.device("cpu"), v_token_major=True).normal_()
+    lens = np.array([6, 1])  # a 6-token prompt, and a decode at position 4 (block 3's first slot)
+    batch = {
+        "slot_mapping": np.array([0, 1, 2, 3, 4, 5, 12]), "block_tables": np.array([[0, 1], [2, 3]]),
+        "seq_lens": np.array([6, 5]), "query_start_loc": np.array([0, 6, 7]), "max_query_len": lens.max(),
+    }  # fmt: skip
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 4])
+    cos_sin = torch.randn(16, 16, dtype=torch.bfloat16)
+    qkv = [tuple(torch.randn(7, h, 16, dtype=torch.bfloat16) for h in (4, 2, 2)) for _ in layers]
+
+    def run(layer: PagedAttention, inputs: tuple[torch.Tensor, ...], meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = (t.clone() for t in inputs)
+        return layer(q, k, v, meta, (positions, cos_sin))
+
+    shared = attention_metadata(batch, torch.device("cpu"), 6, 6)
+    assert shared.long_chunks and shared.long_chunks[0].whole_prompt
+    first = run(layers[0], qkv[0], shared)
+    (buffers,) = shared.own_rows.values()
+    assert [tuple(t.shape) for t in buffers] == [(10, 4, 16), (10, 2, 16), (10, 2, 16)]  # 7 rows + 3
+    second = run(layers[1], qkv[1], shared)
+    assert len(shared.own_rows) == 1
+    assert all(a is b for a, b in zip(next(iter(shared.own_rows.values())), buffers, strict=True))
+    assert all(not t[7:].any() for t in buffers[1:])  # the K / V tail still zero
+    for layer, inputs, got in zip(layers, qkv, (first, second), strict=True):
+        alone = run(layer, inputs, attention_metadata(batch, torch.device("cpu"), 6, 6))
+        assert torch.equal(got, alone)

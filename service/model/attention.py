@@ -3,7 +3,7 @@ same launch when asked), then attends."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -62,6 +62,12 @@ class AttentionMetadata:
     # With long_chunks: the other sequences, as the runs between them, each (start, end) of the step's
     # tokens and the run's own layout; a step without them leaves this empty.
     paged_runs: tuple[tuple[int, int, AttentionMetadata], ...] = ()
+    # Whole prompts' own-row buffers (`PagedAttention._own_rows`), made by the step's first layer and
+    # reused by the others (each layer's rotary launch overwrites the rows, in stream order after the
+    # layer before read them), keyed by their shape and dtype.
+    own_rows: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )
 
 
 class PagedAttention(nn.Module):
@@ -129,19 +135,24 @@ class PagedAttention(nn.Module):
         """Where the step has whole prompts for `cudnn_attention.prompt_attention`: buffers for the
         rotary launch's q, K and V, token-major, with SHAPE_BUCKET - 1 rows past the step's end (a
         prompt's call reads up to its bucket). Those K and V rows are zeroed: on the CPU a NaN there
-        reached real rows' outputs; q's are left, their outputs dropped."""
+        reached real rows' outputs; q's are left, their outputs dropped. Made once a step
+        (`AttentionMetadata.own_rows`): every layer's rotary launch writes the same rows, never the tail."""
         if not rotary or not any(c.whole_prompt for c in meta.long_chunks):
             return None
         dtype = scaled[1] if scaled is not None else q.dtype
+        rows, pad = q.shape[0], cudnn_attention.SHAPE_BUCKET - 1
+        key = (rows + pad, self.num_heads, k.shape[1], self.head_dim, dtype, q.device)
+        if key in meta.own_rows:
+            return meta.own_rows[key]
         if not cudnn_attention.is_supported(q.new_empty((0, *q.shape[1:]), dtype=dtype)):
             return None
-        rows, pad = q.shape[0], cudnn_attention.SHAPE_BUCKET - 1
         own = tuple(
             torch.empty((rows + pad, heads, self.head_dim), dtype=dtype, device=q.device)
             for heads in (self.num_heads, k.shape[1], k.shape[1])
         )
         for t in own[1:]:
             t[rows:].zero_()
+        meta.own_rows[key] = own  # type: ignore[assignment]
         return own  # type: ignore[return-value]
 
     def _paged(
