@@ -460,3 +460,40 @@ def test_adapters_under_speculative_decoding_give_the_same_greedy_output(
     stats = llm.engine.core.stats()
     assert stats.spec_num_accepted_tokens_total > 0  # drafts were made and kept
     assert stats.spec_num_draft_tokens_total > stats.spec_num_accepted_tokens_total  # and some refused
+
+
+def test_the_warm_up_runs_its_prompts_through_an_adapter_slot_and_leaves_none_active(
+    llama_ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With adapters on, the warm-up (a GPU's, called here by hand) runs its prompt batches a second time
+    through slot 0, over runs of tokens (LoRA's SGMV kernels, which a first adapter prompt would
+    otherwise compile inside its step); slot 0 still holds zeros, and no adapter is active after it:
+    greedy tokens are those of an engine without the warm-up."""
+    from pagoda import kernels
+    from pagoda.service.engine.runner.model_runner import warm_up_query_lens
+
+    prompt = random_prompts([20], seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    common = {"dtype": "float32", "kv_cache_memory_bytes": 8 << 20, "max_num_batched_tokens": 64}
+    want = LLM(str(llama_ckpt), enable_lora=True, **common).generate(prompt, params)[0].outputs[0].token_ids
+    llm = LLM(str(llama_ckpt), enable_lora=True, **common)
+    runner = llm.engine.core.executor.runner
+    shrinks: list[tuple[bool, list[int]]] = []
+    real = kernels.lora_shrink
+
+    def recorded(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, segments: Any = None) -> Any:
+        shrinks.append((segments is not None, token_slots.unique().tolist()))
+        return real(x, a, token_slots, segments)
+
+    monkeypatch.setattr(kernels, "lora_shrink", recorded)
+    runner._warm_up()
+    layers = len(runner.model.model.layers)
+    batches = len(warm_up_query_lens(64))  # [64], [16], [32], 4 x [16], [1, 1, 17]
+    assert batches == 5 and len(shrinks) == 4 * layers * batches  # qkv, o, gate_up, down a layer
+    assert all(runs and slots == [0] for runs, slots in shrinks)
+    assert not runner.lora.batch.active and not len(runner.lora.token_slots)
+    assert all(
+        not layer.a[0].any() and not layer.b[0].any() for d in runner.lora.layers for layer in d.values()
+    )
+    assert llm.generate(prompt, params)[0].outputs[0].token_ids == want
+    assert len(shrinks) == 4 * layers * batches  # no adapter: the shrink ran no more

@@ -88,6 +88,11 @@ class LoRARunner:
             int(np.diff(run_starts).max()),
         )
 
+    def clear(self) -> None:
+        """No adapter in the next step until `set_step` says otherwise (after the warm-up's)."""
+        self.token_slots = np.zeros(0, dtype=np.int32)
+        self.batch.active, self.batch.token_slots, self.batch.segments = False, None, None
+
     def _keep(self, adapter: LoRAAdapter) -> None:
         key = (adapter.name, adapter.path)
         self._host[key] = adapter

@@ -10,6 +10,7 @@ step before sampled, not read by the host yet) is taken from that step's tokens 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from collections.abc import Callable
@@ -432,7 +433,11 @@ class ModelRunner:
         """Compile the prefill kernels before the first request: on a slow host a Triton compile takes
         about a second, which would land in some user's time to first token. Writes no KV (slot -1)."""
         budget = min(self.config.max_num_batched_tokens, self.max_model_len)
-        for query_lens in warm_up_query_lens(budget):
+        # With adapters on, the batches run a second time through an adapter slot (zeros until an adapter
+        # loads: no output changes), else the first adapter's prompt would compile LoRA's SGMV kernels
+        # inside its step, every request in it waiting.
+        lora_passes = (-1, 0) if self.lora is not None else (-1,)
+        for query_lens, slot in itertools.product(warm_up_query_lens(budget), lora_passes):
             lens = np.asarray(query_lens, dtype=np.int64)
             starts = np.zeros(len(lens) + 1, dtype=np.int64)
             np.cumsum(lens, out=starts[1:])
@@ -448,6 +453,8 @@ class ModelRunner:
                 "query_start_loc": starts,
                 "max_query_len": lens.max(),
             }
+            if self.lora is not None:
+                self.lora.set_step(batch | {"lora_slots": np.full(len(lens), slot, dtype=np.int32)})
             with torch.inference_mode():
                 if self.pp.size > 1:
                     warm_up_stage(self.model, self.pp, batch, self.device, self.dtype)
@@ -470,7 +477,10 @@ class ModelRunner:
                     self.whole_prompt_tokens, budget, self.dtype
                 )
             logger.debug("cuDNN plans built for whole prompts of %s tokens", built)
-        torch.cuda.synchronize(self.device)
+        if self.lora is not None:
+            self.lora.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _forward_eager(
         self, batch: dict[str, np.ndarray], fill_inputs: InputFill | None = None
