@@ -395,6 +395,17 @@ def test_deltas_become_blocks_opened_and_closed_in_order() -> None:
     text_only = MessageEvents()
     text_only.delta({"content": "x"})
     assert not text_only.has_calls
+    # Text after one call is the second block; arguments with no call open (no id seen, or text open
+    # since) go nowhere.
+    after_one = MessageEvents()
+    after_one.delta({"tool_calls": [call]})
+    [stop, start, delta] = events_of(after_one.delta({"content": "ok"}))
+    assert (stop["index"], start["index"], delta["index"]) == (0, 1, 1)
+    orphan = {"index": 0, "function": {"arguments": "{}"}}
+    assert (
+        after_one.delta({"tool_calls": [orphan]}) == []
+        and MessageEvents().delta({"tool_calls": [orphan]}) == []
+    )
 
 
 async def collect(stream: Any) -> list[dict[str, Any]]:
