@@ -283,7 +283,8 @@ def test_paged_attention_scales_a_product_only_where_it_rotates() -> None:
     q, k = torch.zeros(1, 2, 8), torch.zeros(1, 1, 8)
     i32 = torch.int32
     meta = AttentionMetadata(torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, dtype=i32),
-                             torch.ones(1, dtype=i32), torch.tensor([0, 1], dtype=i32), 1, 1)  # fmt: skip
+                             torch.ones(1, dtype=i32), torch.tensor([0, 1], dtype=i32), 1, 1,
+                             decode_rows=True)  # fmt: skip
     scales = (torch.ones(1, 1), torch.ones(1, 32))
     with pytest.raises(ValueError, match="rotary launch only"):
         attn(q, k, k, meta, None, (scales, torch.float32))

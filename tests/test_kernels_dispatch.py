@@ -45,3 +45,24 @@ def test_fp8_attention_widens_by_ptx_only_where_the_gpu_converts(
     assert attention._has_fp8_conversion(torch.device("cpu"))
     with pytest.raises(ValueError, match="fp8_widen"):
         attention.DecodeConfig(fp8_widen="bytes")  # type: ignore[arg-type]
+
+
+def test_the_cpu_paged_attention_writes_out_and_holds_callers_to_decode_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the reference path `out` is written and returned, and `decode_rows=False` with a sequence of one
+    query token is refused: the GPU path would skip that row's kernel and leave it unwritten."""
+    monkeypatch.delenv("PAGODA_KERNELS", raising=False)
+    torch.manual_seed(0)
+    cache = torch.randn(4, 4, 1, 8)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    q = torch.randn(5, 2, 8)
+    prompts = (tables, torch.tensor([3, 2], dtype=torch.int32), torch.tensor([0, 3, 5], dtype=torch.int32))
+    want = reference.paged_attention(q, cache, cache, *prompts, 0.5, 3, 3)
+    out = torch.full_like(q, float("nan"))
+    assert kernels.paged_attention(q, cache, cache, *prompts, 0.5, 3, 3, decode_rows=False, out=out) is out
+    torch.testing.assert_close(out, want)
+    decode = (tables, torch.tensor([3, 6], dtype=torch.int32), torch.tensor([0, 3, 4], dtype=torch.int32))
+    assert kernels.paged_attention(q[:4], cache, cache, *decode, 0.5, 3, 6).shape == (4, 2, 8)
+    with pytest.raises(ValueError, match="single query token"):
+        kernels.paged_attention(q[:4], cache, cache, *decode, 0.5, 3, 6, decode_rows=False)

@@ -160,6 +160,7 @@ def _prefill(model: Any, prompt: list[int], num_blocks: int = 8) -> AttentionMet
         query_start_loc=torch.tensor([0, n], dtype=torch.int32),
         max_query_len=n,
         max_seq_len=n,
+        decode_rows=n == 1,
     )
 
 

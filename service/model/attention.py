@@ -56,8 +56,8 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     # False where no sequence has a single query token (an eager prompt step, the runs between long
-    # chunks): the decode kernels are not launched. A CUDA graph's metadata keeps True: its rows change.
-    decode_rows: bool = True
+    # chunks): the decode kernels are not launched. A CUDA graph's is True: its replays' rows change.
+    decode_rows: bool
     long_chunks: tuple[LongChunk, ...] = ()
     # With long_chunks: the other sequences, as the runs between them, each (start, end) of the step's
     # tokens and the run's own layout; a step without them leaves this empty.

@@ -145,6 +145,7 @@ class StepGraphs:
             query_start_loc=self.query_start_loc[: bs + 1],
             max_query_len=1,
             max_seq_len=self.max_model_len,
+            decode_rows=True,
         )
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], meta)
         # A decode step scores every row: no hidden states kept.
@@ -158,6 +159,7 @@ class StepGraphs:
             query_start_loc=self.mixed_query_start_loc,
             max_query_len=num_tokens,  # > 1: the prefill kernel runs (its grid does not depend on it)
             max_seq_len=self.max_model_len,
+            decode_rows=True,  # a replay's rows are the step's: some may decode
         )
         hidden = self.model(self.input_ids[:num_tokens], self.positions[:num_tokens], meta)
         rows = hidden.index_select(0, self.logits_rows)
