@@ -88,7 +88,7 @@ def paged_attention(
             k_scale=k_scale, v_scale=v_scale, decode_rows=decode_rows, out=out,
         )  # fmt: skip
     if not decode_rows and bool((query_start_loc[1:] - query_start_loc[:-1] == 1).any()):
-        # The GPU path would leave such a row unwritten; the CPU's checks the promise (no sync to pay here).
+        # The Triton path would leave such a row unwritten; the reference checks (it syncs anyway).
         raise ValueError("paged_attention: decode_rows=False, but a sequence has a single query token")
     result = reference.paged_attention(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, max_seq_len,

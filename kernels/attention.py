@@ -785,16 +785,17 @@ def paged_attention(
         and _has_fp8_conversion(q.device)
     )
     v_sub = min(block_size, dcfg.tile_n) if token_major else 0
-    # The decode rows' launches: the split decode kernel, then the merge of its splits.
-    num_splits, min_partition = decode_splits(dcfg, num_seqs, num_kv_heads, max_seq_len, _num_sms(q.device))
-    if decode_rows and num_splits > 1:
-        part_out = torch.empty(
-            (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+    if decode_rows:  # the split decode kernel, then the merge of its splits
+        num_splits, min_partition = decode_splits(
+            dcfg, num_seqs, num_kv_heads, max_seq_len, _num_sms(q.device)
         )
-        part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_lse = out  # unused
-    if decode_rows:
+        if num_splits > 1:
+            part_out = torch.empty(
+                (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+            )
+            part_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        else:
+            part_out = part_lse = out  # unused
         _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part_out, part_lse,
             scale_log2, float(v_scale), min_partition, num_splits, *strides, out.stride(0), out.stride(1),
@@ -803,12 +804,12 @@ def paged_attention(
             DOT_DTYPE=dot_dtype, V_ASM=v_asm, V_SUB=v_sub,
             num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
         )  # fmt: skip
-    if decode_rows and num_splits > 1:
-        _reduce_kernel[(num_seqs, num_heads)](
-            out, part_out, part_lse, seq_lens, query_start_loc, min_partition, num_splits,
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, TILE_N=dcfg.tile_n, SPLITS_PAD=triton.next_power_of_2(num_splits),
-        )  # fmt: skip
+        if num_splits > 1:
+            _reduce_kernel[(num_seqs, num_heads)](
+                out, part_out, part_lse, seq_lens, query_start_loc, min_partition, num_splits,
+                out.stride(0), out.stride(1),
+                HEAD_DIM=head_dim, TILE_N=dcfg.tile_n, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            )  # fmt: skip
 
     if max_query_len > 1:
         group_pad = triton.next_power_of_2(group)

@@ -64,7 +64,7 @@ class AttentionMetadata:
     paged_runs: tuple[tuple[int, int, AttentionMetadata], ...] = ()
     # Whole prompts' own-row buffers (`PagedAttention._own_rows`), made by the step's first layer and
     # reused by the others (each layer's rotary launch overwrites the rows, in stream order after the
-    # layer before read them), keyed by their shape and dtype.
+    # layer before read them), keyed by their heads and dtype.
     own_rows: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
         default_factory=dict
     )
@@ -140,12 +140,12 @@ class PagedAttention(nn.Module):
         if not rotary or not any(c.whole_prompt for c in meta.long_chunks):
             return None
         dtype = scaled[1] if scaled is not None else q.dtype
-        rows, pad = q.shape[0], cudnn_attention.SHAPE_BUCKET - 1
-        key = (rows + pad, self.num_heads, k.shape[1], self.head_dim, dtype, q.device)
+        key = (self.num_heads, k.shape[1], self.head_dim, dtype)  # the step fixes the rows and device
         if key in meta.own_rows:
             return meta.own_rows[key]
         if not cudnn_attention.is_supported(q.new_empty((0, *q.shape[1:]), dtype=dtype)):
             return None
+        rows, pad = q.shape[0], cudnn_attention.SHAPE_BUCKET - 1
         own = tuple(
             torch.empty((rows + pad, heads, self.head_dim), dtype=dtype, device=q.device)
             for heads in (self.num_heads, k.shape[1], k.shape[1])
