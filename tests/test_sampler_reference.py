@@ -123,6 +123,23 @@ def test_draws_follow_the_filtered_distribution(settings: dict[str, float], devi
     assert 0.5 * (drawn - expected).abs().sum() < 0.03
 
 
+def test_seeded_draws_follow_the_filtered_distribution(device: str) -> None:
+    """20,000 rows of distinct seeds (one each, the noise `seeded_noise` hashes): the same bound as
+    unseeded draws, and the same tokens again for the same seeds."""
+    torch.manual_seed(5)
+    rows = 20_000
+    logits = (torch.randn(VOCAB) * 2).expand(rows, VOCAB).contiguous().to(device)
+    settings = {"temperature": 0.8, "top_p": 0.9}
+    reqs = [_request(SamplingParams(max_tokens=8, seed=seed, **settings), 0) for seed in range(rows)]  # type: ignore[arg-type]
+    sampler = Sampler(VOCAB, {EOS})
+    tokens = [t.token_id for t in sampler(logits, reqs).results()]
+    drawn = torch.bincount(torch.tensor(tokens), minlength=VOCAB).float() / rows
+    expected = _ours(logits[:1], reqs[:1], device)[0]
+    assert drawn[expected == 0].sum() == 0
+    assert 0.5 * (drawn - expected).abs().sum() < 0.03
+    assert [t.token_id for t in sampler(logits, reqs).results()] == tokens
+
+
 def test_greedy_rows_logit_bias_and_min_tokens_in_one_batch(device: str) -> None:
     torch.manual_seed(3)
     logits = torch.randn(4, VOCAB, device=device)

@@ -1,8 +1,8 @@
 """Turns a batch of logits into next tokens: penalties, logit_bias, structured output's grammar masks,
 greedy or temperature / top-k / top-p / min-p sampling, and log-probabilities. Everything is batched
-over rows; only seeded rows draw their noise one row at a time, from a generator keyed by (seed,
-completion index, output position), so a seeded request samples the same tokens whatever else is in
-the batch and even after a preemption.
+over rows; seeded rows draw their noise from a hash of (seed, completion index, output position)
+(`seeded_noise`), so a seeded request samples the same tokens whatever else is in the batch and even
+after a preemption.
 
 Nothing here waits for the GPU: parameters go over as page-locked, non-blocking copies (a blocking
 copy would wait for every kernel queued before it, the step's forward pass included), and the sampled
@@ -20,6 +20,7 @@ import torch
 from pagoda.service.engine.core.request import Request
 from pagoda.service.engine.core.scheduler import GrammarBitmask
 from pagoda.service.engine.messages import SampleResult
+from pagoda.service.engine.runner.seeded_noise import row_key, seeded_exponential
 from pagoda.service.grammar import LOGIT_BIAS_LIMIT
 
 
@@ -262,12 +263,16 @@ class Sampler:
         # Exponential race (Gumbel-max): argmax(p / E), E ~ Exp(1), samples from p.
         device = logits.device
         noise = torch.empty_like(probs).exponential_()
-        for i, r in enumerate(reqs):
-            if r.params.seed is not None:
-                # hash() of ints is the same in every process; manual_seed takes its whole (signed) range.
-                seed = hash((r.params.seed, r.index, r.num_output_tokens))
-                generator = torch.Generator(device=device).manual_seed(seed)
-                noise[i] = torch.empty(self.vocab_size, device=device).exponential_(generator=generator)
+        seeded = [
+            (i, row_key(seed, r.index, r.num_output_tokens))
+            for i, r in enumerate(reqs)
+            if (seed := r.params.seed) is not None
+        ]
+        if seeded:
+            rows = to_device([i for i, _ in seeded], torch.long, device)
+            noise[rows] = seeded_exponential(
+                to_device([k for _, k in seeded], torch.int32, device), self.vocab_size
+            )
         return (probs / noise).argmax(dim=1)
 
     def filtered_probs(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
