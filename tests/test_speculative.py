@@ -155,8 +155,10 @@ def _first_tokens(verdicts: list[tuple[int, int]], drafts: list[list[int]]) -> l
         (SamplingParams(temperature=1.0), 0),  # token 0 is a token
         (SamplingParams(temperature=1.0, min_p=0.5), 4),  # min-p leaves p unnormalised: the verifier's job
         (SamplingParams(temperature=0.7, top_k=3), 5),  # a draft top-k removes: never kept
+        # Seeded: every request's own key (its index differs), its uniform and noise hashed from it.
+        (SamplingParams(temperature=1.0, seed=3), 2),
     ],
-    ids=["likely", "unlikely", "token-0", "min-p", "filtered"],
+    ids=["likely", "unlikely", "token-0", "min-p", "filtered", "seeded"],
 )
 def test_sampled_verification_keeps_the_target_distribution(params: SamplingParams, draft: int) -> None:
     """Leviathan et al.'s guarantee, counted: over 6,000 requests each drafting two tokens, the first
@@ -318,7 +320,8 @@ def test_greedy_output_is_token_for_token_the_same_with_drafts(llama_ckpt: Path,
 def test_sampled_output_with_a_seed_is_reproducible_and_ends_at_max_tokens(llama_ckpt: Path) -> None:
     spec = LLM(str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=8 << 20, speculative_config=NGRAM)
     prompts = [*_repetitive_prompts(2)[:2], [5, 6, 7, 8] * 5]  # the last one's output loops, so it drafts
-    params = SamplingParams(temperature=0.1, top_k=3, seed=7, max_tokens=33, ignore_eos=True)
+    # A seed whose draws repeat enough for prompt lookup to draft (seed 7 drafted 4 tokens, none kept).
+    params = SamplingParams(temperature=0.1, top_k=3, seed=2, max_tokens=33, ignore_eos=True)
     first = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
     alone = spec.generate(prompts[2], params)[0].outputs[0].token_ids
     assert first[2] == alone

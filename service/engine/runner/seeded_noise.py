@@ -7,7 +7,7 @@ number of seeded requests. Here each noise value is a counter-based hash of (key
 murmur3's 32-bit finaliser (a bijection with full avalanche) applied twice, to the column mixed with
 the key's low half and then with its high half, so every row is its own pseudo-random sequence and a
 few elementwise int32 ops on the device draw every seeded row at once. The top 24 bits make a uniform
-in (0, 1) exactly in float32, and -log(u) an Exp(1) draw. The integer part is the same on every
+in (0, 1) exactly in float32 (`seeded_uniform`), and -log(u) an Exp(1) draw (`seeded_exponential`). The integer part is the same on every
 device; the logarithm may round differently between the CPU and a GPU (the last bit).
 """
 
@@ -52,14 +52,26 @@ def row_key(seed: int, index: int, position: int) -> tuple[int, int]:
     return _signed32(key), _signed32(key >> 32)
 
 
-def seeded_exponential(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[rows, vocab_size] float32 Exp(1) draws on keys' device, row i a function of keys[i] alone.
+def seeded_uniform(keys: torch.Tensor, columns: int) -> torch.Tensor:
+    """[rows, columns] float32 uniforms in (0, 1) on keys' device, row i a function of keys[i] alone.
     `keys`: [rows, 2] int32, `row_key`'s halves."""
-    out = torch.empty(keys.shape[0], vocab_size, dtype=torch.float32, device=keys.device)
-    cols = torch.arange(vocab_size, dtype=torch.int32, device=keys.device).view(1, -1)
+    return _draw(keys, columns, exponential=False)
+
+
+def seeded_exponential(keys: torch.Tensor, columns: int) -> torch.Tensor:
+    """[rows, columns] float32 Exp(1) draws: -log of `seeded_uniform`'s."""
+    return _draw(keys, columns, exponential=True)
+
+
+def _draw(keys: torch.Tensor, columns: int, exponential: bool) -> torch.Tensor:
+    out = torch.empty(keys.shape[0], columns, dtype=torch.float32, device=keys.device)
+    cols = torch.arange(columns, dtype=torch.int32, device=keys.device).view(1, -1)
     for start in range(0, keys.shape[0], ROWS_PER_CHUNK):
         chunk = keys[start : start + ROWS_PER_CHUNK]
+        rows = out[start : start + chunk.shape[0]]
         bits = _fmix32(_fmix32(cols ^ chunk[:, :1]) ^ chunk[:, 1:])
-        uniform = (_shr(bits, 8).float() + 0.5) * (1.0 / (1 << 24))  # in (0, 1), exact in float32
-        torch.log(uniform, out=out[start : start + chunk.shape[0]]).neg_()
+        # The top 24 bits, centred: in (0, 1) and exact in float32.
+        torch.mul(_shr(bits, 8).float() + 0.5, 1.0 / (1 << 24), out=rows)
+        if exponential:
+            rows.log_().neg_()
     return out

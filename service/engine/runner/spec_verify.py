@@ -14,9 +14,9 @@ j = 0, 1, ...:
   the first rejected position samples from the residual max(p_j - q_j, 0), which is p_j without d,
   renormalised; if all stay, row k samples from p_k. Each emitted token is then distributed as p_j.
 
-A seeded request draws a row's noise (one uniform, one exponential race over the vocabulary) from a
-generator keyed by (seed, completion index, output position), as the sampler does, so it samples
-the same tokens whatever else is in the batch.
+A seeded request's row noise (one uniform, one exponential race over the vocabulary) is a hash of
+(seed, completion index, output position), as the sampler's is (`seeded_noise`), so it samples the
+same tokens whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 from pagoda.service.engine.core.request import Request
 from pagoda.service.engine.core.scheduler import GrammarBitmask
 from pagoda.service.engine.runner.sampler import Sampler, to_device
+from pagoda.service.engine.runner.seeded_noise import row_key, seeded_uniform
 from pagoda.service.sampling_params import SamplingParams
 
 
@@ -95,13 +96,18 @@ def verify_drafts(
 
 def _noise(rows: list[_Row], vocab_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row one uniform (accept or not) and exponential noise over the vocabulary (the race that
-    samples); a seeded row's come from its own generator."""
+    samples); a seeded row's are hashed from its key (`seeded_noise`: the vocabulary's columns as the
+    sampler's, the uniform the column after them)."""
     uniform = torch.rand(len(rows), device=device)
     noise = torch.empty(len(rows), vocab_size, device=device).exponential_()
-    for i, r in enumerate(rows):
-        if r.params.seed is not None:
-            seed = hash((r.params.seed, r.index, r.num_output_tokens))
-            generator = torch.Generator(device=device).manual_seed(seed)
-            noise[i] = torch.empty(vocab_size, device=device).exponential_(generator=generator)
-            uniform[i] = torch.rand(1, device=device, generator=generator)[0]
+    seeded = [
+        (i, row_key(seed, r.index, r.num_output_tokens))
+        for i, r in enumerate(rows)
+        if (seed := r.params.seed) is not None
+    ]
+    if seeded:
+        where = to_device([i for i, _ in seeded], torch.long, device)
+        drawn = seeded_uniform(to_device([k for _, k in seeded], torch.int32, device), vocab_size + 1)
+        uniform[where] = drawn[:, vocab_size]
+        noise[where] = drawn[:, :vocab_size].log_().neg_()
     return uniform, noise
