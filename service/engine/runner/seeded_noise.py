@@ -1,14 +1,15 @@
-"""Exponential noise for seeded requests, all rows in one batched draw.
+"""Exponential noise and uniforms for seeded requests, all rows in one batched draw.
 
 A seeded row's noise must depend on its key alone (seed, completion index, output position), not on
 its neighbours in the batch, so it cannot come from the batch's shared generator. A `torch.Generator`
 per row costs a generator, a fill and a copy per seeded row per step, host work that grows with the
-number of seeded requests. Here each noise value is a counter-based hash of (key, column) instead:
-murmur3's 32-bit finaliser (a bijection with full avalanche) applied twice, to the column mixed with
-the key's low half and then with its high half, so every row is its own pseudo-random sequence and a
-few elementwise int32 ops on the device draw every seeded row at once. The top 24 bits make a uniform
-in (0, 1) exactly in float32 (`seeded_uniform`), and -log(u) an Exp(1) draw (`seeded_exponential`). The integer part is the same on every
-device; the logarithm may round differently between the CPU and a GPU (the last bit).
+number of seeded requests. Here each value is a counter-based hash of (key, column) instead: murmur3's
+32-bit finaliser (a bijection with full avalanche) applied twice, to the column mixed with the key's
+low half and then with its high half, so every row is its own pseudo-random sequence and a few
+elementwise int32 ops on the device draw every seeded row at once. The top 24 bits make a uniform in
+(0, 1) exactly in float32 (`seeded_uniform`), and -log(u) an Exp(1) draw (`seeded_exponential`). The
+integer part is the same on every device; the logarithm may round differently between the CPU and a
+GPU (the last bit).
 """
 
 from __future__ import annotations
