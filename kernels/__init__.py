@@ -23,6 +23,7 @@ from pagoda.kernels import reference
 
 __all__ = [
     "LoraSegments",
+    "argmax",
     "lora_expand",
     "lora_shrink",
     "paged_attention",
@@ -49,6 +50,14 @@ def _triton_fn(module: str, name: str) -> Callable[..., Any]:
     # Module names differ from the function names here: importing a submodule binds its name on
     # this package, which would shadow the dispatcher of the same name.
     return getattr(importlib.import_module(f"pagoda.kernels.{module}"), name)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:  # [rows, cols] -> [rows] int64
+    """Each row's first index of its largest value, as `x.argmax(dim=1)`; on the GPU split over the row
+    (`argmax_rows`), which PyTorch's one block a row is not."""
+    if use_triton(x):
+        return _triton_fn("argmax_rows", "argmax")(x)
+    return x.argmax(dim=1)
 
 
 def write_kv(

@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep-only", action="store_true", help="run the sweeps without the table")
     parser.add_argument(
         "--only",
-        choices=["decode", "prefill", "small", "lora"],
+        choices=["decode", "prefill", "small", "lora", "argmax"],
         action="append",
         default=[],
         help="only these sections of the table (default: all)",
@@ -359,6 +359,23 @@ def bench_small(quick: bool) -> list[Row]:
             None,
         )
     )
+    return rows
+
+
+def bench_argmax(quick: bool) -> list[Row]:
+    """Greedy sampling's argmax over Llama-3's vocabulary: the split kernel against torch.argmax, on the
+    graphs' bf16 logits and on float32 (processed rows)."""
+    import torch
+
+    from pagoda.kernels.argmax_rows import argmax
+
+    vocab, rows = 128256, []
+    for batch, dtype in [(1, torch.bfloat16), (1, torch.float32), (8, torch.bfloat16), (64, torch.bfloat16),
+                         (256, torch.bfloat16), (640, torch.bfloat16)][: 3 if quick else None]:  # fmt: skip
+        x = torch.randn(batch, vocab, device=DEVICE, dtype=dtype)
+        nbytes = x.numel() * x.element_size()
+        shape = f"{batch} x {vocab} {str(dtype).removeprefix('torch.')}"
+        rows.append(_row("argmax", shape, lambda x=x: argmax(x), nbytes, lambda x=x: x.argmax(dim=1)))
     return rows
 
 
@@ -883,7 +900,13 @@ def run(args: argparse.Namespace) -> int:
     versions += f"; {copy_note}"
     print(f"{gpu}; {versions}", flush=True)
     rows: list[Row] = []
-    sections = {"decode": bench_decode, "prefill": bench_prefill, "small": bench_small, "lora": bench_lora}
+    sections = {
+        "decode": bench_decode,
+        "prefill": bench_prefill,
+        "small": bench_small,
+        "lora": bench_lora,
+        "argmax": bench_argmax,
+    }
     chosen = [sections[name] for name in args.only] if args.only else list(sections.values())
     for section in () if args.sweep_only else chosen:
         try:

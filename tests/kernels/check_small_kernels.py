@@ -498,3 +498,38 @@ def test_dispatchers_survive_kernel_imports() -> None:
         assert callable(getattr(kernels, name)) and not isinstance(getattr(kernels, name), type(kernels)), (
             name
         )
+
+
+# --- argmax -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5])
+def test_argmax_is_torchs_first_index_of_the_maximum(dtype: torch.dtype, rows: int) -> None:
+    from pagoda.kernels.argmax_rows import BLOCK, argmax
+
+    cols = 2 * BLOCK + 77  # three chunks, the last ragged
+    x = randn(rows, cols + 3, dtype=dtype)[:, :cols]  # a row stride wider than the row
+    # Ties: the same maximum in two chunks (row 0), twice in one chunk (row 1); one at the last column
+    # (row 2), past which the masked tail must not win; a row of -inf (row 3, index 0); equal rows (4).
+    x[0, [5, BLOCK + 9]] = 50.0
+    if rows > 1:
+        x[1, [BLOCK + 30, BLOCK + 31]] = 50.0
+        x[2, cols - 1] = 50.0
+        x[3] = float("-inf")
+        x[4] = 0.0
+    got = argmax(x)
+    assert got.dtype == torch.int64
+    assert got.tolist() == x.argmax(dim=1).tolist()
+    if rows > 1:
+        assert got.tolist()[:5] == [5, BLOCK + 30, cols - 1, 0, 0]
+
+
+def test_argmax_of_one_chunk_and_of_no_rows() -> None:
+    from pagoda.kernels.argmax_rows import argmax
+
+    x = randn(3, 100)
+    assert argmax(x).tolist() == x.argmax(dim=1).tolist()
+    assert argmax(x[:0]).shape == (0,)
+    with pytest.raises(ValueError, match="contiguous"):
+        argmax(x.t())

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagoda import kernels
 from pagoda.kernels import cudnn_attention
 from pagoda.service.engine.config import EngineConfig
 from pagoda.service.engine.core.request import PLACEHOLDER, Request
@@ -462,6 +463,9 @@ class ModelRunner:
                 hidden = self._forward_eager(batch)
                 self.model.compute_logits(hidden[self._last_rows(batch, list(range(len(lens))))])
         with torch.inference_mode():
+            # The sampler's argmax, over float32 logits and over the graphs' (the LM head's dtype).
+            for dtype in (torch.float32, self.dtype):
+                kernels.argmax(torch.zeros(1, self.model_config.vocab_size, dtype=dtype, device=self.device))
             counts = self.model.attention_layers()[0].compile_decode_variants(self.max_model_len, self.dtype)
         logger.debug("decode kernels compiled for %s splits", counts)
         if self.long_chunk_tokens is not None and budget >= self.long_chunk_tokens and self.pp.size == 1:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagoda import kernels
 from pagoda.service.engine.core.request import Request
 from pagoda.service.engine.core.scheduler import GrammarBitmask
 from pagoda.service.engine.messages import SampleResult
@@ -189,7 +190,7 @@ class Sampler:
         without a float32 copy of the batch's logits (0.18-0.26 ms a step at 448-640 rows of a 128k
         vocabulary on an H100, BENCHMARKS.md)."""
         if grammar is None and all(_argmax_of_raw_logits(r) for r in reqs):
-            tokens = logits[:, : self.vocab_size].argmax(dim=1)
+            tokens = kernels.argmax(logits[:, : self.vocab_size])
             host, ready = _to_host([tokens])
             return SampledBatch(tokens, host, ready, [None] * len(reqs))
         device = logits.device
@@ -199,7 +200,7 @@ class Sampler:
         # Structured output last: whatever the biases did, only the grammar's tokens stay possible.
         logits = self.apply_grammar(logits, grammar)
 
-        tokens = logits.argmax(dim=1)
+        tokens = kernels.argmax(logits)
         greedy = [p.is_greedy for p in params]
         if not all(greedy):
             tokens = torch.where(to_device(greedy, torch.bool, device), tokens, self._sample(logits, reqs))
@@ -273,7 +274,7 @@ class Sampler:
             noise[rows] = seeded_exponential(
                 to_device([k for _, k in seeded], torch.int32, device), self.vocab_size
             )
-        return (probs / noise).argmax(dim=1)
+        return kernels.argmax(probs / noise)
 
     def filtered_probs(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """[rows, vocab] what each row samples from, unnormalised after min-p: temperature, then top-k

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagoda import kernels
 from pagoda.service.engine.core.request import Request
 from pagoda.service.engine.core.scheduler import GrammarBitmask
 from pagoda.service.engine.runner.sampler import Sampler, to_device
@@ -68,7 +69,7 @@ def verify_drafts(
     device = logits.device
     adjusted = sampler.adjusted_logits(logits, rows)  # type: ignore[arg-type]  # rows quack as requests
     adjusted = sampler.apply_grammar(adjusted, grammar)
-    tokens = adjusted.argmax(dim=1)
+    tokens = kernels.argmax(adjusted)
     accept = tokens == to_device(drafts, torch.int64, device)
     greedy = [r.params.is_greedy for r in rows]
     if not all(greedy):
