@@ -120,6 +120,7 @@ def _launches() -> list[tuple[str, Callable[[], object]]]:
     from pagoda.kernels import (
         LoraSegments,
         activation,
+        argmax_rows,
         attention,
         fp8_gemm,
         kv_cache,
@@ -181,6 +182,8 @@ def _launches() -> list[tuple[str, Callable[[], object]]]:
         lse_merge.merge_attention(r(32, 32, 128), part, lse, part, lse, 1.0)
 
     return [
+        ("argmax bf16", lambda: argmax_rows.argmax(r(4, 128256))),
+        ("argmax float32", lambda: argmax_rows.argmax(r(4, 128256, dtype=f32))),
         ("lse merge", merge_call),
         ("rms_norm", lambda: norm.rms_norm(r(4, 512), r(512), 1e-5)),
         (
