@@ -22,6 +22,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from pagoda import kernels
 from pagoda.service.engine.core.request import Request
 from pagoda.service.engine.runner.cuda_graphs import StepGraphs
 from pagoda.service.engine.runner.pipeline import attention_metadata
@@ -141,7 +142,7 @@ class DraftModel:
                 "query_start_loc": np.arange(len(rows) + 1, dtype=np.int64),
                 "max_query_len": np.ones(1, dtype=np.int64),
             }
-            chosen = self._decode_logits(batch, tokens).argmax(dim=1)
+            chosen = kernels.argmax(self._decode_logits(batch, tokens))
             rounds.append((rows, chosen))
             # The next round's rows (none after the last).
             keep = [n for n, i in enumerate(rows) if k[i] > j + 1]
