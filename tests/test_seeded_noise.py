@@ -1,7 +1,8 @@
-"""Seeded rows' noise (`runner.seeded_noise`) against a plain-Python reference of its hash, and as a
-distribution: Exp(1) draws, rows independent of each other and of how they are chunked. The sampler's
-use of it is in test_sampler.py (a seed draws the same token alone or in a batch) and
-test_sampler_reference.py (seeded draws follow the filtered distribution, on every device)."""
+"""Seeded rows' uniforms (`runner.seeded_noise`) against a plain-Python reference of their hash, and as
+a distribution: uniform, the sampler's -log of them Exp(1), rows independent of each other and of how
+they are chunked. The sampler's use is in test_sampler.py (a seed draws the same token alone or in a
+batch), test_sampler_reference.py (seeded draws follow the filtered distribution, on every device) and
+test_speculative.py (seeded verification keeps the target distribution)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from pagoda.service.engine.runner import seeded_noise
-from pagoda.service.engine.runner.seeded_noise import row_key, seeded_exponential, seeded_uniform
+from pagoda.service.engine.runner.seeded_noise import row_key, seeded_uniform, uniform_chunks
 
 M32 = 0xFFFFFFFF
 
@@ -28,7 +29,7 @@ def _fmix32(x: int) -> int:
 def _reference(key: int, column: int) -> float:
     low, high = key & M32, (key >> 32) & M32
     bits = _fmix32(_fmix32(column ^ low) ^ high)
-    return -math.log(((bits >> 8) + 0.5) / (1 << 24))
+    return ((bits >> 9) + 0.5) / (1 << 23)
 
 
 def _keys(*keys: tuple[int, int]) -> torch.Tensor:
@@ -40,18 +41,18 @@ def test_each_value_is_the_reference_hash_of_key_and_column() -> None:
     seeds = [(0, 0, 0), (7, 1, 3), (2**40 + 5, 0, 99), (-3, 2, 1), (123456789, 7, 4096)]
     full = [hash(s) & 0xFFFFFFFFFFFFFFFF for s in seeds]
     assert any(k >> 63 for k in full) and any((k >> 31) & 1 for k in full)
-    columns = [0, 1, 2, 255, 1000, 4095]
-    got = seeded_exponential(_keys(*(row_key(*s) for s in seeds)), 4096)
+    got = seeded_uniform(_keys(*(row_key(*s) for s in seeds)), 4096)
     for row, key in enumerate(full):
-        for col in columns:
-            assert float(got[row, col]) == pytest.approx(_reference(key, col), rel=1e-6), (row, col)
+        for col in [0, 1, 2, 255, 1000, 4095]:
+            assert float(got[row, col]) == _reference(key, col), (row, col)  # exact in float32
 
 
-def test_rows_are_exp1_draws_and_independent_of_each_other() -> None:
-    keys = _keys(*(row_key(seed, 0, 0) for seed in range(64)))
-    noise = seeded_exponential(keys, 4096).double()
-    assert noise.min() > 0
-    assert noise.mean() == pytest.approx(1.0, abs=0.01)  # 262,144 draws: the mean's sd is 0.002
+def test_rows_are_uniform_their_logs_exp1_and_independent_of_each_other() -> None:
+    uniform = seeded_uniform(_keys(*(row_key(seed, 0, 0) for seed in range(64))), 4096).double()
+    assert uniform.min() > 0 and uniform.max() < 1
+    assert uniform.mean() == pytest.approx(0.5, abs=0.003)  # 262,144 draws: the mean's sd is 0.0006
+    noise = -uniform.log()
+    assert noise.mean() == pytest.approx(1.0, abs=0.01)
     assert noise.var() == pytest.approx(1.0, abs=0.03)
     assert (noise > math.log(2)).double().mean() == pytest.approx(0.5, abs=0.005)  # the median
     # Neighbouring columns and neighbouring seeds: no correlation beyond noise (sd 1 / sqrt(n)).
@@ -61,22 +62,18 @@ def test_rows_are_exp1_draws_and_independent_of_each_other() -> None:
 
 
 def test_each_half_of_the_key_changes_the_row() -> None:
-    noise = seeded_exponential(_keys((5, 9), (6, 9), (5, 10), (5, 9)), 256)
-    assert torch.equal(noise[0], noise[3])
-    assert not torch.isclose(noise[0], noise[1]).any()  # the low half
-    assert not torch.isclose(noise[0], noise[2]).any()  # the high half
+    uniform = seeded_uniform(_keys((5, 9), (6, 9), (5, 10), (5, 9)), 256)
+    assert torch.equal(uniform[0], uniform[3])
+    assert not torch.isclose(uniform[0], uniform[1]).any()  # the low half
+    assert not torch.isclose(uniform[0], uniform[2]).any()  # the high half
 
 
-def test_rows_past_a_chunk_are_the_rows_drawn_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_chunks_cover_the_rows_in_order_each_as_drawn_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     keys = _keys(*(row_key(seed, 1, 2) for seed in range(7)))
-    alone = torch.cat([seeded_exponential(keys[i : i + 1], 300) for i in range(7)])
+    alone = torch.cat([seeded_uniform(keys[i : i + 1], 300) for i in range(7)])
     monkeypatch.setattr(seeded_noise, "ROWS_PER_CHUNK", 3)
-    assert torch.equal(seeded_exponential(keys, 300), alone)
-
-
-def test_the_exponential_is_minus_the_log_of_the_uniform_of_the_same_key() -> None:
-    keys = _keys(*(row_key(seed, 0, 5) for seed in range(40)))  # past a chunk
-    uniform = seeded_uniform(keys, 513)
-    assert uniform.min() > 0 and uniform.max() < 1
-    assert uniform.mean() == pytest.approx(0.5, abs=0.005)
-    torch.testing.assert_close(seeded_exponential(keys, 512), -torch.log(uniform[:, :512]), rtol=0, atol=0)
+    chunks = list(uniform_chunks(keys, 300))
+    assert [start for start, _ in chunks] == [0, 3, 6]
+    assert [len(u) for _, u in chunks] == [3, 3, 1]
+    assert torch.equal(torch.cat([u for _, u in chunks]), alone)
+    assert seeded_uniform(keys[:0], 300).shape == (0, 300)

@@ -21,7 +21,7 @@ from pagoda import kernels
 from pagoda.service.engine.core.request import Request
 from pagoda.service.engine.core.scheduler import GrammarBitmask
 from pagoda.service.engine.messages import SampleResult
-from pagoda.service.engine.runner.seeded_noise import row_key, seeded_exponential
+from pagoda.service.engine.runner.seeded_noise import row_key, uniform_chunks
 from pagoda.service.grammar import LOGIT_BIAS_LIMIT
 
 
@@ -271,9 +271,9 @@ class Sampler:
         ]
         if seeded:
             rows = to_device([i for i, _ in seeded], torch.long, device)
-            noise[rows] = seeded_exponential(
-                to_device([k for _, k in seeded], torch.int32, device), self.vocab_size
-            )
+            keys = to_device([k for _, k in seeded], torch.int32, device)
+            for start, uniform in uniform_chunks(keys, self.vocab_size):
+                noise[rows[start : start + len(uniform)]] = uniform.log_().neg_()
         return kernels.argmax(probs / noise)
 
     def filtered_probs(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:

@@ -6,19 +6,20 @@ per row costs a generator, a fill and a copy per seeded row per step, host work 
 number of seeded requests. Here each value is a counter-based hash of (key, column) instead: murmur3's
 32-bit finaliser (a bijection with full avalanche) applied twice, to the column mixed with the key's
 low half and then with its high half, so every row is its own pseudo-random sequence and a few
-elementwise int32 ops on the device draw every seeded row at once. The top 24 bits make a uniform in
-(0, 1) exactly in float32 (`seeded_uniform`), and -log(u) an Exp(1) draw (`seeded_exponential`). The
-integer part is the same on every device; the logarithm may round differently between the CPU and a
-GPU (the last bit).
+elementwise int32 ops on the device draw every seeded row at once. The top 23 bits make a uniform in
+(0, 1), exact in float32 and the same on every device; the sampler's Exp(1) noise is -log(u) (which
+may round differently between the CPU and a GPU, in the last bit).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 _MASK32 = 0xFFFFFFFF
-# Rows hashed at a time: bounds the int32 temporaries to ~4 x ROWS_PER_CHUNK x vocab x 4 bytes
-# (32 rows of a 128k vocabulary: ~64 MB), whatever the number of seeded rows.
+# Rows hashed at a time: bounds the temporaries to a few ROWS_PER_CHUNK x columns x 4 bytes (16 MB each
+# at 32 rows of a 128k vocabulary), whatever the number of seeded rows.
 ROWS_PER_CHUNK = 32
 
 
@@ -53,26 +54,19 @@ def row_key(seed: int, index: int, position: int) -> tuple[int, int]:
     return _signed32(key), _signed32(key >> 32)
 
 
-def seeded_uniform(keys: torch.Tensor, columns: int) -> torch.Tensor:
-    """[rows, columns] float32 uniforms in (0, 1) on keys' device, row i a function of keys[i] alone.
-    `keys`: [rows, 2] int32, `row_key`'s halves."""
-    return _draw(keys, columns, exponential=False)
-
-
-def seeded_exponential(keys: torch.Tensor, columns: int) -> torch.Tensor:
-    """[rows, columns] float32 Exp(1) draws: -log of `seeded_uniform`'s."""
-    return _draw(keys, columns, exponential=True)
-
-
-def _draw(keys: torch.Tensor, columns: int, exponential: bool) -> torch.Tensor:
-    out = torch.empty(keys.shape[0], columns, dtype=torch.float32, device=keys.device)
+def uniform_chunks(keys: torch.Tensor, columns: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, [<= ROWS_PER_CHUNK, columns] float32 uniforms in (0, 1)) for the rows of `keys`
+    ([rows, 2] int32, `row_key`'s halves) in order, row i a function of keys[i] alone. Chunks, so that
+    the caller writes each where it goes without a [rows, columns] buffer of its own."""
     cols = torch.arange(columns, dtype=torch.int32, device=keys.device).view(1, -1)
     for start in range(0, keys.shape[0], ROWS_PER_CHUNK):
         chunk = keys[start : start + ROWS_PER_CHUNK]
-        rows = out[start : start + chunk.shape[0]]
         bits = _fmix32(_fmix32(cols ^ chunk[:, :1]) ^ chunk[:, 1:])
-        # The top 24 bits, centred: in (0, 1) and exact in float32.
-        torch.mul(_shr(bits, 8).float() + 0.5, 1.0 / (1 << 24), out=rows)
-        if exponential:
-            rows.log_().neg_()
-    return out
+        # The top 23 bits, centred: in (0, 1) and exact in float32 (24 significant bits).
+        yield start, (_shr(bits, 9).float() + 0.5).mul_(1.0 / (1 << 23))
+
+
+def seeded_uniform(keys: torch.Tensor, columns: int) -> torch.Tensor:
+    """`uniform_chunks`' rows as one [rows, columns] tensor."""
+    chunks = [u for _, u in uniform_chunks(keys, columns)]
+    return torch.cat(chunks) if chunks else torch.empty(0, columns, device=keys.device)

@@ -29,7 +29,7 @@ from pagoda import kernels
 from pagoda.service.engine.core.request import Request
 from pagoda.service.engine.core.scheduler import GrammarBitmask
 from pagoda.service.engine.runner.sampler import Sampler, to_device
-from pagoda.service.engine.runner.seeded_noise import row_key, seeded_uniform
+from pagoda.service.engine.runner.seeded_noise import row_key, uniform_chunks
 from pagoda.service.sampling_params import SamplingParams
 
 
@@ -108,7 +108,9 @@ def _noise(rows: list[_Row], vocab_size: int, device: torch.device) -> tuple[tor
     ]
     if seeded:
         where = to_device([i for i, _ in seeded], torch.long, device)
-        drawn = seeded_uniform(to_device([k for _, k in seeded], torch.int32, device), vocab_size + 1)
-        uniform[where] = drawn[:, vocab_size]
-        noise[where] = drawn[:, :vocab_size].log_().neg_()
+        keys = to_device([k for _, k in seeded], torch.int32, device)
+        for start, drawn in uniform_chunks(keys, vocab_size + 1):
+            rows = where[start : start + len(drawn)]
+            uniform[rows] = drawn[:, vocab_size]
+            noise[rows] = drawn[:, :vocab_size].log_().neg_()
     return uniform, noise
