@@ -110,7 +110,7 @@ def _noise(rows: list[_Row], vocab_size: int, device: torch.device) -> tuple[tor
         where = to_device([i for i, _ in seeded], torch.long, device)
         keys = to_device([k for _, k in seeded], torch.int32, device)
         for start, drawn in uniform_chunks(keys, vocab_size + 1):
-            rows = where[start : start + len(drawn)]
-            uniform[rows] = drawn[:, vocab_size]
-            noise[rows] = drawn[:, :vocab_size].log_().neg_()
+            at = where[start : start + len(drawn)]
+            uniform[at] = drawn[:, vocab_size]
+            noise[at] = drawn[:, :vocab_size].log_().neg_()
     return uniform, noise
