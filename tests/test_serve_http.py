@@ -139,6 +139,8 @@ def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI, llama_ckpt:
     first = next(iter(streamed)).choices[0].logprobs
     assert first is not None and first.token_logprobs is not None
     assert first.token_logprobs[1 : len(tokens)] == pytest.approx(expected, abs=1e-4)
+    # The generated token's offset counts the echoed prompt once, as the answer not streamed does.
+    assert first.text_offset == scored.text_offset
 
 
 def test_n2_and_seed_reproducibility(client: openai.OpenAI) -> None:

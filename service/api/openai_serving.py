@@ -425,7 +425,9 @@ class OpenAIServing:
     ) -> AsyncIterator[bytes]:
         chunks = StreamChunks("text_completion", response_id, created, model, request.include_usage)
         lasts = list(firsts)
-        offsets = {(p, i): len(echoes[p]) for p in range(len(streams)) for i in range(n)}
+        # Each choice's text_offset so far: the echo, then its tokens' lengths, as the answer not
+        # streamed counts them (not the text sent: a stop string or held-back bytes make that shorter).
+        offsets = {(p, i): 0 for p in range(len(streams)) for i in range(n)}
         echoed: set[tuple[int, int]] = set()
         done: set[tuple[int, int]] = set()
 
@@ -443,7 +445,7 @@ class OpenAIServing:
                         logprobs = _completion_logprobs(c.logprobs_delta, offsets[key] + len(prefix))
                         if prefix:
                             logprobs = _join_logprobs(_prompt_logprobs(out, self.client), logprobs)
-                        offsets[key] += len(prefix) + len(c.text_delta)
+                        offsets[key] += len(prefix) + sum(len(lp.token) for lp in c.logprobs_delta or [])
                         text = prefix + c.text_delta
                         yield chunks.choice(CompletionChunkChoice(p * n + c.index, text, logprobs, finish))
             if chunks.include_usage:
