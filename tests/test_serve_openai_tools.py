@@ -320,7 +320,8 @@ def test_grpc_chat_with_tools(server: ServeProcess) -> None:
             c: pb.ChatMessages(messages=[question], tools=tools, tool_choice=c)
             for c in ("get_time", "required")
         }
-        sampled = pb.SamplingParameters(n=2, seed=4, temperature=1.0, max_new_tokens=80)
+        # A seed whose two choices end apart (8 replies; seed 4's ended in consecutive replies).
+        sampled = pb.SamplingParameters(n=2, seed=6, temperature=1.0, max_new_tokens=80)
         running = {"get_time": pool.submit(generate, chats["get_time"], sampling)}
         running["get_time"].result()
         running["required"] = pool.submit(generate, chats["required"], sampling)
