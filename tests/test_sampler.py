@@ -142,6 +142,18 @@ def test_a_seed_draws_the_same_token_alone_or_in_a_batch_and_each_position_its_o
     assert len({draw(7, output=[1] * n) for n in range(12)}) > 1  # and each position
 
 
+def test_a_mixed_batch_takes_greedy_rows_argmax_and_samples_the_others() -> None:
+    torch.manual_seed(6)
+    logits = torch.randn(4, VOCAB)
+    sampled = [SamplingParams(temperature=1.0, max_tokens=8, seed=s) for s in (11, 12)]
+    reqs = [_request(_greedy(), 0), _request(sampled[0], 1), _request(_greedy(), 2), _request(sampled[1], 3)]
+    sampler = Sampler(VOCAB, {EOS})
+    got = [r.token_id for r in sampler(logits.clone(), reqs).results()]
+    alone = [sampler(logits[i : i + 1].clone(), [reqs[i]]).results()[0].token_id for i in (1, 3)]
+    assert [got[0], got[2]] == logits[[0, 2]].argmax(dim=-1).tolist()
+    assert [got[1], got[3]] == alone
+
+
 def test_temperature_zero_is_greedy_whatever_the_filters() -> None:
     torch.manual_seed(4)
     logits = torch.randn(16, VOCAB)

@@ -200,10 +200,15 @@ class Sampler:
         # Structured output last: whatever the biases did, only the grammar's tokens stay possible.
         logits = self.apply_grammar(logits, grammar)
 
-        tokens = kernels.argmax(logits)
         greedy = [p.is_greedy for p in params]
-        if not all(greedy):
-            tokens = torch.where(to_device(greedy, torch.bool, device), tokens, self._sample(logits, reqs))
+        if all(greedy):
+            tokens = kernels.argmax(logits)
+        elif not any(greedy):
+            tokens = self._sample(logits, reqs)
+        else:
+            tokens = torch.where(
+                to_device(greedy, torch.bool, device), kernels.argmax(logits), self._sample(logits, reqs)
+            )
 
         wanted = [tokens]
         num_logprobs = [p.logprobs for p in params]
