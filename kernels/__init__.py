@@ -24,6 +24,7 @@ from pagoda.kernels import reference
 __all__ = [
     "LoraSegments",
     "argmax",
+    "fill_seeded_noise",
     "lora_expand",
     "lora_shrink",
     "paged_attention",
@@ -58,6 +59,19 @@ def argmax(x: torch.Tensor) -> torch.Tensor:  # [rows, cols] -> [rows] int64
     if use_triton(x):
         return _triton_fn("argmax_rows", "argmax")(x)
     return x.argmax(dim=1)
+
+
+def fill_seeded_noise(
+    noise: torch.Tensor,  # [num_rows, vocab] float32: rows `rows` written
+    rows: torch.Tensor,  # [s] int64
+    keys: torch.Tensor,  # [s, 2] int32: each seeded row's key, low and high halves
+    uniform: torch.Tensor | None = None,  # [num_rows] float32: rows `rows` written
+) -> None:
+    """Seeded rows' Exp(1) noise, noise[rows[i]] a function of keys[i] alone (a counter-based hash of
+    key and column, `reference.fill_seeded_noise`); with `uniform`, also one uniform a row (the
+    hash's column after the vocabulary)."""
+    fn = _triton_fn("seeded_noise", "fill_seeded_noise") if use_triton(noise) else reference.fill_seeded_noise
+    fn(noise, rows, keys, uniform)
 
 
 def write_kv(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -262,3 +263,52 @@ def merge_attention(
     merged = a.float() * (a_lse - lse).exp().unsqueeze(-1)
     merged.addcmul_(b.float(), (b_lse - lse).exp().unsqueeze(-1))
     out.copy_((merged * v_scale).transpose(0, 1))
+
+
+# --- seeded noise: the counter-based hash of `kernels.seeded_noise` ---------------------------------
+
+_FMIX_C1, _FMIX_C2 = 0x85EBCA6B - (1 << 32), 0xC2B2AE35 - (1 << 32)  # as int32
+# Rows hashed at a time: bounds the temporaries to a few SEEDED_ROWS_PER_CHUNK x columns x 4 bytes
+# (16 MB each at 32 rows of a 128k vocabulary), whatever the number of seeded rows.
+SEEDED_ROWS_PER_CHUNK = 32
+
+
+def _shr32(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int32 bit patterns (torch's >> on int32 is arithmetic)."""
+    return (x >> bits) & ((1 << (32 - bits)) - 1)
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's finaliser on int32 bit patterns (products wrap modulo 2**32, as in C)."""
+    x = x ^ _shr32(x, 16)
+    x = x * _FMIX_C1
+    x = x ^ _shr32(x, 13)
+    x = x * _FMIX_C2
+    return x ^ _shr32(x, 16)
+
+
+def seeded_uniform_chunks(keys: torch.Tensor, columns: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, [<= SEEDED_ROWS_PER_CHUNK, columns] float32 uniforms in (0, 1)) for the rows of
+    `keys` ([rows, 2] int32: each row's key as low and high halves), in order."""
+    cols = torch.arange(columns, dtype=torch.int32, device=keys.device).view(1, -1)
+    for start in range(0, keys.shape[0], SEEDED_ROWS_PER_CHUNK):
+        chunk = keys[start : start + SEEDED_ROWS_PER_CHUNK]
+        bits = _fmix32(_fmix32(cols ^ chunk[:, :1]) ^ chunk[:, 1:])
+        # The top 23 bits, centred: in (0, 1) and exact in float32 (24 significant bits).
+        yield start, (_shr32(bits, 9).float() + 0.5).mul_(1.0 / (1 << 23))
+
+
+def fill_seeded_noise(
+    noise: torch.Tensor,  # [num_rows, vocab] float32, rows `rows` written
+    rows: torch.Tensor,  # [s] int64
+    keys: torch.Tensor,  # [s, 2] int32
+    uniform: torch.Tensor | None = None,  # [num_rows] float32, rows `rows` written
+) -> None:
+    """noise[rows[i], c] = -log(u(keys[i], c)); uniform[rows[i]] = u(keys[i], vocab), the column after."""
+    vocab = noise.shape[1]
+    columns = vocab + (uniform is not None)
+    for start, u in seeded_uniform_chunks(keys, columns):
+        at = rows[start : start + len(u)]
+        if uniform is not None:
+            uniform[at] = u[:, vocab]
+        noise[at] = u[:, :vocab].log_().neg_()

@@ -4,6 +4,7 @@
   Face `transformers` `generate()` on the same checkpoint; also single-stream decode latency.
 - `pagoda bench serve`: a running OpenAI-compatible server under load (`pagoda.bench.serve`).
 - `pagoda bench grammar`: structured output's cost per engine step (`pagoda.bench.grammar`).
+- `pagoda bench sampler`: what seeded requests cost the sampler, against a generator per row.
 - `pagoda bench kernels`: the Triton kernels against their peers (see `pagoda.bench.kernels`).
 
 Results print as a Markdown table; `--output FILE` appends it with the command and the device.
@@ -134,6 +135,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from pagoda.bench import grammar as bench_grammar
 
     bench_grammar.add_arguments(grammar)
+    sampler = sub.add_parser(
+        "sampler",
+        help="the sampler's step with seeded rows against a torch.Generator per seeded row",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    from pagoda.bench import sampler as bench_sampler
+
+    bench_sampler.add_arguments(sampler)
     routing = sub.add_parser(
         "routing",
         help="simulate routing policies and HPA settings over 16 to 1,024 replicas (docs/routing.md)",
@@ -567,6 +576,10 @@ def run(args: argparse.Namespace) -> int:
         from pagoda.bench import grammar as bench_grammar
 
         return bench_grammar.run(args)
+    if args.bench == "sampler":
+        from pagoda.bench import sampler as bench_sampler
+
+        return bench_sampler.run(args)
     if args.bench == "routing":
         from pagoda.bench import routing_sim
 

@@ -129,6 +129,7 @@ def _launches() -> list[tuple[str, Callable[[], object]]]:
         norm,
         quant,
         rotary,
+        seeded_noise,
     )
 
     bf16, f32, fp8 = torch.bfloat16, torch.float32, torch.float8_e4m3fn
@@ -185,6 +186,21 @@ def _launches() -> list[tuple[str, Callable[[], object]]]:
         ("argmax bf16", lambda: argmax_rows.argmax(r(4, 128256))),
         ("argmax float32", lambda: argmax_rows.argmax(r(4, 128256, dtype=f32))),
         ("lse merge", merge_call),
+        (
+            "seeded noise",
+            lambda: seeded_noise.fill_seeded_noise(
+                r(4, 128256, dtype=f32), torch.arange(3), torch.zeros(3, 2, dtype=torch.int32)
+            ),
+        ),
+        (
+            "seeded noise and uniform",
+            lambda: seeded_noise.fill_seeded_noise(
+                r(4, 128256, dtype=f32),
+                torch.arange(3),
+                torch.zeros(3, 2, dtype=torch.int32),
+                r(4, dtype=f32),
+            ),
+        ),
         ("rms_norm", lambda: norm.rms_norm(r(4, 512), r(512), 1e-5)),
         (
             "rms_norm residual quantize",

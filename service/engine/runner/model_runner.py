@@ -463,9 +463,17 @@ class ModelRunner:
                 hidden = self._forward_eager(batch)
                 self.model.compute_logits(hidden[self._last_rows(batch, list(range(len(lens))))])
         with torch.inference_mode():
-            # The sampler's argmax, over float32 logits and over the graphs' (the LM head's dtype).
+            # The sampler's kernels: the argmax over float32 logits and over the graphs' (the LM head's
+            # dtype), seeded rows' noise with and without the verifier's uniform.
+            vocab = self.model_config.vocab_size
             for dtype in (torch.float32, self.dtype):
-                kernels.argmax(torch.zeros(1, self.model_config.vocab_size, dtype=dtype, device=self.device))
+                kernels.argmax(torch.zeros(1, vocab, dtype=dtype, device=self.device))
+            noise, uniform = torch.empty(1, vocab, device=self.device), torch.empty(1, device=self.device)
+            one_row = torch.zeros(1, dtype=torch.int64, device=self.device)
+            for with_uniform in (None, uniform):
+                kernels.fill_seeded_noise(
+                    noise, one_row, one_row.new_zeros(1, 2, dtype=torch.int32), with_uniform
+                )
             counts = self.model.attention_layers()[0].compile_decode_variants(self.max_model_len, self.dtype)
         logger.debug("decode kernels compiled for %s splits", counts)
         if self.long_chunk_tokens is not None and budget >= self.long_chunk_tokens and self.pp.size == 1:

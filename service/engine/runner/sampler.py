@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,7 +22,7 @@ from pagoda import kernels
 from pagoda.service.engine.core.request import Request
 from pagoda.service.engine.core.scheduler import GrammarBitmask
 from pagoda.service.engine.messages import SampleResult
-from pagoda.service.engine.runner.seeded_noise import row_key, uniform_chunks
+from pagoda.service.engine.runner.seeded_noise import row_key
 from pagoda.service.grammar import LOGIT_BIAS_LIMIT
 
 
@@ -34,6 +35,20 @@ def to_device(values: object, dtype: torch.dtype, device: torch.device) -> torch
     """A small host list (or array) as a tensor on `device`, without waiting for the device's queue."""
     host = torch.as_tensor(values, dtype=dtype)
     return host.pin_memory().to(device, non_blocking=True) if _pins(device) else host
+
+
+def fill_seeded_noise(noise: torch.Tensor, rows: list[Any], uniform: torch.Tensor | None = None) -> None:
+    """Overwrite the rows of `noise` (and of `uniform`) whose request is seeded with their hashed draws
+    (`seeded_noise`); `rows`: a request (or a verifier's row of one) per row."""
+    seeded = [
+        (i, row_key(seed, r.index, r.num_output_tokens))
+        for i, r in enumerate(rows)
+        if (seed := r.params.seed) is not None
+    ]
+    if seeded:
+        at = to_device([i for i, _ in seeded], torch.long, noise.device)
+        keys = to_device([k for _, k in seeded], torch.int32, noise.device)
+        kernels.fill_seeded_noise(noise, at, keys, uniform)
 
 
 def _to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
@@ -267,18 +282,8 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         probs = self.filtered_probs(logits, reqs)
         # Exponential race (Gumbel-max): argmax(p / E), E ~ Exp(1), samples from p.
-        device = logits.device
         noise = torch.empty_like(probs).exponential_()
-        seeded = [
-            (i, row_key(seed, r.index, r.num_output_tokens))
-            for i, r in enumerate(reqs)
-            if (seed := r.params.seed) is not None
-        ]
-        if seeded:
-            rows = to_device([i for i, _ in seeded], torch.long, device)
-            keys = to_device([k for _, k in seeded], torch.int32, device)
-            for start, uniform in uniform_chunks(keys, self.vocab_size):
-                noise[rows[start : start + len(uniform)]] = uniform.log_().neg_()
+        fill_seeded_noise(noise, reqs)
         return kernels.argmax(probs / noise)
 
     def filtered_probs(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:

@@ -28,8 +28,7 @@ import torch
 from pagoda import kernels
 from pagoda.service.engine.core.request import Request
 from pagoda.service.engine.core.scheduler import GrammarBitmask
-from pagoda.service.engine.runner.sampler import Sampler, to_device
-from pagoda.service.engine.runner.seeded_noise import row_key, uniform_chunks
+from pagoda.service.engine.runner.sampler import Sampler, fill_seeded_noise, to_device
 from pagoda.service.sampling_params import SamplingParams
 
 
@@ -101,16 +100,5 @@ def _noise(rows: list[_Row], vocab_size: int, device: torch.device) -> tuple[tor
     sampler's, the uniform the column after them)."""
     uniform = torch.rand(len(rows), device=device)
     noise = torch.empty(len(rows), vocab_size, device=device).exponential_()
-    seeded = [
-        (i, row_key(seed, r.index, r.num_output_tokens))
-        for i, r in enumerate(rows)
-        if (seed := r.params.seed) is not None
-    ]
-    if seeded:
-        where = to_device([i for i, _ in seeded], torch.long, device)
-        keys = to_device([k for _, k in seeded], torch.int32, device)
-        for start, drawn in uniform_chunks(keys, vocab_size + 1):
-            at = where[start : start + len(drawn)]
-            uniform[at] = drawn[:, vocab_size]
-            noise[at] = drawn[:, :vocab_size].log_().neg_()
+    fill_seeded_noise(noise, rows, uniform)
     return uniform, noise
