@@ -736,6 +736,47 @@ def test_a_draft_model_gives_the_target_output(
         assert stats.spec_num_draft_tokens_total > 0, stats
 
 
+def test_the_warm_up_runs_its_prompt_batches_and_decode_variants_through_the_draft_model(
+    llama_ckpt: Path, qwen2_ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A draft model of other shapes compiles kernel variants of its own: the warm-up (a GPU's, called
+    here by hand) shadows its prompt batches through the draft and hands the draft's first layer to
+    the decode-variant warm-up as well as the target's. It writes no KV: greedy drafting output after it
+    is the target's."""
+    from pagoda.service.engine.runner.draft_model import DraftModel
+    from pagoda.service.engine.runner.model_runner import warm_up_query_lens
+    from pagoda.service.model.attention import PagedAttention
+
+    config = {"model": str(qwen2_ckpt), "num_speculative_tokens": 3, "adaptive": False}
+    common: dict[str, Any] = {
+        "dtype": "float32",
+        "kv_cache_memory_bytes": 8 << 20,
+        "max_num_batched_tokens": 64,
+    }
+    prompts = [[5, 6, 7, 8] * 5]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = LLM(str(llama_ckpt), **common).generate(prompts, params)[0].outputs[0].token_ids
+    with LLM(str(llama_ckpt), speculative_config=config, **common) as spec:
+        runner = spec.engine.core.executor.runner
+        shadowed: list[int] = []
+        real_shadow = DraftModel.shadow
+        monkeypatch.setattr(
+            DraftModel,
+            "shadow",
+            lambda self, batch, fill: (
+                shadowed.append(len(batch["input_ids"])) or real_shadow(self, batch, fill)
+            ),
+        )
+        layers: list[PagedAttention] = []
+        monkeypatch.setattr(
+            PagedAttention, "compile_decode_variants", lambda self, *a: layers.append(self) or []
+        )
+        runner._warm_up()
+        assert shadowed == [sum(lens) for lens in warm_up_query_lens(64)]
+        assert layers == [runner.model.attention_layers()[0], runner.draft.model.attention_layers()[0]]
+        assert spec.generate(prompts, params)[0].outputs[0].token_ids == want
+
+
 def test_a_verify_step_shadows_only_the_rows_the_proposal_did_not_write() -> None:
     """A prompt chunk (5 rows, not sampled), a sequence with 3 drafts (its last real token at 9, drafts
     at 10-12) and a plain decode: the draft's shadow run keeps the chunk, the drafting sequence's last

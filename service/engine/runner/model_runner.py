@@ -436,7 +436,7 @@ class ModelRunner:
         budget = min(self.config.max_num_batched_tokens, self.max_model_len)
         # With adapters on, the batches run a second time through an adapter slot (zeros until an adapter
         # loads: no output changes), else the first adapter's prompt would compile LoRA's SGMV kernels
-        # inside its step, every request in it waiting.
+        # inside its step, every request in it waiting. A draft model runs them too (its shadow steps).
         lora_passes = (-1, 0) if self.lora is not None else (-1,)
         for query_lens, slot in itertools.product(warm_up_query_lens(budget), lora_passes):
             lens = np.asarray(query_lens, dtype=np.int64)
@@ -462,6 +462,8 @@ class ModelRunner:
                     continue
                 hidden = self._forward_eager(batch)
                 self.model.compute_logits(hidden[self._last_rows(batch, list(range(len(lens))))])
+                if self.draft is not None and slot == -1:  # its own shapes: its own kernel variants
+                    self.draft.shadow(batch, None)
         with torch.inference_mode():
             # The sampler's kernels: the argmax over float32 logits and over the graphs' (the LM head's
             # dtype), seeded rows' noise with and without the verifier's uniform.
@@ -475,6 +477,8 @@ class ModelRunner:
                     noise, one_row, one_row.new_zeros(1, 2, dtype=torch.int32), with_uniform
                 )
             counts = self.model.attention_layers()[0].compile_decode_variants(self.max_model_len, self.dtype)
+            if self.draft is not None:
+                self.draft.model.attention_layers()[0].compile_decode_variants(self.max_model_len, self.dtype)
         logger.debug("decode kernels compiled for %s splits", counts)
         if self.long_chunk_tokens is not None and budget >= self.long_chunk_tokens and self.pp.size == 1:
             # The budget's chunk behind whole-budget prefixes: cuDNN's plans (the first chunk's was above).
