@@ -62,16 +62,15 @@ def argmax(x: torch.Tensor) -> torch.Tensor:  # [rows, cols] -> [rows] int64
 
 
 def fill_seeded_noise(
-    noise: torch.Tensor,  # [num_rows, vocab] float32: rows `rows` written
-    rows: torch.Tensor,  # [s] int64
-    keys: torch.Tensor,  # [s, 2] int32: each seeded row's key, low and high halves
-    uniform: torch.Tensor | None = None,  # [num_rows] float32: rows `rows` written
+    noise: torch.Tensor,  # [num_rows, vocab] float32: the seeded rows written
+    seeded: torch.Tensor,  # [s, 3] int32: a row of noise, its key's low and high halves (one upload)
+    uniform: torch.Tensor | None = None,  # [num_rows] float32: the seeded rows written
 ) -> None:
-    """Seeded rows' Exp(1) noise, noise[rows[i]] a function of keys[i] alone (a counter-based hash of
-    key and column, `reference.fill_seeded_noise`); with `uniform`, also one uniform a row (the
-    hash's column after the vocabulary)."""
+    """Seeded rows' Exp(1) noise, each row a function of its key alone (a counter-based hash of key
+    and column, `reference.fill_seeded_noise`); with `uniform`, also one uniform a row (the hash's
+    column after the vocabulary)."""
     fn = _triton_fn("seeded_noise", "fill_seeded_noise") if use_triton(noise) else reference.fill_seeded_noise
-    fn(noise, rows, keys, uniform)
+    fn(noise, seeded, uniform)
 
 
 def write_kv(

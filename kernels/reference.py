@@ -299,15 +299,15 @@ def seeded_uniform_chunks(keys: torch.Tensor, columns: int) -> Iterator[tuple[in
 
 
 def fill_seeded_noise(
-    noise: torch.Tensor,  # [num_rows, vocab] float32, rows `rows` written
-    rows: torch.Tensor,  # [s] int64
-    keys: torch.Tensor,  # [s, 2] int32
-    uniform: torch.Tensor | None = None,  # [num_rows] float32, rows `rows` written
+    noise: torch.Tensor,  # [num_rows, vocab] float32, the seeded rows written
+    seeded: torch.Tensor,  # [s, 3] int32: a row of noise, its key's low half, its key's high half
+    uniform: torch.Tensor | None = None,  # [num_rows] float32, the seeded rows written
 ) -> None:
-    """noise[rows[i], c] = -log(u(keys[i], c)); uniform[rows[i]] = u(keys[i], vocab), the column after."""
+    """noise[row_i, c] = -log(u(key_i, c)); uniform[row_i] = u(key_i, vocab), the column after."""
     vocab = noise.shape[1]
     columns = vocab + (uniform is not None)
-    for start, u in seeded_uniform_chunks(keys, columns):
+    rows = seeded[:, 0].long()
+    for start, u in seeded_uniform_chunks(seeded[:, 1:], columns):
         at = rows[start : start + len(u)]
         if uniform is not None:
             uniform[at] = u[:, vocab]

@@ -26,8 +26,7 @@ def _fmix32(x):  # uint32 in, uint32 out; the products taken in 64 bits and cut 
 def _seeded_noise_kernel(
     noise_ptr,  # [num_rows, vocab] float32
     uniform_ptr,  # [num_rows] float32 (WITH_UNIFORM)
-    rows_ptr,  # [s] int64
-    keys_ptr,  # [s, 2] int32
+    seeded_ptr,  # [s, 3] int32: row, key low, key high
     vocab,
     stride_noise,
     WITH_UNIFORM: tl.constexpr,
@@ -35,9 +34,9 @@ def _seeded_noise_kernel(
 ):
     i = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    row = tl.load(rows_ptr + i)
-    low = tl.load(keys_ptr + 2 * i).to(tl.uint32, bitcast=True)
-    high = tl.load(keys_ptr + 2 * i + 1).to(tl.uint32, bitcast=True)
+    row = tl.load(seeded_ptr + 3 * i).to(tl.int64)
+    low = tl.load(seeded_ptr + 3 * i + 1).to(tl.uint32, bitcast=True)
+    high = tl.load(seeded_ptr + 3 * i + 2).to(tl.uint32, bitcast=True)
     bits = _fmix32(_fmix32(cols.to(tl.uint32) ^ low) ^ high)
     u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # 2 ** -23
     tl.store(noise_ptr + row * stride_noise + cols, -tl.log(u), mask=cols < vocab)
@@ -50,18 +49,17 @@ _BLOCK = 1024
 
 def fill_seeded_noise(
     noise: torch.Tensor,
-    rows: torch.Tensor,
-    keys: torch.Tensor,
+    seeded: torch.Tensor,
     uniform: torch.Tensor | None = None,
 ) -> None:
-    if noise.dtype != torch.float32 or noise.stride(1) != 1 or keys.dtype != torch.int32:
-        raise ValueError(f"fill_seeded_noise: noise {noise.dtype} {noise.stride()}, keys {keys.dtype}")
-    if rows.numel() == 0:
+    if noise.dtype != torch.float32 or noise.stride(1) != 1 or seeded.dtype != torch.int32:
+        raise ValueError(f"fill_seeded_noise: noise {noise.dtype} {noise.stride()}, seeded {seeded.dtype}")
+    if seeded.shape[0] == 0:
         return
     vocab = noise.shape[1]
     columns = vocab + (uniform is not None)
-    grid = (rows.numel(), triton.cdiv(columns, _BLOCK))
+    grid = (seeded.shape[0], triton.cdiv(columns, _BLOCK))
     _seeded_noise_kernel[grid](
-        noise, noise if uniform is None else uniform, rows, keys.contiguous(), vocab, noise.stride(0),
+        noise, noise if uniform is None else uniform, seeded.contiguous(), vocab, noise.stride(0),
         WITH_UNIFORM=uniform is not None, BLOCK=_BLOCK,
     )  # fmt: skip

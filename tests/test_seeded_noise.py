@@ -89,10 +89,13 @@ def test_fill_writes_the_seeded_rows_noise_and_the_uniform_after_the_vocabulary(
     monkeypatch.setattr(reference, "SEEDED_ROWS_PER_CHUNK", 2)  # rows of two chunks land where they go
     keys = _keys(*(row_key(seed, 0, 9) for seed in (3, 4, 5)))
     noise, uniform = torch.full((6, 100), -1.0), torch.full((6,), -1.0)
-    reference.fill_seeded_noise(noise, torch.tensor([4, 0, 2]), keys, uniform)
+    at = torch.tensor([[4], [0], [2]], dtype=torch.int32)
+    reference.fill_seeded_noise(noise, torch.cat([at, keys], 1), uniform)
     drawn = _uniform(keys, 101)
     torch.testing.assert_close(noise[[4, 0, 2]], -drawn[:, :100].log(), rtol=0, atol=0)
     assert uniform[[4, 0, 2]].tolist() == drawn[:, 100].tolist()
     assert (noise[[1, 3, 5]] == -1).all() and (uniform[[1, 3, 5]] == -1).all()  # the others untouched
-    reference.fill_seeded_noise(noise, torch.tensor([1]), keys[:1])  # no uniform asked: none written
+    reference.fill_seeded_noise(
+        noise, torch.tensor([[1, *keys[0].tolist()]], dtype=torch.int32)
+    )  # no uniform
     assert torch.equal(noise[1], noise[4]) and uniform[1] == -1

@@ -543,15 +543,15 @@ def test_seeded_noise_is_the_references_hash(with_uniform: bool) -> None:
     from pagoda.kernels.seeded_noise import fill_seeded_noise
 
     vocab = 2 * 1024 + 37  # three column blocks, the last ragged
-    # Keys with the top bit of either half set: the signed int32 patterns read as unsigned.
-    keys = torch.tensor([[5, 9], [-7, 2**31 - 1], [-(2**31), -1]], dtype=torch.int32, device=DEVICE)
-    rows = torch.tensor([3, 0, 1], device=DEVICE)
+    # Rows 3, 0, 1; keys with the top bit of either half set (signed int32 patterns read as unsigned).
+    keys = [[3, 5, 9], [0, -7, 2**31 - 1], [1, -(2**31), -1]]
+    seeded = torch.tensor(keys, dtype=torch.int32, device=DEVICE)
     noise = torch.full((5, vocab), float("nan"), device=DEVICE)
     expected = noise.clone()
     uniform = torch.full((5,), float("nan"), device=DEVICE) if with_uniform else None
     expected_uniform = None if uniform is None else uniform.clone()
-    fill_seeded_noise(noise, rows, keys, uniform)
-    reference.fill_seeded_noise(expected, rows, keys, expected_uniform)
+    fill_seeded_noise(noise, seeded, uniform)
+    reference.fill_seeded_noise(expected, seeded, expected_uniform)
     torch.testing.assert_close(noise, expected, rtol=2e-6, atol=0, equal_nan=True)  # -log's last bit
     assert noise[[2, 4]].isnan().all()  # rows not asked for: untouched
     if uniform is not None:

@@ -177,6 +177,9 @@ def _launches() -> list[tuple[str, Callable[[], object]]]:
             q, kv, kv if v is None else v, tables, seq_lens, starts, 0.08, query_len, 30, decode_config=cfg
         )
 
+    def seeded3() -> torch.Tensor:  # three seeded rows: (row, key low, key high) each
+        return torch.zeros(3, 3, dtype=torch.int32)
+
     def merge_call() -> None:  # cuDNN's two parts of a long chunk: [32 heads, rows, 128], strided
         part = r(40, 32, 128).transpose(0, 1)[:, 3:35]
         lse = r(32, 40, dtype=f32)[:, 3:35]
@@ -186,20 +189,10 @@ def _launches() -> list[tuple[str, Callable[[], object]]]:
         ("argmax bf16", lambda: argmax_rows.argmax(r(4, 128256))),
         ("argmax float32", lambda: argmax_rows.argmax(r(4, 128256, dtype=f32))),
         ("lse merge", merge_call),
-        (
-            "seeded noise",
-            lambda: seeded_noise.fill_seeded_noise(
-                r(4, 128256, dtype=f32), torch.arange(3), torch.zeros(3, 2, dtype=torch.int32)
-            ),
-        ),
+        ("seeded noise", lambda: seeded_noise.fill_seeded_noise(r(4, 128256, dtype=f32), seeded3())),
         (
             "seeded noise and uniform",
-            lambda: seeded_noise.fill_seeded_noise(
-                r(4, 128256, dtype=f32),
-                torch.arange(3),
-                torch.zeros(3, 2, dtype=torch.int32),
-                r(4, dtype=f32),
-            ),
+            lambda: seeded_noise.fill_seeded_noise(r(4, 128256, dtype=f32), seeded3(), r(4, dtype=f32)),
         ),
         ("rms_norm", lambda: norm.rms_norm(r(4, 512), r(512), 1e-5)),
         (

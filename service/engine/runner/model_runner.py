@@ -471,11 +471,9 @@ class ModelRunner:
             for dtype in (torch.float32, self.dtype):
                 kernels.argmax(torch.zeros(1, vocab, dtype=dtype, device=self.device))
             noise, uniform = torch.empty(1, vocab, device=self.device), torch.empty(1, device=self.device)
-            one_row = torch.zeros(1, dtype=torch.int64, device=self.device)
+            seeded = torch.zeros(1, 3, dtype=torch.int32, device=self.device)  # row 0, key 0
             for with_uniform in (None, uniform):
-                kernels.fill_seeded_noise(
-                    noise, one_row, one_row.new_zeros(1, 2, dtype=torch.int32), with_uniform
-                )
+                kernels.fill_seeded_noise(noise, seeded, with_uniform)
             counts = self.model.attention_layers()[0].compile_decode_variants(self.max_model_len, self.dtype)
             if self.draft is not None:
                 self.draft.model.attention_layers()[0].compile_decode_variants(self.max_model_len, self.dtype)

@@ -41,14 +41,12 @@ def fill_seeded_noise(noise: torch.Tensor, rows: list[Any], uniform: torch.Tenso
     """Overwrite the rows of `noise` (and of `uniform`) whose request is seeded with their hashed draws
     (`seeded_noise`); `rows`: a request (or a verifier's row of one) per row."""
     seeded = [
-        (i, row_key(seed, r.index, r.num_output_tokens))
+        (i, *row_key(seed, r.index, r.num_output_tokens))
         for i, r in enumerate(rows)
         if (seed := r.params.seed) is not None
     ]
     if seeded:
-        at = to_device([i for i, _ in seeded], torch.long, noise.device)
-        keys = to_device([k for _, k in seeded], torch.int32, noise.device)
-        kernels.fill_seeded_noise(noise, at, keys, uniform)
+        kernels.fill_seeded_noise(noise, to_device(seeded, torch.int32, noise.device), uniform)
 
 
 def _to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
