@@ -164,6 +164,27 @@ def test_unloading_an_adapter_ends_only_its_own_running_requests(
     assert [len(finals[r].outputs[0].token_ids) for r in ("r-every", "r-None")] == [6, 6]
 
 
+def test_stats_count_waiting_requests_and_name_the_running_and_waiting_adapters(
+    llama_ckpt: Path, adapters: dict[str, Path]
+) -> None:
+    """One sequence at a time: the engine's stats (`/metrics`' num_requests_waiting and
+    lora_requests_info) count the queued requests and name the adapters running and waiting, the
+    base model's requests under none."""
+    llm = LLM(
+        str(llama_ckpt), dtype="float32", kv_cache_memory_bytes=8 << 20, enable_lora=True, max_loras=2,
+        max_lora_rank=8, max_num_seqs=1,
+    )  # fmt: skip
+    for name in ("every", "qv"):
+        assert llm.engine.core.lora_op(name, str(adapters[name])) is None
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for i, name in enumerate(("every", "qv", None, "qv")):
+        llm.engine.add_request(f"r{i}", [5, 6, 7], params, lora_name=name)
+    llm.engine.step()
+    stats = llm.engine.core.stats()
+    assert (stats.num_running, stats.num_waiting) == (1, 3)
+    assert (stats.lora_running, stats.lora_waiting) == (["every"], ["qv"])
+
+
 def test_adapters_that_do_not_fit_are_refused_with_the_reason(
     llama_ckpt: Path, qwen2_ckpt: Path, adapters: dict[str, Path], tmp_path: Path
 ) -> None:

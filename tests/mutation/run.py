@@ -119,6 +119,8 @@ TARGETS: dict[str, Target] = {
             "tests/test_speculative.py::test_step_rates_time_each_step_from_the_completion_before_it",
             "tests/test_lora.py::test_an_adapter_is_loaded_at_run_time_then_unloaded",
             "tests/test_lora.py::test_a_mixed_batch_of_two_adapters_and_the_base_equals_peft",
+            "tests/test_lora.py::test_unloading_an_adapter_ends_only_its_own_running_requests",
+            "tests/test_lora.py::test_stats_count_waiting_requests_and_name_the_running_and_waiting_adapters",
             "tests/test_engine_sampling.py",
             "tests/test_engine_greedy.py",
             "tests/test_engine_async.py",
