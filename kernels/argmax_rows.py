@@ -2,10 +2,11 @@
 `torch.argmax` gives it.
 
 PyTorch reduces a row of logits in one block, so at a few rows of a 128k vocabulary it runs a few
-programs over 256 KB each (36 us at one row on an H100 against ~1 us of reading). Here a first launch
+programs over 256 KB each (26-36 us at one row on an H100 against ~1 us of reading). Here a first launch
 splits every row into BLOCK-column chunks, one program each, and keeps each chunk's maximum and where it
 is; a second takes, per row, the first chunk holding the row's maximum. Values compare in float32
-(exact for bf16 / fp16). NaN is not handled: the engine's logits have none.
+(exact for bf16 / fp16); a NaN counts as the largest value, as in torch.argmax (so an index is always
+in the row, whatever a broken model hands it).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def _chunk_max_kernel(
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
     # Past the row's end: -inf, after every real column, so a tie there never wins.
     x = tl.load(x_ptr + row * stride_x + offs, mask=offs < cols, other=float("-inf")).to(tl.float32)
+    x = tl.where(x != x, float("inf"), x)  # NaN above everything, as torch.argmax ranks it
     best = tl.max(x, 0)
     # The first column holding it, by a second reduction: tl.max's own indices break ties as the
     # backend likes (the interpreter's always left).

@@ -525,11 +525,15 @@ def test_argmax_is_torchs_first_index_of_the_maximum(dtype: torch.dtype, rows: i
         assert got.tolist()[:5] == [5, BLOCK + 30, cols - 1, 0, 0]
 
 
-def test_argmax_of_one_chunk_and_of_no_rows() -> None:
-    from pagoda.kernels.argmax_rows import argmax
+def test_argmax_of_one_chunk_of_nan_and_of_no_rows() -> None:
+    from pagoda.kernels.argmax_rows import BLOCK, argmax
 
     x = randn(3, 100)
     assert argmax(x).tolist() == x.argmax(dim=1).tolist()
+    nan = randn(2, BLOCK + 10)
+    nan[0, [7, BLOCK + 3]] = float("nan")  # the first NaN, as torch ranks NaN above all
+    nan[1] = float("nan")
+    assert argmax(nan).tolist() == nan.argmax(dim=1).tolist() == [7, 0]
     assert argmax(x[:0]).shape == (0,)
     with pytest.raises(ValueError, match="contiguous"):
         argmax(x.t())
