@@ -247,6 +247,12 @@ def _pod_template(
             {"name": "TRITON_CACHE_DIR", "value": cache_dir},
             {"name": "XDG_CACHE_HOME", "value": HOME_CACHE_DIR},
             {"name": "HF_HOME", "value": f"{HOME_CACHE_DIR}/huggingface"},
+            # The CPU request, whole CPUs rounded up: a CPU engine's torch threads (a Burstable pod has no
+            # CPU quota to size them by; service/engine/runner/cpu_threads.py).
+            {
+                "name": "PAGODA_CPU_REQUEST",
+                "valueFrom": {"resourceFieldRef": {"resource": "requests.cpu", "divisor": "1"}},
+            },
             *_api_key_env(spec),
             *spec.env,
         ],

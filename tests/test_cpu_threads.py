@@ -54,6 +54,20 @@ def test_the_budget_is_the_affinity_capped_by_the_quota_rounded_up(tmp_path: Pat
     assert cpu_budget(sixty_four, cgroup(tmp_path / "e", v2="200000 100000")) == 2  # exactly 2: not 3
 
 
+def test_a_pods_cpu_request_caps_the_budget_where_no_quota_does(tmp_path: Path) -> None:
+    """A Burstable pod: no CPU limit, so no quota; the operator's PAGODA_CPU_REQUEST (the downward API's
+    requests.cpu, whole CPUs rounded up) caps the node's 64 CPUs. Below a quota it caps that too; what is
+    not a positive whole number is ignored."""
+    sixty_four = lambda: set(range(64))  # noqa: E731
+    unlimited, quota3 = cgroup(tmp_path / "a", v2="max 100000"), cgroup(tmp_path / "b", v2="250000 100000")
+    assert cpu_budget(sixty_four, unlimited, {"PAGODA_CPU_REQUEST": "2"}) == 2
+    assert cpu_budget(sixty_four, quota3, {"PAGODA_CPU_REQUEST": "2"}) == 2
+    assert cpu_budget(sixty_four, quota3, {"PAGODA_CPU_REQUEST": "8"}) == 3  # the quota is the smaller
+    assert cpu_budget(lambda: {0, 1}, unlimited, {"PAGODA_CPU_REQUEST": "8"}) == 2  # the affinity is
+    for ignored in ("", "0", "1.5", "-2", "lots"):
+        assert cpu_budget(sixty_four, unlimited, {"PAGODA_CPU_REQUEST": ignored}) == 64, ignored
+
+
 def test_each_rank_gets_its_share_unless_omp_num_threads_is_set() -> None:
     assert threads_per_rank(1, budget=3, environ={}) == 3
     assert threads_per_rank(2, budget=4, environ={}) == 2

@@ -69,6 +69,9 @@ def test_deployment_carries_the_profile() -> None:
     assert not any(v["name"] == "dshm" for v in pod(dep)["volumes"])
     # Kernels are cached per architecture.
     assert {"name": "TRITON_CACHE_DIR", "value": "/var/cache/pagoda/triton/sm90"} in container["env"]
+    # The CPU request, for a CPU engine's threads (a Burstable pod has no quota to size them by).
+    request = {"resourceFieldRef": {"resource": "requests.cpu", "divisor": "1"}}
+    assert {"name": "PAGODA_CPU_REQUEST", "valueFrom": request} in container["env"]
     assert pod(dep)["securityContext"]["runAsNonRoot"] is True
 
 

@@ -7,9 +7,12 @@ descheduled peer is worse than no thread: a 576 x 1536 linear at one row (the em
 0.10 ms with one thread and 6.7 ms with two, on this project's 2-core machine with the other core busy.
 
 So the engine divides what the process may run on, the smaller of its CPU affinity and its cgroup's CPU
-quota (v2 `cpu.max`, v1 `cpu.cfs_quota_us`), among the ranks on this machine. OMP_NUM_THREADS, when
-set, wins: torch reads it itself, and the engine changes nothing. torch is imported only by
-`share_cpus`, so the API process can read the budget without it.
+quota (v2 `cpu.max`, v1 `cpu.cfs_quota_us`), among the ranks on this machine. A Burstable pod (the
+operator's default: requests, no CPU limit) has no quota, so its affinity is the whole node; the
+operator hands the container its CPU request through the downward API (PAGODA_CPU_REQUEST, whole CPUs
+rounded up), which caps the budget too: threads past the CPUs the pod is guaranteed wait on a busy
+node. OMP_NUM_THREADS, when set, wins: torch reads it itself, and the engine changes nothing. torch
+is imported only by `share_cpus`, so the API process can read the budget without it.
 """
 
 from __future__ import annotations
@@ -44,11 +47,19 @@ def _affinity() -> set[int]:
     return set(range(os.cpu_count() or 1))  # macOS: no affinity call; every CPU
 
 
-def cpu_budget(affinity: Callable[[], set[int]] = _affinity, root: Path = CGROUP) -> int:
-    """Whole CPUs this process may keep busy: its affinity, capped by its cgroup's quota rounded up."""
+def cpu_budget(
+    affinity: Callable[[], set[int]] = _affinity, root: Path = CGROUP, environ: Mapping[str, str] = os.environ
+) -> int:
+    """Whole CPUs this process may keep busy: its affinity, capped by its cgroup's quota rounded up and by
+    its pod's CPU request (PAGODA_CPU_REQUEST, when a positive whole number)."""
     cpus = len(affinity())
     quota = cgroup_cpu_quota(root)
-    return max(1, min(cpus, math.ceil(quota)) if quota is not None else cpus)
+    if quota is not None:
+        cpus = min(cpus, math.ceil(quota))
+    request = environ.get("PAGODA_CPU_REQUEST", "")
+    if request.isdigit() and int(request) > 0:
+        cpus = min(cpus, int(request))
+    return max(1, cpus)
 
 
 def threads_per_rank(
