@@ -280,7 +280,9 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         probs = self.filtered_probs(logits, reqs)
         # Exponential race (Gumbel-max): argmax(p / E), E ~ Exp(1), samples from p.
-        noise = torch.empty_like(probs).exponential_()
+        noise = torch.empty_like(probs)
+        if any(r.params.seed is None for r in reqs):  # else every row's noise is hashed below
+            noise.exponential_()
         fill_seeded_noise(noise, reqs)
         return kernels.argmax(probs / noise)
 
