@@ -15,7 +15,7 @@ import statistics
 import time
 from typing import Any
 
-from pagoda.bench.timing import device_name, sync
+from pagoda.bench.timing import device_name, emit_markdown, sync
 
 SCHEMA = {
     "type": "array",
@@ -161,9 +161,5 @@ def run(args: argparse.Namespace) -> int:
             f"| {wall / base_wall:.2f}x | {cpu:.1f} | {cpu / base_cpu:.2f}x | {fill} |"
         )
     lines += ["", f"Sampler mask for {args.batch} rows x {vocab} tokens: {apply_ms:.3f} ms per step."]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.output:
-        with open(args.output, "a") as f:
-            f.write("\n" + text)
+    emit_markdown(lines, args.output)
     return 0

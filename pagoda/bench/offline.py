@@ -24,7 +24,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
-from pagoda.bench.timing import device_name, sync
+from pagoda.bench.timing import device_name, emit_markdown, sync
 
 HELP = "Benchmark the engine or the kernels against their peers (results for BENCHMARKS.md)."
 
@@ -626,11 +626,7 @@ def run(args: argparse.Namespace) -> int:
             f"{len(repeated)} runs at {args.num_prompts} requests: median {statistics.median(repeated):.1f} "
             f"output tok/s, {min(repeated):.1f}-{max(repeated):.1f}.",
         ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.output:
-        with open(args.output, "a") as f:
-            f.write("\n" + text)
+    emit_markdown(lines, args.output)
     return 0
 
 

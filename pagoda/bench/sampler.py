@@ -13,7 +13,7 @@ import argparse
 import time
 from typing import Any
 
-from pagoda.bench.timing import device_name, sync
+from pagoda.bench.timing import device_name, emit_markdown, sync
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,9 +88,5 @@ def run(args: argparse.Namespace) -> int:
         "| ---: | ---: | ---: | ---: |",
     ]
     lines += [_table_row(int(rows), args.vocab, device, args.repeats) for rows in args.rows.split(",")]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.output:
-        with open(args.output, "a") as f:
-            f.write("\n" + text)
+    emit_markdown(lines, args.output)
     return 0

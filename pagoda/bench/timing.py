@@ -35,3 +35,12 @@ def timed_generate(
     outs = llm.generate(prompts, params, **kwargs)
     sync(device)
     return time.perf_counter() - start, outs
+
+
+def emit_markdown(lines: list[str], output: str | None) -> None:
+    """Print a bench's Markdown result and, with `--output FILE`, append it there after a blank line."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if output:
+        with open(output, "a") as f:
+            f.write("\n" + text)
