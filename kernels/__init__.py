@@ -7,6 +7,9 @@ The functions here are what the engine calls. Each takes the layouts documented 
 needs `TRITON_INTERPRET=1`, which is how the tests run them without a GPU), `reference` forces the
 references, `auto` (or unset) picks by device. Triton is imported only when a kernel is used, so
 CPU-only code paths work without it.
+
+`PAGODA_PDL=1` launches the hot path's kernels with programmatic dependent launch on Hopper GPUs
+(`pdl.py`: each starts while the kernel before it drains and waits for it first).
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels import pdl
+from pagoda.kernels.pdl import await_inputs
 from pagoda.kernels.quant import FP8_DTYPE, _e4m3, _row_scale
 
 
@@ -31,7 +33,9 @@ def _silu_and_mul_kernel(
     stride_x,
     stride_o,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # pdl.flags: launched early, waits in await_inputs
 ):
+    await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -74,7 +78,9 @@ def _silu_and_mul_quant_kernel(
     ONE_PASS: tl.constexpr,  # the row fits one BLOCK: keep it in registers, read it once
     SCALED: tl.constexpr,  # x is an fp8 product whose row and column scales are applied here
     DTYPE: tl.constexpr,  # the activations' dtype (x's, or the scaled product's)
+    PDL: tl.constexpr,  # pdl.flags: launched early, waits in await_inputs
 ):
+    await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     offs = tl.arange(0, BLOCK)
@@ -112,7 +118,9 @@ def _silu_mul_tile_amax_kernel(
     TILE: tl.constexpr,
     SCALED: tl.constexpr,
     DTYPE: tl.constexpr,
+    PDL: tl.constexpr,  # pdl.flags: launched early, waits in await_inputs
 ):
+    await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     cols = tile * TILE + tl.arange(0, TILE)
@@ -137,7 +145,9 @@ def _silu_mul_tile_quant_kernel(
     TILES_POW2: tl.constexpr,
     SCALED: tl.constexpr,
     DTYPE: tl.constexpr,
+    PDL: tl.constexpr,  # pdl.flags: launched early, waits in await_inputs
 ):
+    await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     tiles = tl.arange(0, TILES_POW2)
@@ -216,7 +226,7 @@ def silu_and_mul(
             num_tiles = triton.cdiv(d, _TILE)
             amax = torch.empty((num_tokens, num_tiles), dtype=torch.float32, device=x.device)
             args = (d, x.stride(0))
-            flags = {"SCALED": scales is not None, "DTYPE": _TL_DTYPES[dtype], "num_warps": 4}
+            flags = {"SCALED": scales is not None, "DTYPE": _TL_DTYPES[dtype], "num_warps": 4, **pdl.flags(x)}
             _silu_mul_tile_amax_kernel[(num_tokens, num_tiles)](
                 x, amax, row_scale, col_scale, *args, num_tiles, TILE=_TILE, **flags
             )
@@ -233,7 +243,7 @@ def silu_and_mul(
             _silu_and_mul_quant_kernel[(num_tokens,)](
                 x, q, scale, row_scale, col_scale, d, x.stride(0), q.stride(0), BLOCK=block,
                 ONE_PASS=one_pass, SCALED=scales is not None, DTYPE=_TL_DTYPES[dtype],
-                num_warps=max(4, min(16, block // 1024)),
+                num_warps=max(4, min(16, block // 1024)), **pdl.flags(x),
             )  # fmt: skip
         return q, scale
     if out is None:
@@ -246,6 +256,6 @@ def silu_and_mul(
         return out
     block = min(1024, triton.next_power_of_2(d))
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(d, block))](
-        x, out, d, x.stride(0), out.stride(0), BLOCK=block, num_warps=4
+        x, out, d, x.stride(0), out.stride(0), BLOCK=block, num_warps=4, **pdl.flags(x)
     )
     return out

@@ -15,6 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels import pdl
+from pagoda.kernels.pdl import await_inputs
+
 
 @triton.jit
 def _chunk_max_kernel(
@@ -25,7 +28,9 @@ def _chunk_max_kernel(
     stride_x,
     num_chunks,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # pdl.flags: launched early, waits in await_inputs
 ):
+    await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -47,7 +52,9 @@ def _pick_kernel(
     out_ptr,  # [rows] int64
     num_chunks,
     CHUNKS: tl.constexpr,  # num_chunks rounded up to a power of two
+    PDL: tl.constexpr,  # pdl.flags: launched early, waits in await_inputs
 ):
+    await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, CHUNKS)
     maxima = tl.load(max_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
@@ -68,6 +75,10 @@ def argmax(x: torch.Tensor) -> torch.Tensor:  # [rows, cols] -> [rows] int64
     num_chunks = triton.cdiv(cols, BLOCK)
     maxima = torch.empty(rows, num_chunks, dtype=torch.float32, device=x.device)
     where = torch.empty(rows, num_chunks, dtype=torch.int32, device=x.device)
-    _chunk_max_kernel[(rows, num_chunks)](x, maxima, where, cols, x.stride(0), num_chunks, BLOCK=BLOCK)
-    _pick_kernel[(rows,)](maxima, where, out, num_chunks, CHUNKS=triton.next_power_of_2(num_chunks))
+    _chunk_max_kernel[(rows, num_chunks)](
+        x, maxima, where, cols, x.stride(0), num_chunks, BLOCK=BLOCK, **pdl.flags(x)
+    )
+    _pick_kernel[(rows,)](
+        maxima, where, out, num_chunks, CHUNKS=triton.next_power_of_2(num_chunks), **pdl.flags(x)
+    )
     return out

@@ -49,7 +49,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels import pdl
 from pagoda.kernels.kv_cache import is_token_major
+from pagoda.kernels.pdl import await_inputs
 from pagoda.kernels.quant import INTERPRETED
 
 
@@ -217,7 +219,9 @@ def _decode_kernel(
     DOT_DTYPE: tl.constexpr,  # q's dtype, or float16 over an fp8 cache (see _dot_dtype)
     V_ASM: tl.constexpr,  # widen the V tile by inline PTX (`_widen_fp8`); K is cast
     V_SUB: tl.constexpr,  # 0: V slot-major; else token-major: min(BLOCK_SIZE, TILE_N) (`_load_v_token_major`)
+    PDL: tl.constexpr,  # pdl.flags: launched early, waits in await_inputs
 ):
+    await_inputs(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -282,7 +286,9 @@ def _reduce_kernel(
     HEAD_DIM: tl.constexpr,
     TILE_N: tl.constexpr,
     SPLITS_PAD: tl.constexpr,  # num_splits rounded up to a power of two
+    PDL: tl.constexpr,  # pdl.flags: launched early, waits in await_inputs
 ):
+    await_inputs(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -343,7 +349,9 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # q's dtype, or float16 over an fp8 cache (see _dot_dtype)
     V_SUB: tl.constexpr,  # as in _decode_kernel
+    PDL: tl.constexpr,  # pdl.flags: launched early, waits in await_inputs
 ):
+    await_inputs(PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     # Last query blocks first: under the causal mask they see the most keys, so the long programs
     # start in the first wave and the short ones fill the tail.
@@ -802,13 +810,14 @@ def paged_attention(
             GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
             BLOCK_SIZE=block_size, TILE_N=dcfg.tile_n, DOT_PRECISION=precision,
             DOT_DTYPE=dot_dtype, V_ASM=v_asm, V_SUB=v_sub,
-            num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
+            num_warps=dcfg.num_warps, num_stages=dcfg.num_stages, **pdl.flags(q),
         )  # fmt: skip
         if num_splits > 1:
             _reduce_kernel[(num_seqs, num_heads)](
                 out, part_out, part_lse, seq_lens, query_start_loc, min_partition, num_splits,
                 out.stride(0), out.stride(1),
                 HEAD_DIM=head_dim, TILE_N=dcfg.tile_n, SPLITS_PAD=triton.next_power_of_2(num_splits),
+                **pdl.flags(q),
             )  # fmt: skip
 
     if max_query_len > 1:
@@ -821,6 +830,6 @@ def paged_attention(
             GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
             TILE_N=pcfg.tile_n, DOT_PRECISION=precision, DOT_DTYPE=_dot_dtype(q, k_cache, "float16"),
             V_SUB=min(block_size, pcfg.tile_n) if token_major else 0,
-            num_warps=pcfg.num_warps, num_stages=pcfg.num_stages,
+            num_warps=pcfg.num_warps, num_stages=pcfg.num_stages, **pdl.flags(q),
         )  # fmt: skip
     return out

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels import pdl
+from pagoda.kernels.pdl import await_inputs
 from pagoda.kernels.quant import _e4m3
 
 
@@ -51,7 +53,9 @@ def _write_kv_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     QUANT: tl.constexpr,  # the cache is fp8: divide by the scale, clamp, round to e4m3
+    PDL: tl.constexpr,  # pdl.flags: launched early, waits in await_inputs
 ):
+    await_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
@@ -133,7 +137,7 @@ def write_kv(
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         *k_cache.stride(), *v_cache.stride(),
         HEAD_DIM=key.shape[2], BLOCK_H=triton.next_power_of_2(key.shape[1]), BLOCK_SIZE=k_cache.shape[1],
-        QUANT=k_cache.dtype == FP8_CACHE, num_warps=4,
+        QUANT=k_cache.dtype == FP8_CACHE, num_warps=4, **pdl.flags(key),
     )  # fmt: skip
 
 

@@ -12,6 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels import pdl
+from pagoda.kernels.pdl import await_inputs
+
 
 # num_tokens, a chunk's length (8,192 or 8,192 less the decoding rows beside it), only masks the last
 # tile: specialized, the first chunk of each kind would compile it inside a step.
@@ -29,7 +32,9 @@ def _merge_kernel(
     stride_bh, stride_bt, stride_blh, stride_blt,
     HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    PDL: tl.constexpr,  # pdl.flags: launched early, waits in await_inputs
 ):  # fmt: skip
+    await_inputs(PDL)
     head = tl.program_id(1)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     ok = t < num_tokens
@@ -70,5 +75,5 @@ def merge_attention(
         out.stride(0), out.stride(1),
         a.stride(0), a.stride(1), a_lse.stride(0), a_lse.stride(1),
         b.stride(0), b.stride(1), b_lse.stride(0), b_lse.stride(1),
-        HEAD_DIM=head_dim, BLOCK_T=block_t,
+        HEAD_DIM=head_dim, BLOCK_T=block_t, **pdl.flags(out),
     )  # fmt: skip

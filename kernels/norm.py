@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels import pdl
+from pagoda.kernels.pdl import await_inputs
 from pagoda.kernels.quant import FP8_DTYPE, _e4m3, _row_scale
 
 
@@ -46,7 +48,9 @@ def _rms_norm_kernel(
     OUT_DTYPE: tl.constexpr,  # the normalized row's dtype (rounded to it before quantizing)
     SCALED: tl.constexpr,  # x is an unscaled fp8 product: scale it into X_DTYPE first
     X_DTYPE: tl.constexpr,
+    PDL: tl.constexpr,  # pdl.flags: launched early, waits in await_inputs
 ):
+    await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -166,5 +170,6 @@ def rms_norm(
         x.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0),
         BLOCK=block, HAS_RESIDUAL=residual is not None, QUANT=quantize, OUT_DTYPE=_TL_DTYPES[out_dtype],
         SCALED=scales is not None, X_DTYPE=_TL_DTYPES[x_dtype], num_warps=min(16, max(1, block // 512)),
+        **pdl.flags(x),
     )  # fmt: skip
     return normed, residual_out

@@ -21,6 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels import pdl
+from pagoda.kernels.pdl import await_inputs
+
 FP8_MAX = 448.0  # e4m3's largest finite value
 FP8_DTYPE = torch.float8_e4m3fn
 
@@ -75,7 +78,9 @@ def _quantize_fp8_rows_kernel(
     stride_x,
     stride_q,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # pdl.flags: launched early, waits in await_inputs
 ):
+    await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * stride_q
@@ -113,7 +118,15 @@ def quantize_fp8_rows(
     # 4096 columns a chunk: 16 per thread at 8 warps, and Llama-3-8B's 4096 inputs in one chunk.
     block = min(4096, triton.next_power_of_2(max(k, 1)))
     _quantize_fp8_rows_kernel[(num_rows,)](
-        x, q, scale, k, x.stride(0), q.stride(0), BLOCK=block, num_warps=8 if block >= 2048 else 4
+        x,
+        q,
+        scale,
+        k,
+        x.stride(0),
+        q.stride(0),
+        BLOCK=block,
+        num_warps=8 if block >= 2048 else 4,
+        **pdl.flags(x),
     )
     return q, scale
 
@@ -128,7 +141,9 @@ def _scale_product_kernel(
     stride_acc,
     stride_out,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,  # pdl.flags: launched early, waits in await_inputs
 ):
+    await_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -165,5 +180,6 @@ def scale_product(
         acc.stride(0),
         out.stride(0),
         BLOCK_N=block,
+        **pdl.flags(acc),
     )
     return out

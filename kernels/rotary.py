@@ -17,7 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels import pdl
 from pagoda.kernels.kv_cache import FP8_CACHE, check_write_kv
+from pagoda.kernels.pdl import await_inputs
 from pagoda.kernels.quant import _e4m3
 
 # What `rotary_embedding(..., kv_write=)` stores into the cache beside the rotated K: (value, k_cache,
@@ -190,7 +192,9 @@ def _rotary_kernel(
     SCALED: tl.constexpr,  # q, k, v are an unscaled fp8 product: scale into DTYPE first; k is not stored
     DTYPE: tl.constexpr,
     KV_OUT: tl.constexpr,  # also store the rotated K and the V in DTYPE (with WRITE_KV)
+    PDL: tl.constexpr,  # pdl.flags: launched early, waits in await_inputs
 ):
+    await_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     offs = tl.arange(0, BLOCK_HALF)
@@ -308,7 +312,7 @@ def rotary_embedding(
         BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
         WRITE_KV=kv_write is not None, BLOCK_SIZE=k_cache.shape[1] if kv_write is not None else 1,
         QUANT=k_cache.dtype == FP8_CACHE, SCALED=scales is not None,
-        DTYPE=_TL_DTYPES[scaled_dtype or q.dtype], KV_OUT=kv_out is not None, num_warps=4,
+        DTYPE=_TL_DTYPES[scaled_dtype or q.dtype], KV_OUT=kv_out is not None, num_warps=4, **pdl.flags(q),
     )  # fmt: skip
 
 

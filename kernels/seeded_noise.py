@@ -12,6 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda.kernels import pdl
+from pagoda.kernels.pdl import await_inputs
+
 
 @triton.jit
 def _fmix32(x):  # uint32 in, uint32 out; the products taken in 64 bits and cut to 32, as C's wrap
@@ -31,7 +34,9 @@ def _seeded_noise_kernel(
     stride_noise,
     WITH_UNIFORM: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # pdl.flags: launched early, waits in await_inputs
 ):
+    await_inputs(PDL)
     i = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     row = tl.load(seeded_ptr + 3 * i).to(tl.int64)
@@ -61,5 +66,5 @@ def fill_seeded_noise(
     grid = (seeded.shape[0], triton.cdiv(columns, _BLOCK))
     _seeded_noise_kernel[grid](
         noise, noise if uniform is None else uniform, seeded.contiguous(), vocab, noise.stride(0),
-        WITH_UNIFORM=uniform is not None, BLOCK=_BLOCK,
+        WITH_UNIFORM=uniform is not None, BLOCK=_BLOCK, **pdl.flags(noise),
     )  # fmt: skip

@@ -5,7 +5,10 @@ The interpreter (`TRITON_INTERPRET=1`, tests/kernels/check_*.py) runs the kernel
 not the compiler, which refuses some programs the interpreter accepts (a name rebound to another
 dtype inside a runtime `if`, for one). Here each wrapper is called on CPU tensors with every kernel's
 `run` replaced by a recorder; the recorded launch becomes a signature that `triton.compile` builds
-for sm_90 down to a cubin (Triton's bundled ptxas), no driver needed.
+for sm_90 down to a cubin (Triton's bundled ptxas), no driver needed. Every launch that goes through
+`pdl.flags` is built with programmatic dependent launch on (as `PAGODA_PDL=1` on a Hopper GPU), and its
+PTX must hold the `griddepcontrol` wait and release that make the early launch safe: a kernel launched
+early that reads before it waits races with the kernel before it.
 
     python tests/kernels/compile_for_gpu.py     # one line a launch; exit 1 if any fails to compile
     python tests/kernels/compile_for_gpu.py --fp8-decode-ptx   # see fp8_decode_ptx
@@ -37,7 +40,7 @@ _TYPES = {
     torch.int64: "i64",
     torch.int32: "i32",
 }
-_OPTIONS = ("num_warps", "num_stages")
+_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 
 
 def _type(value: Any) -> str | tuple:
@@ -74,9 +77,17 @@ def build(fn: JITFunction, args: tuple[Any, ...], kwargs: dict[str, Any], aligne
     return triton.compile(source, target=TARGET, options=options)
 
 
-def compile_launch(fn: JITFunction, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    """Build one recorded launch for sm_90; returns the cubin's size."""
-    return len(build(fn, args, kwargs).asm["cubin"])
+def compile_launch(fn: JITFunction, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    """Build one recorded launch for sm_90; returns what to print: the cubin's size, and "PDL" for a
+    launch with programmatic dependent launch (raises if its kernel does not wait for its inputs)."""
+    kernel = build(fn, args, kwargs)
+    size = f"{len(kernel.asm['cubin'])} bytes of sm_90 code"
+    if not kwargs.get("launch_pdl"):
+        return size
+    ptx = kernel.asm["ptx"]
+    if "griddepcontrol.wait" not in ptx or "griddepcontrol.launch_dependents" not in ptx:
+        raise RuntimeError(f"{fn.__name__} is launched early (launch_pdl) but never waits: call await_inputs")
+    return size + ", PDL"
 
 
 def fp8_decode_ptx() -> dict[str, dict[str, int]]:
@@ -314,6 +325,9 @@ def main() -> int:
         recorded.append((self, args, kwargs))
 
     JITFunction.run = record  # type: ignore[method-assign]
+    from pagoda.kernels import pdl
+
+    pdl.flags = lambda t: {"PDL": True, "launch_pdl": True}  # as on a Hopper GPU with PAGODA_PDL=1
     if sys.argv[1:] == ["--fp8-decode-ptx"]:
         print(json.dumps(fp8_decode_ptx()))
         return 0
@@ -325,8 +339,7 @@ def main() -> int:
             if not recorded:
                 raise RuntimeError("launched no kernel")
             for fn, args, kwargs in recorded:
-                size = compile_launch(fn, args, kwargs)
-                print(f"ok   {name}: {fn.__name__} ({size} bytes of sm_90 code)", flush=True)
+                print(f"ok   {name}: {fn.__name__} ({compile_launch(fn, args, kwargs)})", flush=True)
         except Exception:
             failures += 1
             print(f"FAIL {name}:\n{traceback.format_exc()}", flush=True)
