@@ -12,6 +12,7 @@ import torch
 
 from pagoda.bench import offline as bench
 from pagoda.service.model.loader import load_model
+from pagoda.service.outputs import RequestMetrics, RequestOutput
 
 
 def test_offline_table_and_prefill_profile(
@@ -35,6 +36,10 @@ def test_offline_table_and_prefill_profile(
     assert float(line[2]) > 0 and "GPU busy" not in printed
     rows = [r for r in out.read_text().splitlines() if r.startswith("| pagoda |")]
     assert [r.split("|")[2].strip() for r in rows] == ["1", "3"]
+    # The batch's phases: its last first token within the run, then ms a step; not for the single stream.
+    single, batch = ([c.strip() for c in r.split("|")] for r in rows)
+    assert single[8:10] == ["", ""]
+    assert 0 < float(batch[8]) <= float(batch[3]) and float(batch[9]) > 0
     command = re.search(r"Command: `(.*)`", out.read_text())
     assert command is not None and "--num-prompts 3 " in command[1]
     assert "--profile-prefill" in command[1].split() and "True" not in command[1].split()  # a flag, no value
@@ -63,6 +68,18 @@ def test_repeat_times_the_largest_batch_again_on_the_same_engine(
         with pytest.raises(SystemExit):
             bench.main([*args[:-4], "--repeat", bad])
     assert "expected a count of at least 1" in capsys.readouterr().err
+
+
+def test_batch_phases_take_the_last_first_token_and_the_steps_after_it() -> None:
+    def out(first: float | None) -> RequestOutput:
+        return RequestOutput("r", [1], [], True, RequestMetrics(arrival_time=100.0, first_token_time=first))
+
+    outs = [out(101.5), out(103.0), out(102.0)]
+    # 11 output tokens: the last first token at 3 s, then 10 steps over the remaining 2 s.
+    assert bench.batch_phases(outs, 100.0, 105.0, 11) == pytest.approx((3.0, 200.0))
+    assert bench.batch_phases(outs, 100.0, 105.0, 1) == pytest.approx((3.0, None))
+    with pytest.raises(ValueError, match="first token"):
+        bench.batch_phases([*outs, out(None)], 100.0, 105.0, 11)
 
 
 def test_projection_params_counts_the_projection_weights(llama_ckpt: Path) -> None:

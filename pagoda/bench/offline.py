@@ -22,9 +22,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagoda.bench.timing import device_name, emit_markdown, sync
+
+if TYPE_CHECKING:
+    from pagoda.service.outputs import RequestOutput
 
 HELP = "Benchmark the engine or the kernels against their peers (results for BENCHMARKS.md)."
 
@@ -188,10 +191,28 @@ class Result:
     decode_ms_per_token: float | None = None
     ttft_ms: float | None = None
     preemptions: int | None = None  # requests the scheduler preempted (KV cache full) during the run
+    # A batch's two phases: seconds until its last request's first token (its prompts done), then the
+    # ms of each step after (the last request's remaining output_len - 1 tokens, decode only).
+    last_first_token_s: float | None = None
+    decode_ms_per_step: float | None = None
 
     @property
     def tokens_per_second(self) -> float:
         return self.output_tokens / self.seconds
+
+
+def batch_phases(
+    outs: list[RequestOutput], start: float, end: float, output_len: int
+) -> tuple[float, float | None]:
+    """(seconds from `start` to the batch's last first token, ms a step after it), `start` and `end` on
+    the requests' clock (time.monotonic). Where a grid row's time goes: its prompts (and the decode
+    steps mixed with them), then the decode steps alone."""
+    firsts = [o.metrics.first_token_time for o in outs]
+    if not firsts or None in firsts:
+        raise ValueError("batch_phases: every request needs its first token's time")
+    last_first = max(t for t in firsts if t is not None)
+    after = 1000 * (end - last_first) / (output_len - 1) if output_len > 1 else None
+    return last_first - start, after
 
 
 def random_prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -267,10 +288,11 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
                 raise RuntimeError("bench offline: requests still hold KV blocks between runs")
             sync(runner.device)
             preempted = core.scheduler.num_preemptions
-            start = time.perf_counter()
+            start, start_clock = time.perf_counter(), time.monotonic()
             outs = llm.generate(prompts, params)
             sync(runner.device)
             seconds = time.perf_counter() - start
+            phases = batch_phases(outs, start_clock, time.monotonic(), args.output_len) if batch > 1 else None
             if repeat < 2:
                 tokens[batch, is_async] = [o.outputs[0].token_ids for o in outs]
             else:
@@ -289,7 +311,9 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
             name += f", run {run // per_round + 1}" if len(runs) > per_round else ""
             preempted = core.scheduler.num_preemptions - preempted
             output_tokens = batch * args.output_len
-            results.append(Result(name, batch, seconds, output_tokens, decode_ms, ttft_ms, preempted))
+            results.append(
+                Result(name, batch, seconds, output_tokens, decode_ms, ttft_ms, preempted, *(phases or ()))
+            )
         if len(modes[args.async_scheduling]) > 1:
             same = sum(a == b for a, b in zip(tokens[batch, True], tokens[batch, False], strict=True))
             print(f"batch {batch}: async == in turn for {same}/{batch} requests")
@@ -608,16 +632,18 @@ def run(args: argparse.Namespace) -> int:
         f"Device: {device_name(runner.device)}. Command: `{_command(args)}`",
         "",
         "| system | requests | wall s | output tok/s | single-stream TTFT ms "
-        "| single-stream decode ms/token | preemptions |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| single-stream decode ms/token | preemptions | last first token s | then ms a step |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         decode = f"{r.decode_ms_per_token:.1f}" if r.decode_ms_per_token is not None else ""
         ttft = f"{r.ttft_ms:.0f}" if r.ttft_ms is not None else ""
         preempted = "" if r.preemptions is None else str(r.preemptions)
+        first = "" if r.last_first_token_s is None else f"{r.last_first_token_s:.2f}"
+        step = "" if r.decode_ms_per_step is None else f"{r.decode_ms_per_step:.2f}"
         lines.append(
             f"| {r.system} | {r.batch} | {r.seconds:.2f} | {r.tokens_per_second:.1f} | {ttft} | {decode} "
-            f"| {preempted} |"
+            f"| {preempted} | {first} | {step} |"
         )
     repeated = [r.tokens_per_second for r in results if ", run " in r.system]
     if repeated:
