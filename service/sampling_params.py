@@ -15,6 +15,7 @@ MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_ALLOWED_TOKEN_IDS = 1 << 20  # more than any vocabulary: the input processor bounds it by the model's
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what a 64-bit generator seed can hold
 
 
@@ -40,6 +41,10 @@ class SamplingParams:
     # Structured output and biases (pagoda.service.grammar checks both against the vocabulary).
     grammar: Grammar | None = None  # the output must follow it (JSON Schema, regex, choice, Lark)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit; -100 bans it
+    # vLLM's: only these tokens may be sampled (end-of-sequence too only if listed); None: any.
+    allowed_token_ids: list[int] | None = None
+    # vLLM's: keep the prompt's last k tokens (-1: as many as the context holds); None: the whole prompt.
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -129,6 +134,18 @@ class SamplingParams:
                 "stop_token_ids",
                 len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
                 f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}",
+            ),
+            (
+                "allowed_token_ids",
+                self.allowed_token_ids is None or 0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKEN_IDS,
+                "allowed_token_ids must list at least one token id (leave it out to allow every token)",
+            ),
+            (
+                "truncate_prompt_tokens",
+                self.truncate_prompt_tokens is None
+                or self.truncate_prompt_tokens == -1
+                or self.truncate_prompt_tokens >= 1,
+                f"truncate_prompt_tokens must be -1 or at least 1, got {self.truncate_prompt_tokens}",
             ),
         ]
         for param, ok, message in checks:

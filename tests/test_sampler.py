@@ -80,6 +80,38 @@ def test_a_grammar_row_samples_only_what_its_mask_allows_and_its_neighbours_are_
     assert got[2] == 9  # sampled, but only one token is allowed
 
 
+def test_allowed_token_ids_keep_a_row_to_them_and_leave_its_neighbours_free() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(3, VOCAB)
+    logits[:, 50] = 30.0  # everyone's favourite, outside the allowed sets
+    reqs = [
+        _request(_greedy(allowed_token_ids=[7, 8]), 0),
+        _request(_greedy(), 1),
+        _request(SamplingParams(temperature=1.0, max_tokens=8, allowed_token_ids=[9, 11]), 2),
+    ]
+    sampler = Sampler(VOCAB, {EOS})
+    for _ in range(20):  # the sampled row draws only its two tokens, and each of them
+        got = [r.token_id for r in sampler(logits.clone(), reqs).results()]
+        assert got[0] == (7 if logits[0, 7] > logits[0, 8] else 8) and got[1] == 50
+        assert got[2] in (9, 11)
+    logits[2, 11] = logits[2, 9]  # equal odds: both come up
+    drawn = {sampler(logits.clone(), reqs).results()[2].token_id for _ in range(40)}
+    assert drawn == {9, 11}
+    # The allowed tokens' own logits, not zeros: a logprob is the softmax over the allowed set.
+    reqs[0].params.logprobs = 1
+    out = sampler(logits.clone(), reqs).results()[0]
+    expected = torch.log_softmax(logits[0, [7, 8]], 0).max().item()
+    assert out.logprob == pytest.approx(expected, abs=1e-5)
+
+
+def test_a_plain_greedy_batch_with_allowed_token_ids_keeps_to_them() -> None:
+    """A batch of greedy rows alone takes the raw logits' argmax, unless a row limits its tokens."""
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 50] = 30.0
+    reqs = [_request(_greedy(allowed_token_ids=[61]), 0), _request(_greedy(), 1)]
+    assert [r.token_id for r in Sampler(VOCAB, {EOS})(logits, reqs).results()] == [61, 50]
+
+
 def test_the_grammar_overrides_a_logit_bias() -> None:
     logits = torch.zeros(1, VOCAB)
     req = _request(_greedy(logit_bias={40: 100.0}))

@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from pagoda.service.engine.client.input_processor import InputProcessor
 from pagoda.service.errors import InvalidRequestError
 from pagoda.service.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SEED_RANGE, SamplingParams
 
@@ -33,6 +34,9 @@ REFUSED = [
     ("prompt_logprobs", {"prompt_logprobs": -1}),
     ("stop", {"stop": ["x"] * (MAX_STOP_STRINGS + 1)}),
     ("stop", {"stop": [""]}),
+    ("allowed_token_ids", {"allowed_token_ids": []}),
+    ("truncate_prompt_tokens", {"truncate_prompt_tokens": 0}),
+    ("truncate_prompt_tokens", {"truncate_prompt_tokens": -2}),
 ]
 
 
@@ -59,3 +63,37 @@ def test_the_edges_of_every_range_are_accepted() -> None:
     )
     assert params.top_k == 0 and params.stop == ["end"] and params.is_greedy
     assert SamplingParams(seed=SEED_RANGE[0], max_tokens=None, min_tokens=10**6).seed == SEED_RANGE[0]
+    assert SamplingParams(allowed_token_ids=[0], truncate_prompt_tokens=1).truncate_prompt_tokens == 1
+    assert SamplingParams(truncate_prompt_tokens=-1).truncate_prompt_tokens == -1
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens() -> None:
+    """vLLM's semantics: the last k tokens; -1 the context length; more than the context refused. Token-id
+    prompts only here (no tokenizer is needed for them)."""
+    processor = InputProcessor(None, vocab_size=100, max_model_len=16)  # type: ignore[arg-type]
+    prompt = list(range(40, 70))  # 30 tokens: more than the context holds
+    assert processor.process(prompt, SamplingParams(truncate_prompt_tokens=5, max_tokens=1)) == prompt[-5:]
+    assert processor.process(prompt[:3], SamplingParams(truncate_prompt_tokens=5, max_tokens=1)) == prompt[:3]
+    with pytest.raises(InvalidRequestError, match="context length") as full:
+        processor.process(prompt, SamplingParams(truncate_prompt_tokens=-1, max_tokens=1))  # 16 kept: no room
+    assert full.value.param == "prompt"
+    with pytest.raises(InvalidRequestError) as too_many:
+        processor.process(prompt, SamplingParams(truncate_prompt_tokens=17, max_tokens=1))
+    assert too_many.value.param == "truncate_prompt_tokens"
+    with pytest.raises(InvalidRequestError) as untruncated:
+        processor.process(prompt, SamplingParams(max_tokens=1))
+    assert untruncated.value.param == "prompt"
+
+
+def test_allowed_token_ids_are_checked_against_the_vocabulary_and_kept_once_each() -> None:
+    processor = InputProcessor(None, vocab_size=10, max_model_len=16)  # type: ignore[arg-type]
+    params = SamplingParams(allowed_token_ids=[5, 3, 5, 9], max_tokens=1)
+    processor.process([1, 2], params)
+    assert params.allowed_token_ids == [3, 5, 9]
+    every = SamplingParams(allowed_token_ids=[*range(10), 4], max_tokens=1)
+    processor.process([1, 2], every)
+    assert every.allowed_token_ids is None  # every token allowed: no mask to apply
+    for bad in ([10], [-1]):
+        with pytest.raises(InvalidRequestError, match=r"out of range \[0, 10\)") as refused:
+            processor.process([1, 2], SamplingParams(allowed_token_ids=bad, max_tokens=1))
+        assert refused.value.param == "allowed_token_ids"

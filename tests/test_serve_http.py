@@ -294,6 +294,57 @@ def _error(response: httpx.Response) -> dict[str, object]:
         ("/v1/completions", {"prompt": ""}, 400, "prompt", "empty"),
         ("/v1/completions", {"prompt": [10**9]}, 400, "prompt", "out of range"),
         ("/v1/completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs", "logprobs"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "allowed_token_ids": []},
+            400,
+            "allowed_token_ids",
+            "at least one",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "allowed_token_ids": [3, 10**9]},
+            400,
+            "allowed_token_ids",
+            "range",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "truncate_prompt_tokens": MAX_MODEL_LEN + 1},
+            400,
+            "truncate_prompt_tokens",
+            f"context length ({MAX_MODEL_LEN})",
+        ),
+        # vLLM extensions Pagoda does not implement: refused by name, never ignored.
+        (
+            "/v1/completions",
+            {"prompt": "hi", "use_beam_search": True},
+            400,
+            "use_beam_search",
+            "not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": MESSAGES, "bad_words": ["x"]},
+            400,
+            "bad_words",
+            "not supported",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": MESSAGES, "include_stop_str_in_output": True},
+            400,
+            "include_stop_str_in_output",
+            "not supported",
+        ),
+        ("/v1/completions", {"prompt": "hi", "length_penalty": 0.5}, 400, "length_penalty", "not supported"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "return_tokens_as_token_ids": True},
+            400,
+            "return_tokens_as_token_ids",
+            "not supported",
+        ),
     ],
 )
 def test_bad_input_gets_status_and_error_shape(
@@ -306,6 +357,27 @@ def test_bad_input_gets_status_and_error_shape(
     # ... and the server keeps serving.
     ok = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
     assert ok.status_code == 200
+
+
+def test_allowed_token_ids_and_truncate_prompt_tokens(server: ServeProcess, client: openai.OpenAI) -> None:
+    """vLLM's two extensions, through the openai client's extra_body: a sampled answer keeps to the
+    allowed tokens; a prompt longer than the context runs on its last k tokens."""
+    allowed = [300, 301, 302, 303]
+    result = client.completions.create(
+        model=MODEL, prompt=[7, 8, 9], max_tokens=8, temperature=1.5, seed=3, logprobs=0,
+        extra_body={"allowed_token_ids": allowed, "ignore_eos": True},
+    )  # fmt: skip
+    logprobs = result.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens is not None and len(logprobs.tokens) == 8
+    texts = {
+        t: httpx.post(f"{server.base_url}/detokenize", json={"model": MODEL, "tokens": [t]}).json()["prompt"]
+        for t in allowed
+    }
+    assert set(logprobs.tokens) <= set(texts.values()), (logprobs.tokens, texts)
+    long = client.completions.create(
+        model=MODEL, prompt=[5] * (MAX_MODEL_LEN + 40), max_tokens=2, extra_body={"truncate_prompt_tokens": 9}
+    )
+    assert long.usage is not None and long.usage.prompt_tokens == 9
 
 
 def test_openai_client_sees_typed_errors(client: openai.OpenAI) -> None:

@@ -5,7 +5,10 @@ parts, `prediction`, the old `functions`) are refused with a 400 naming them; fi
 define are ignored (`extra="ignore"`). Tools are tool_calls.py's. Structured output
 (`response_format`, vLLM's `guided_*`) and `logit_bias` come from `StructuredOutputFields`
 (structured_output.py). A few vLLM extensions
-(`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`) are honoured.
+(`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
+`allowed_token_ids`, `truncate_prompt_tokens`) are honoured; the vLLM extensions that would change what a
+request produces and that Pagoda does not implement (beam search, `bad_words`,
+`include_stop_str_in_output`, ...) are refused by name when set, never silently ignored.
 Responses are typed msgspec Structs (openai_responses.py), built in openai_serving.py.
 """
 
@@ -83,6 +86,28 @@ class SamplingExtras(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] = Field(default_factory=list)
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    # vLLM extensions not implemented here: refused by name when set (`refuse_unimplemented_vllm`).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    return_tokens_as_token_ids: bool = False
+
+    def refuse_unimplemented_vllm(self) -> None:
+        """A 400 naming the first vLLM extension set that Pagoda does not implement: ignored, each would
+        hand back other output than the client asked for."""
+        unimplemented = {
+            "use_beam_search": self.use_beam_search,
+            "length_penalty": self.length_penalty != 1.0,
+            "bad_words": bool(self.bad_words),
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "return_tokens_as_token_ids": self.return_tokens_as_token_ids,
+        }
+        for name, asked in unimplemented.items():
+            if asked:
+                raise InvalidRequestError(f"{name} is not supported by this server", name)
 
 
 class _Request(StructuredOutputFields, SamplingExtras):
@@ -103,6 +128,7 @@ class _Request(StructuredOutputFields, SamplingExtras):
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", "stream_options")
+        self.refuse_unimplemented_vllm()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             n=self.n,
@@ -123,6 +149,8 @@ class _Request(StructuredOutputFields, SamplingExtras):
             skip_special_tokens=self.skip_special_tokens,
             grammar=self.grammar(),
             logit_bias=self.token_bias(),
+            allowed_token_ids=None if self.allowed_token_ids is None else list(self.allowed_token_ids),
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
 
 

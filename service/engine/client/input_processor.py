@@ -32,12 +32,14 @@ class InputProcessor:
         """The prompt's token ids; `InvalidRequestError` naming the field when the request cannot run on
         this model (`params` checked their own fields when built)."""
         self._check_token_params(params)
+        keep = self._kept_prompt_tokens(params.truncate_prompt_tokens)
         if isinstance(prompt, str):
-            check_text_fits(prompt, self.max_model_len, self.tokenizer)
+            if keep is None:
+                check_text_fits(prompt, self.max_model_len, self.tokenizer)
             token_ids = self.tokenizer.encode(prompt)
         else:
             token_ids = list(prompt)
-            if len(token_ids) > self.max_model_len:
+            if keep is None and len(token_ids) > self.max_model_len:
                 raise InvalidRequestError(
                     f"this model's maximum context length is {self.max_model_len} tokens, but the prompt has "
                     f"{len(token_ids)} tokens; shorten the prompt",
@@ -50,6 +52,8 @@ class InputProcessor:
                 )
         if not token_ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
+        if keep is not None:
+            token_ids = token_ids[-keep:]
         room = self.max_model_len - len(token_ids)
         if room < 1:
             raise InvalidRequestError(
@@ -64,6 +68,19 @@ class InputProcessor:
                 param="max_tokens",
             )
         return token_ids
+
+    def _kept_prompt_tokens(self, truncate_prompt_tokens: int | None) -> int | None:
+        """How many of the prompt's last tokens `truncate_prompt_tokens` keeps (vLLM's: -1 is the
+        context length); None: the whole prompt, which must then fit."""
+        if truncate_prompt_tokens is None:
+            return None
+        if truncate_prompt_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens ({truncate_prompt_tokens}) must not exceed this model's maximum "
+                f"context length ({self.max_model_len})",
+                param="truncate_prompt_tokens",
+            )
+        return self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
 
     def _check_token_params(self, params: SamplingParams) -> None:
         """What only the model's vocabulary can judge. A top_k of the vocabulary or more keeps every
@@ -84,5 +101,16 @@ class InputProcessor:
                 f"stop_token_ids out of range [0, {self.vocab_size}): {bad[:5]}", param="stop_token_ids"
             )
         check_logit_bias(params.logit_bias, self.vocab_size)
+        allowed = params.allowed_token_ids
+        if allowed is not None:
+            bad = [t for t in allowed if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"allowed_token_ids out of range [0, {self.vocab_size}): {bad[:5]}",
+                    param="allowed_token_ids",
+                )
+            # Each id once, and no list at all where every token is allowed (the sampler's fast paths).
+            distinct = sorted(set(allowed))
+            params.allowed_token_ids = distinct if len(distinct) < self.vocab_size else None
         if params.grammar is not None:
             params.grammar = validate_grammar(params.grammar)  # invalid: a 400 here; valid: converted

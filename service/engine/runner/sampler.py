@@ -179,6 +179,7 @@ def _argmax_of_raw_logits(r: Request) -> bool:
         p.is_greedy
         and p.logprobs is None
         and not p.logit_bias
+        and p.allowed_token_ids is None
         and not (p.presence_penalty or p.frequency_penalty)
         and p.repetition_penalty == 1.0
         and r.num_output_tokens >= p.min_tokens
@@ -190,6 +191,8 @@ class Sampler:
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self._staging = BitmaskStaging()
+        # Each allowed_token_ids list on the device, made once per request: id(list) -> (list, ids).
+        self._allowed: dict[int, tuple[list[int], torch.Tensor]] = {}
 
     def __call__(
         self, logits: torch.Tensor, reqs: list[Request], grammar: GrammarBitmask | None = None
@@ -258,9 +261,34 @@ class Sampler:
         return logits.index_put(index, torch.full((len(rows),), float("-inf"), device=device))
 
     def adjusted_logits(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """The logits sampling starts from: penalties, logit_bias and min_tokens applied (no grammar)."""
+        """The logits sampling starts from: penalties, logit_bias, allowed_token_ids and min_tokens
+        applied (no grammar)."""
         logits = self._apply_penalties(logits[:, : self.vocab_size].float(), reqs)
-        return self._ban_stops_before_min_tokens(_apply_logit_bias(logits, reqs), reqs)
+        logits = self._keep_allowed_tokens(_apply_logit_bias(logits, reqs), reqs)
+        return self._ban_stops_before_min_tokens(logits, reqs)
+
+    def _keep_allowed_tokens(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """vLLM's `allowed_token_ids`: a row that lists them keeps those tokens' logits, the rest -inf."""
+        rows = [i for i, r in enumerate(reqs) if r.params.allowed_token_ids is not None]
+        if not rows:
+            return logits
+        device = logits.device
+        cols = [self._allowed_ids(reqs[i].params.allowed_token_ids or [], device) for i in rows]
+        row_index = torch.cat([torch.full_like(c, i) for i, c in zip(rows, cols, strict=True)])
+        col_index = torch.cat(cols)
+        kept = logits[row_index, col_index]
+        banned = logits.index_fill(0, to_device(rows, torch.long, device), float("-inf"))
+        return banned.index_put((row_index, col_index), kept)
+
+    def _allowed_ids(self, allowed: list[int], device: torch.device) -> torch.Tensor:
+        """`allowed` as a tensor on `device`, uploaded at a request's first step only (a list may be as
+        long as the vocabulary). Keyed by the list's identity; the list is kept so its id is not reused."""
+        cached = self._allowed.get(id(allowed))
+        if cached is None or cached[0] is not allowed:
+            if len(self._allowed) >= 1024:  # finished requests' lists: dropped wholesale
+                self._allowed.clear()
+            cached = self._allowed[id(allowed)] = (allowed, to_device(allowed, torch.long, device))
+        return cached[1]
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         params = [r.params for r in reqs]
