@@ -34,6 +34,7 @@ class SamplingParams:
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # vLLM's: the text ends after the stop string, not before
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives besides the sampled token; None: none
     prompt_logprobs: int | None = None

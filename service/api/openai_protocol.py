@@ -6,9 +6,9 @@ define are ignored (`extra="ignore"`). Tools are tool_calls.py's. Structured out
 (`response_format`, vLLM's `guided_*`) and `logit_bias` come from `StructuredOutputFields`
 (structured_output.py). A few vLLM extensions
 (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`, `stop_token_ids`,
-`allowed_token_ids`, `truncate_prompt_tokens`) are honoured; the vLLM extensions that would change what a
-request produces and that Pagoda does not implement (beam search, `bad_words`,
-`include_stop_str_in_output`, ...) are refused by name when set, never silently ignored.
+`allowed_token_ids`, `truncate_prompt_tokens`, `include_stop_str_in_output`) are honoured; the vLLM
+extensions that would change what a request produces and that Pagoda does not implement (beam search,
+`bad_words`, ...) are refused by name when set, never silently ignored.
 Responses are typed msgspec Structs (openai_responses.py), built in openai_serving.py.
 """
 
@@ -88,11 +88,11 @@ class SamplingExtras(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    include_stop_str_in_output: bool = False
     # vLLM extensions not implemented here: refused by name when set (`refuse_unimplemented_vllm`).
     use_beam_search: bool = False
     length_penalty: float = 1.0
     bad_words: list[str] | None = None
-    include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool = False
 
     def refuse_unimplemented_vllm(self) -> None:
@@ -102,7 +102,6 @@ class SamplingExtras(BaseModel):
             "use_beam_search": self.use_beam_search,
             "length_penalty": self.length_penalty != 1.0,
             "bad_words": bool(self.bad_words),
-            "include_stop_str_in_output": self.include_stop_str_in_output,
             "return_tokens_as_token_ids": self.return_tokens_as_token_ids,
         }
         for name, asked in unimplemented.items():
@@ -151,6 +150,7 @@ class _Request(StructuredOutputFields, SamplingExtras):
             logit_bias=self.token_bias(),
             allowed_token_ids=None if self.allowed_token_ids is None else list(self.allowed_token_ids),
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
 
 

@@ -207,7 +207,7 @@ class OutputProcessor:
                 found = [(i, s) for s in params.stop if (i := c.text.find(s, start)) != -1]
                 if found:
                     index, stop = min(found)
-                    c.text = c.text[:index]
+                    c.text = c.text[: index + (len(stop) if params.include_stop_str_in_output else 0)]
                     c.finish_reason, c.stop_reason = "stop", stop
             if c.finish_reason is None and token.finish_reason is not None:
                 c.finish_reason = token.finish_reason
