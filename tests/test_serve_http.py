@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,9 +28,21 @@ MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "c
 EXACT = {"ignore_eos": True}  # count tokens exactly: never stop early on a random EOS
 
 
+# What a thinking model's template does with vLLM's chat_template_kwargs (Qwen3's `enable_thinking`).
+NO_THINKING = (
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+)
+
+
 @pytest.fixture(scope="module")
 def server(llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    args = ["--model", str(llama_ckpt), "--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN)]
+    """The tiny Llama, its chat template ending as a thinking model's does (NO_THINKING)."""
+    ckpt = tmp_path_factory.mktemp("thinking") / "ckpt"
+    shutil.copytree(llama_ckpt, ckpt)
+    config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    config["chat_template"] += NO_THINKING
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(config))
+    args = ["--model", str(ckpt), "--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN)]
     args += ["--kv-cache-memory-bytes", str(32 << 20), "--max-num-seqs", "64"]
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with ServeProcess(args, log_path=log) as proc:
@@ -609,6 +622,29 @@ def test_render_endpoints_give_the_token_ids_generation_runs_on(
     assert chat.status_code == 200
     answer = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)  # type: ignore[arg-type]
     assert answer.usage is not None and len(chat.json()["token_ids"]) == answer.usage.prompt_tokens
+
+
+def test_chat_template_kwargs_reach_the_template(server: ServeProcess, client: openai.OpenAI) -> None:
+    """vLLM's chat_template_kwargs: a thinking model's `enable_thinking: false` renders its empty
+    thought, in the render endpoint and in the chat the server runs; what the request gives the template
+    itself (messages, tools, add_generation_prompt, special tokens) it may not replace."""
+    url = f"{server.base_url}/v1/chat/completions/render"
+
+    def rendered(**extra: object) -> list[int]:
+        response = httpx.post(url, json={"model": MODEL, "messages": MESSAGES, **extra})
+        assert response.status_code == 200, response.text
+        return response.json()["token_ids"]  # type: ignore[no-any-return]
+
+    plain, no_thinking = rendered(), rendered(chat_template_kwargs={"enable_thinking": False})
+    assert no_thinking[: len(plain)] == plain and len(no_thinking) > len(plain)
+    assert rendered(chat_template_kwargs={"enable_thinking": True}) == plain
+    answer = chat(client, max_tokens=1, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert answer.usage is not None and answer.usage.prompt_tokens == len(no_thinking)
+    for kwargs in ({"messages": []}, {"add_generation_prompt": False}, {"bos_token": "x"}):
+        refused = httpx.post(url, json={"model": MODEL, "messages": MESSAGES, "chat_template_kwargs": kwargs})
+        assert refused.status_code == 400 and _error(refused)["param"] == "chat_template_kwargs", refused.text
+    with pytest.raises(openai.BadRequestError, match="continue_final_message"):
+        chat(client, max_tokens=1, extra_body={"continue_final_message": True})
 
 
 @pytest.mark.parametrize(

@@ -221,11 +221,21 @@ class EngineClient:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """The prompt's token ids for a conversation, through the model's chat template. Checks what
-        every transport must refuse alike: no messages, an unknown role."""
+        every transport must refuse alike: no messages, an unknown role. `template_kwargs`: more
+        variables for the template (vLLM's `chat_template_kwargs`, e.g. a thinking model's
+        `enable_thinking`); they may not replace what the request itself gives it."""
         try:
             check_chat_messages(messages)
+            given = {"messages", "add_generation_prompt", "tools", *self.engine.tokenizer.special_tokens}
+            reserved = sorted(given & set(template_kwargs or {}))
+            if reserved:
+                raise InvalidRequestError(
+                    f"chat_template_kwargs may not set {reserved[0]}: send it as the request's own field",
+                    "chat_template_kwargs",
+                )
         except InvalidRequestError as exc:
             self.metrics.count_error("invalid_request")
             raise APIError("invalid_request", str(exc), exc.param) from exc
@@ -233,7 +243,7 @@ class EngineClient:
         messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         tokenizer = self.engine.tokenizer
         messages = template_messages(messages, tokenizer.chat_template or "")
-        extra = {"tools": tools} if tools else {}
+        extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
         try:
             text = tokenizer.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, **extra

@@ -196,6 +196,8 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
+    continue_final_message: bool = False  # vLLM's; not implemented: refused when set
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -220,6 +222,7 @@ class ChatCompletionRequest(_Request):
             "web_search_options": self.web_search_options is not None,
             "functions": self.functions is not None,
             "function_call": self.function_call is not None,
+            "continue_final_message": self.continue_final_message,
         }
         for name, asked in unsupported.items():
             if asked:

@@ -249,7 +249,9 @@ class OpenAIServing:
             self.client.metrics.count_error("invalid_request")
             raise APIError("invalid_request", str(exc), param=exc.param) from exc
         return Rendered(
-            await self.client.render_chat(messages, request.add_generation_prompt, plan.template_tools)
+            await self.client.render_chat(
+                messages, request.add_generation_prompt, plan.template_tools, request.chat_template_kwargs
+            )
         )
 
     async def render_completion(self, request: CompletionRequest) -> list[Rendered]:
@@ -305,7 +307,9 @@ class OpenAIServing:
         except InvalidRequestError as exc:
             self.client.metrics.count_error("invalid_request")
             raise APIError("invalid_request", str(exc), param=exc.param) from exc
-        prompt = await self.client.render_chat(messages, request.add_generation_prompt, plan.template_tools)
+        prompt = await self.client.render_chat(
+            messages, request.add_generation_prompt, plan.template_tools, request.chat_template_kwargs
+        )
         streams, firsts = await self._start([prompt], params, lora)
         return StartedChat(
             streams[0], firsts[0], plan, self.client.tool_parser, lora or self.client.model_name
