@@ -349,6 +349,13 @@ def _error(response: httpx.Response) -> dict[str, object]:
         ("/v1/completions", {"prompt": "hi", "length_penalty": 0.5}, 400, "length_penalty", "not supported"),
         (
             "/v1/completions",
+            {"prompt": "hi", "prompt_logprobs": 1},
+            400,
+            "prompt_logprobs",
+            "echo and logprobs",
+        ),
+        (
+            "/v1/completions",
             {"prompt": "hi", "return_tokens_as_token_ids": True},
             400,
             "return_tokens_as_token_ids",

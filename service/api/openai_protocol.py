@@ -94,6 +94,7 @@ class SamplingExtras(BaseModel):
     length_penalty: float = 1.0
     bad_words: list[str] | None = None
     return_tokens_as_token_ids: bool = False
+    prompt_logprobs: int | None = None
 
     def refuse_unimplemented_vllm(self) -> None:
         """A 400 naming the first vLLM extension set that Pagoda does not implement: ignored, each would
@@ -103,10 +104,16 @@ class SamplingExtras(BaseModel):
             "length_penalty": self.length_penalty != 1.0,
             "bad_words": bool(self.bad_words),
             "return_tokens_as_token_ids": self.return_tokens_as_token_ids,
+            "prompt_logprobs": self.prompt_logprobs is not None,
         }
         for name, asked in unimplemented.items():
             if asked:
-                raise InvalidRequestError(f"{name} is not supported by this server", name)
+                hint = (
+                    "; completions score the prompt with echo and logprobs"
+                    if name == "prompt_logprobs"
+                    else ""
+                )
+                raise InvalidRequestError(f"{name} is not supported by this server{hint}", name)
 
 
 class _Request(StructuredOutputFields, SamplingExtras):
