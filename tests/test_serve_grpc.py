@@ -95,6 +95,36 @@ def test_generate_chat_and_token_ids_with_n2(channel: grpc.Channel) -> None:
     assert list(stub.Generate(ids, timeout=60))[-1].usage.prompt_tokens == 3
 
 
+def test_allowed_token_ids_truncation_and_the_stop_string_kept(channel: grpc.Channel) -> None:
+    """vLLM's extras as HTTP has them: a sampled completion keeps to its allowed token ids; a prompt
+    longer than the context runs on its last tokens; include_stop_str_in_output ends the text after
+    the stop string."""
+    stub = pb_grpc.InferenceStub(channel)
+
+    def generate(prompt: list[int], **sampling: object) -> list[pb.GenerateResponse]:
+        request = pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParameters(**sampling)
+        )
+        return list(stub.Generate(request, timeout=60))
+
+    allowed = [300, 301, 302]
+    steps = generate(
+        [7, 8, 9], temperature=1.5, seed=3, max_new_tokens=8, ignore_eos=True, allowed_token_ids=allowed
+    )
+    assert sorted({t for r in steps for t in r.token_ids} | set(allowed)) == allowed
+    assert sum(len(r.token_ids) for r in steps) == 8
+    assert generate([5] * 300, max_new_tokens=2, truncate_prompt_tokens=11)[-1].usage.prompt_tokens == 11
+    free = "".join(r.text for r in generate([7, 8, 9], temperature=0.0, max_new_tokens=12, ignore_eos=True))
+    stop = free[4:6]
+    for included in (False, True):
+        text = "".join(
+            r.text
+            for r in generate([7, 8, 9], temperature=0.0, max_new_tokens=12, stop=[stop],
+                              include_stop_str_in_output=included)
+        )  # fmt: skip
+        assert text == free[: free.index(stop) + (len(stop) if included else 0)]
+
+
 def test_a_reused_request_id_is_refused_and_the_first_goes_on(channel: grpc.Channel) -> None:
     stub = pb_grpc.InferenceStub(channel)
     sampling = pb.SamplingParameters(max_new_tokens=40, ignore_eos=True)

@@ -74,6 +74,9 @@ def sampling_params(msg: pb.SamplingParameters) -> SamplingParams:
         logprobs=msg.top_logprobs if msg.HasField("top_logprobs") else None,
         grammar=grammar_from_proto(msg),
         logit_bias=dict(msg.logit_bias) or None,
+        allowed_token_ids=list(msg.allowed_token_ids) or None,
+        truncate_prompt_tokens=msg.truncate_prompt_tokens if msg.HasField("truncate_prompt_tokens") else None,
+        include_stop_str_in_output=msg.include_stop_str_in_output,
     )
 
 

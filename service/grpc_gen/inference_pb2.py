@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pagoda/v1/inference.proto\x12\tpagoda.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"k\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\x12\'\n\ntool_calls\x18\x04 \x03(\x0b\x32\x13.pagoda.v1.ToolCall\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"m\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.pagoda.v1.ChatMessage\x12\x1e\n\x05tools\x18\x02 \x03(\x0b\x32\x0f.pagoda.v1.Tool\x12\x13\n\x0btool_choice\x18\x03 \x01(\t\"\xa5\x05\n\x12SamplingParameters\x12\t\n\x01n\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x16\n\x0emax_new_tokens\x18\n \x01(\r\x12\x16\n\x0emin_new_tokens\x18\x0b \x01(\r\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x0f \x01(\rH\x05\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x10 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x11 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x12 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x13 \x01(\x0b\x32\x12.pagoda.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x14 \x01(\tH\x00\x12@\n\nlogit_bias\x18\x15 \x03(\x0b\x32,.pagoda.v1.SamplingParameters.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x13\n\x11structured_outputB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0f\n\r_top_logprobs\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xd2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.pagoda.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x17.pagoda.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.pagoda.v1.SamplingParametersB\x08\n\x06prompt\"@\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"n\n\x15GeneratedTokenLogprob\x12&\n\x05token\x18\x01 \x01(\x0b\x32\x17.pagoda.v1.TokenLogprob\x12-\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x17.pagoda.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xbe\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x32\n\x08logprobs\x18\x05 \x03(\x0b\x32 .pagoda.v1.GeneratedTokenLogprob\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.pagoda.v1.FinishReason\x12\x13\n\x0bstop_string\x18\x07 \x01(\t\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.pagoda.v1.Usage\x12#\n\x1btime_to_first_token_seconds\x18\t \x01(\x01\x12\'\n\ntool_calls\x18\n \x03(\x0b\x32\x13.pagoda.v1.ToolCall\"\x15\n\x13GetModelInfoRequest\"\x99\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12!\n\x19max_context_length_tokens\x18\x02 \x01(\r\x12\x1c\n\x14kv_block_size_tokens\x18\x03 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\"\x15\n\x13GetReadinessRequest\"\x89\x01\n\x14GetReadinessResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.pagoda.v1.ServingState\x12\x1c\n\x14num_requests_waiting\x18\x03 \x01(\r\x12\x1c\n\x14num_requests_running\x18\x04 \x01(\r*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04*\x9a\x01\n\x0cServingState\x12\x1d\n\x19SERVING_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15SERVING_STATE_LOADING\x10\x01\x12\x17\n\x13SERVING_STATE_READY\x10\x02\x12\x1a\n\x16SERVING_STATE_DRAINING\x10\x03\x12\x1b\n\x17SERVING_STATE_UNHEALTHY\x10\x04\x32\xf4\x01\n\tInference\x12\x45\n\x08Generate\x12\x1a.pagoda.v1.GenerateRequest\x1a\x1b.pagoda.v1.GenerateResponse0\x01\x12O\n\x0cGetModelInfo\x12\x1e.pagoda.v1.GetModelInfoRequest\x1a\x1f.pagoda.v1.GetModelInfoResponse\x12O\n\x0cGetReadiness\x12\x1e.pagoda.v1.GetReadinessRequest\x1a\x1f.pagoda.v1.GetReadinessResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pagoda/v1/inference.proto\x12\tpagoda.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"k\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x03 \x01(\t\x12\'\n\ntool_calls\x18\x04 \x03(\x0b\x32\x13.pagoda.v1.ToolCall\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"m\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.pagoda.v1.ChatMessage\x12\x1e\n\x05tools\x18\x02 \x03(\x0b\x32\x0f.pagoda.v1.Tool\x12\x13\n\x0btool_choice\x18\x03 \x01(\t\"\xa4\x06\n\x12SamplingParameters\x12\t\n\x01n\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x16\n\x0emax_new_tokens\x18\n \x01(\r\x12\x16\n\x0emin_new_tokens\x18\x0b \x01(\r\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x19\n\x0ctop_logprobs\x18\x0f \x01(\rH\x05\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x10 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x11 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x12 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x13 \x01(\x0b\x32\x12.pagoda.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x14 \x01(\tH\x00\x12@\n\nlogit_bias\x18\x15 \x03(\x0b\x32,.pagoda.v1.SamplingParameters.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x16 \x03(\r\x12#\n\x16truncate_prompt_tokens\x18\x17 \x01(\x05H\x06\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x18 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x13\n\x11structured_outputB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0f\n\r_top_logprobsB\x19\n\x17_truncate_prompt_tokens\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xd2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.pagoda.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x17.pagoda.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.pagoda.v1.SamplingParametersB\x08\n\x06prompt\"@\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"n\n\x15GeneratedTokenLogprob\x12&\n\x05token\x18\x01 \x01(\x0b\x32\x17.pagoda.v1.TokenLogprob\x12-\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x17.pagoda.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xbe\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x32\n\x08logprobs\x18\x05 \x03(\x0b\x32 .pagoda.v1.GeneratedTokenLogprob\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.pagoda.v1.FinishReason\x12\x13\n\x0bstop_string\x18\x07 \x01(\t\x12\x1f\n\x05usage\x18\x08 \x01(\x0b\x32\x10.pagoda.v1.Usage\x12#\n\x1btime_to_first_token_seconds\x18\t \x01(\x01\x12\'\n\ntool_calls\x18\n \x03(\x0b\x32\x13.pagoda.v1.ToolCall\"\x15\n\x13GetModelInfoRequest\"\x99\x01\n\x14GetModelInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12!\n\x19max_context_length_tokens\x18\x02 \x01(\r\x12\x1c\n\x14kv_block_size_tokens\x18\x03 \x01(\r\x12\x15\n\rnum_kv_blocks\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\"\x15\n\x13GetReadinessRequest\"\x89\x01\n\x14GetReadinessResponse\x12\r\n\x05ready\x18\x01 \x01(\x08\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.pagoda.v1.ServingState\x12\x1c\n\x14num_requests_waiting\x18\x03 \x01(\r\x12\x1c\n\x14num_requests_running\x18\x04 \x01(\r*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04*\x9a\x01\n\x0cServingState\x12\x1d\n\x19SERVING_STATE_UNSPECIFIED\x10\x00\x12\x19\n\x15SERVING_STATE_LOADING\x10\x01\x12\x17\n\x13SERVING_STATE_READY\x10\x02\x12\x1a\n\x16SERVING_STATE_DRAINING\x10\x03\x12\x1b\n\x17SERVING_STATE_UNHEALTHY\x10\x04\x32\xf4\x01\n\tInference\x12\x45\n\x08Generate\x12\x1a.pagoda.v1.GenerateRequest\x1a\x1b.pagoda.v1.GenerateResponse0\x01\x12O\n\x0cGetModelInfo\x12\x1e.pagoda.v1.GetModelInfoRequest\x1a\x1f.pagoda.v1.GetModelInfoResponse\x12O\n\x0cGetReadiness\x12\x1e.pagoda.v1.GetReadinessRequest\x1a\x1f.pagoda.v1.GetReadinessResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,10 +33,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2267
-  _globals['_FINISHREASON']._serialized_end=2417
-  _globals['_SERVINGSTATE']._serialized_start=2420
-  _globals['_SERVINGSTATE']._serialized_end=2574
+  _globals['_FINISHREASON']._serialized_start=2394
+  _globals['_FINISHREASON']._serialized_end=2544
+  _globals['_SERVINGSTATE']._serialized_start=2547
+  _globals['_SERVINGSTATE']._serialized_end=2701
   _globals['_TOKENIDS']._serialized_start=40
   _globals['_TOKENIDS']._serialized_end=63
   _globals['_CHATMESSAGE']._serialized_start=65
@@ -48,29 +48,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=304
   _globals['_CHATMESSAGES']._serialized_end=413
   _globals['_SAMPLINGPARAMETERS']._serialized_start=416
-  _globals['_SAMPLINGPARAMETERS']._serialized_end=1093
-  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_start=949
-  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_end=997
-  _globals['_CHOICES']._serialized_start=1095
-  _globals['_CHOICES']._serialized_end=1121
-  _globals['_GENERATEREQUEST']._serialized_start=1124
-  _globals['_GENERATEREQUEST']._serialized_end=1334
-  _globals['_TOKENLOGPROB']._serialized_start=1336
-  _globals['_TOKENLOGPROB']._serialized_end=1400
-  _globals['_GENERATEDTOKENLOGPROB']._serialized_start=1402
-  _globals['_GENERATEDTOKENLOGPROB']._serialized_end=1512
-  _globals['_USAGE']._serialized_start=1514
-  _globals['_USAGE']._serialized_end=1601
-  _globals['_GENERATERESPONSE']._serialized_start=1604
-  _globals['_GENERATERESPONSE']._serialized_end=1922
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1924
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1945
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1948
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2101
-  _globals['_GETREADINESSREQUEST']._serialized_start=2103
-  _globals['_GETREADINESSREQUEST']._serialized_end=2124
-  _globals['_GETREADINESSRESPONSE']._serialized_start=2127
-  _globals['_GETREADINESSRESPONSE']._serialized_end=2264
-  _globals['_INFERENCE']._serialized_start=2577
-  _globals['_INFERENCE']._serialized_end=2821
+  _globals['_SAMPLINGPARAMETERS']._serialized_end=1220
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_start=1049
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_end=1097
+  _globals['_CHOICES']._serialized_start=1222
+  _globals['_CHOICES']._serialized_end=1248
+  _globals['_GENERATEREQUEST']._serialized_start=1251
+  _globals['_GENERATEREQUEST']._serialized_end=1461
+  _globals['_TOKENLOGPROB']._serialized_start=1463
+  _globals['_TOKENLOGPROB']._serialized_end=1527
+  _globals['_GENERATEDTOKENLOGPROB']._serialized_start=1529
+  _globals['_GENERATEDTOKENLOGPROB']._serialized_end=1639
+  _globals['_USAGE']._serialized_start=1641
+  _globals['_USAGE']._serialized_end=1728
+  _globals['_GENERATERESPONSE']._serialized_start=1731
+  _globals['_GENERATERESPONSE']._serialized_end=2049
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2051
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2072
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2075
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2228
+  _globals['_GETREADINESSREQUEST']._serialized_start=2230
+  _globals['_GETREADINESSREQUEST']._serialized_end=2251
+  _globals['_GETREADINESSRESPONSE']._serialized_start=2254
+  _globals['_GETREADINESSRESPONSE']._serialized_end=2391
+  _globals['_INFERENCE']._serialized_start=2704
+  _globals['_INFERENCE']._serialized_end=2948
 # @@protoc_insertion_point(module_scope)
