@@ -27,6 +27,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 ENABLED = os.environ.get("PAGODA_PDL", "0") == "1"
 
@@ -52,5 +53,5 @@ def await_inputs(PDL: tl.constexpr):
     """The first statement of a kernel launched with `flags`: wait for the kernel before to finish,
     then let the kernel after be placed (it waits in turn)."""
     if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        gdc_wait()
+        gdc_launch_dependents()
