@@ -93,6 +93,17 @@ def test_allowed_token_ids_are_checked_against_the_vocabulary_and_kept_once_each
     every = SamplingParams(allowed_token_ids=[*range(10), 4], max_tokens=1)
     processor.process([1, 2], every)
     assert every.allowed_token_ids is None  # every token allowed: no mask to apply
+
+    class EosOnly:  # a stand-in tokenizer: only its end-of-sequence ids are read
+        eos_token_ids = frozenset({2})
+
+    processor.tokenizer = EosOnly()  # type: ignore[assignment]
+    for stops in ({"allowed_token_ids": [2]}, {"allowed_token_ids": [2, 7], "stop_token_ids": [7]}):
+        with pytest.raises(InvalidRequestError, match="min_tokens") as nothing_left:
+            processor.process([1, 2], SamplingParams(min_tokens=2, max_tokens=4, **stops))  # type: ignore[arg-type]
+        assert nothing_left.value.param == "allowed_token_ids"
+    for fine in ({"min_tokens": 0}, {"min_tokens": 2, "ignore_eos": True}):
+        processor.process([1, 2], SamplingParams(allowed_token_ids=[2], max_tokens=4, **fine))  # type: ignore[arg-type]
     for bad in ([10], [-1]):
         with pytest.raises(InvalidRequestError, match=r"out of range \[0, 10\)") as refused:
             processor.process([1, 2], SamplingParams(allowed_token_ids=bad, max_tokens=1))

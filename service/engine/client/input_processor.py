@@ -69,6 +69,12 @@ class InputProcessor:
             )
         return token_ids
 
+    def _stops(self, params: SamplingParams) -> set[int]:
+        """The tokens min_tokens bans: stop token ids, and end-of-sequence unless ignore_eos."""
+        return set(params.stop_token_ids) | (
+            set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
+        )
+
     def _kept_prompt_tokens(self, truncate_prompt_tokens: int | None) -> int | None:
         """How many of the prompt's last tokens `truncate_prompt_tokens` keeps (vLLM's: -1 is the
         context length); None: the whole prompt, which must then fit."""
@@ -107,6 +113,14 @@ class InputProcessor:
             if bad:
                 raise InvalidRequestError(
                     f"allowed_token_ids out of range [0, {self.vocab_size}): {bad[:5]}",
+                    param="allowed_token_ids",
+                )
+            # Before min_tokens the end-of-sequence and stop tokens are banned: a list of only those
+            # would leave nothing to sample (the sampler would draw a token outside it).
+            if params.min_tokens > 0 and set(allowed) <= self._stops(params):
+                raise InvalidRequestError(
+                    "allowed_token_ids holds only end-of-sequence and stop tokens, which min_tokens bans "
+                    "until it is reached: nothing could be sampled",
                     param="allowed_token_ids",
                 )
             # Each id once, and no list at all where every token is allowed (the sampler's fast paths).
