@@ -5,6 +5,7 @@ whatever stops, aborts, preemptions and mixed sampling settings happen while a s
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -126,25 +127,34 @@ def test_tokens_arrive_a_step_late_and_requests_that_need_them_take_turns(llama_
     while engine.has_unfinished:
         engine.step()
 
-    penalised = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, presence_penalty=0.5)
-    engine.add_request("p", [5, 6, 7], penalised)
-    assert [o.request_id for o in engine.step()] == ["p"]  # in turn: its token in the same step
-    while engine.has_unfinished:
-        engine.step()
+    # Any penalty, either sign (repetition below 1 too), reads the tokens so far: in turn, each token in
+    # the step that computed it.
+    for i, penalty in enumerate(
+        [{"presence_penalty": 0.5}, {"presence_penalty": -0.5}, {"frequency_penalty": -0.5},
+         {"repetition_penalty": 0.8}]
+    ):  # fmt: skip
+        penalised = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, **penalty)  # type: ignore[arg-type]
+        engine.add_request(f"p{i}", [5, 6, 7], penalised)
+        assert [o.request_id for o in engine.step()] == [f"p{i}"], penalty
+        while engine.has_unfinished:
+            engine.step()
     engine.add_request("b", [5, 6, 7], params)
     assert engine.step() == []  # pipelined again
     while engine.has_unfinished:
         engine.step()
 
     # A grammar does not take turns: its first token comes a step after its prefill, as a free one's.
-    constrained = SamplingParams(temperature=0.0, max_tokens=6, grammar=Grammar.regex("[a-z]{20}"))
+    constrained = SamplingParams(temperature=0.0, max_tokens=12, grammar=Grammar.regex("[a-z]{3}"))
     engine.add_request("g", [5, 6, 7], constrained)
     while not core._in_flight:
         assert engine.step() == []  # its grammar compiles, then its prefill is queued
-    seen = [o.request_id for o in engine.step()]
-    assert seen == ["g"] and core._in_flight is not None
+    outs = engine.step()
+    assert [o.request_id for o in outs] == ["g"] and core._in_flight is not None
     while engine.has_unfinished:
-        engine.step()
+        outs += engine.step()
+    # Each token advanced the grammar: three letters, then its end stopped the completion.
+    final = outs[-1].outputs[0]
+    assert final.finish_reason == "stop" and re.fullmatch("[a-z]{3}", final.text), final
 
 
 def test_each_new_longest_step_past_the_threshold_is_logged(
