@@ -588,7 +588,10 @@ def _command(args: argparse.Namespace) -> str:
             continue
         flag = f"--{key.replace('_', '-')}"
         words += [flag] if value is True else [flag, str(value)]
-    return shlex.join(words)
+    # The kernels' launch switch is read from the environment: a row timed with it says so.
+    from pagoda.kernels import pdl
+
+    return ("PAGODA_PDL=1 " if pdl.ENABLED else "") + shlex.join(words)
 
 
 def run(args: argparse.Namespace) -> int:
