@@ -394,6 +394,15 @@ def test_allowed_token_ids_and_truncate_prompt_tokens(server: ServeProcess, clie
         model=MODEL, prompt=[5] * (MAX_MODEL_LEN + 40), max_tokens=2, extra_body={"truncate_prompt_tokens": 9}
     )
     assert long.usage is not None and long.usage.prompt_tokens == 9
+    # Echoed, the prompt is what the model saw: its last 9 tokens.
+    prompt = list(range(300, 300 + MAX_MODEL_LEN + 40))
+    echoed = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, echo=True, extra_body={"truncate_prompt_tokens": 9}
+    )
+    seen = httpx.post(f"{server.base_url}/detokenize", json={"model": MODEL, "tokens": prompt[-9:]}).json()
+    assert echoed.choices[0].text.startswith(seen["prompt"]) and len(echoed.choices[0].text) < 4 * len(
+        seen["prompt"]
+    )
 
 
 def test_openai_client_sees_typed_errors(client: openai.OpenAI) -> None:

@@ -394,7 +394,14 @@ class OpenAIServing:
             raise APIError("invalid_request", str(exc), param=exc.param) from exc
         streams, firsts = await self._start(prompts, params, lora)
         response_id, created, model = f"cmpl-{uuid.uuid4().hex}", now_s(), lora or self.client.model_name
-        echoes = [self._echo_text(p) if request.echo else "" for p in prompts]
+        # The prompt as the model saw it: with truncate_prompt_tokens, its last tokens only.
+        truncated = params.truncate_prompt_tokens is not None
+        echoes = [
+            (self.client.decode(f.prompt_token_ids) if truncated else self._echo_text(p))
+            if request.echo
+            else ""
+            for p, f in zip(prompts, firsts, strict=True)
+        ]
         n = request.n
         if request.stream:
             return self._completion_stream(streams, firsts, echoes, n, request, response_id, created, model)
