@@ -10,6 +10,7 @@ import torch
 
 from pagoda.service.engine.core.request import Request
 from pagoda.service.engine.core.scheduler import GrammarBitmask
+from pagoda.service.engine.runner import sampler as sampler_module
 from pagoda.service.engine.runner.sampler import (
     BitmaskStaging,
     Sampler,
@@ -102,6 +103,22 @@ def test_allowed_token_ids_keep_a_row_to_them_and_leave_its_neighbours_free() ->
     out = sampler(logits.clone(), reqs).results()[0]
     expected = torch.log_softmax(logits[0, [7, 8]], 0).max().item()
     assert out.logprob == pytest.approx(expected, abs=1e-5)
+
+
+def test_the_allowed_ids_kept_on_the_device_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each request's list is uploaded once and kept between steps, but never more ids than the bound
+    altogether: past it the kept lists are dropped, and a running request's is uploaded again."""
+    monkeypatch.setattr(sampler_module, "ALLOWED_IDS_HELD", 10)
+    sampler = Sampler(VOCAB, {EOS})
+    lists = [[7, 8, 9, 10], [11, 12, 13, 14], [15, 16, 17]]
+    first = sampler._allowed_ids(lists[0], torch.device("cpu"))
+    assert sampler._allowed_ids(lists[0], torch.device("cpu")) is first  # kept: not uploaded again
+    sampler._allowed_ids(lists[1], torch.device("cpu"))
+    assert sampler._allowed_ids_held == 8
+    third = sampler._allowed_ids(lists[2], torch.device("cpu"))  # 8 + 3 > 10: the others dropped
+    assert sampler._allowed_ids_held == 3 and list(sampler._allowed) == [id(lists[2])]
+    assert third.tolist() == lists[2]
+    assert sampler._allowed_ids(lists[0], torch.device("cpu")).tolist() == lists[0]  # uploaded again
 
 
 def test_a_plain_greedy_batch_with_allowed_token_ids_keeps_to_them() -> None:

@@ -186,6 +186,11 @@ def _argmax_of_raw_logits(r: Request) -> bool:
     )
 
 
+# At most this many allowed token ids kept on the device between steps (8 bytes each: 32 MiB), however
+# many requests list how many: a request may list up to the vocabulary.
+ALLOWED_IDS_HELD = 1 << 22
+
+
 class Sampler:
     def __init__(self, vocab_size: int, eos_token_ids: set[int]) -> None:
         self.vocab_size = vocab_size
@@ -193,6 +198,7 @@ class Sampler:
         self._staging = BitmaskStaging()
         # Each allowed_token_ids list on the device, made once per request: id(list) -> (list, ids).
         self._allowed: dict[int, tuple[list[int], torch.Tensor]] = {}
+        self._allowed_ids_held = 0  # token ids in `_allowed`, bounded by ALLOWED_IDS_HELD
 
     def __call__(
         self, logits: torch.Tensor, reqs: list[Request], grammar: GrammarBitmask | None = None
@@ -285,9 +291,11 @@ class Sampler:
         long as the vocabulary). Keyed by the list's identity; the list is kept so its id is not reused."""
         cached = self._allowed.get(id(allowed))
         if cached is None or cached[0] is not allowed:
-            if len(self._allowed) >= 1024:  # finished requests' lists: dropped wholesale
-                self._allowed.clear()
+            if self._allowed_ids_held + len(allowed) > ALLOWED_IDS_HELD:  # finished requests' lists mostly:
+                self._allowed.clear()  # dropped wholesale, running ones uploaded again at their next step
+                self._allowed_ids_held = 0
             cached = self._allowed[id(allowed)] = (allowed, to_device(allowed, torch.long, device))
+            self._allowed_ids_held += len(allowed)
         return cached[1]
 
     def _apply_penalties(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
