@@ -129,6 +129,22 @@ def test_greedy_verification_keeps_drafts_while_they_are_the_argmax() -> None:
     assert both == [(6, 1), (2, 0)]  # rows 2-3 (argmax 2, 7) judge the second: 1 is not 2
 
 
+def test_verification_keeps_to_allowed_token_ids() -> None:
+    """A draft outside the request's allowed tokens is rejected even where it is the argmax, and the
+    token after the kept drafts is the best allowed one."""
+    sampler = Sampler(8, eos_token_ids=set())
+    logits = torch.full((3, 8), -5.0)
+    for row, top in enumerate([4, 6, 2]):
+        logits[row, top] = 5.0
+    logits[:, 3] = 1.0  # the best allowed token everywhere but where an allowed token leads
+    allowed = SamplingParams(temperature=0.0, allowed_token_ids=[3, 4])
+    assert verify_drafts(sampler, logits, [_drafting(allowed, [4, 6])]) == [(3, 1)]  # 6: not allowed
+    sampled = SamplingParams(temperature=1.0, seed=5, allowed_token_ids=[3, 4])
+    for _ in range(5):
+        token, kept = verify_drafts(sampler, logits, [_drafting(sampled, [4, 6])])[0]
+        assert kept <= 1 and token in (3, 4)
+
+
 def test_greedy_verification_sees_min_tokens_at_each_rows_position() -> None:
     """Row j is the sampler's row at output position (before + j): min_tokens bans EOS (token 7) on
     the rows still short of it, and not on the later ones."""
