@@ -95,6 +95,21 @@ def test_steps_where_everything_fails_alone_fail_the_engine(engine: LLMEngine) -
         engine.step()
 
 
+def test_steps_where_several_requests_all_fail_alone_fail_the_engine(engine: LLMEngine) -> None:
+    """A step counts as failed when every client request in it failed, counted by client (a request of
+    n = 2 is two sequences of one client), each tried alone even after one fails."""
+    for i in range(core_module.MAX_FAILED_STEPS_IN_A_ROW - 1):
+        engine.add_request(f"h{i}", [42, 43], greedy(seed=HOSTILE_SEED, n=2))
+        engine.add_request(f"g{i}", [44, 45], greedy(seed=HOSTILE_SEED))
+        outs = engine.step()
+        assert sorted(o.request_id for o in outs) == [f"g{i}", f"h{i}"]
+        assert all(c.finish_reason == "error" for o in outs for c in o.outputs)
+    engine.add_request("last", [42, 43], greedy(seed=HOSTILE_SEED))
+    engine.add_request("last2", [44, 45], greedy(seed=HOSTILE_SEED))
+    with pytest.raises(InjectedFailure):
+        engine.step()
+
+
 def test_a_good_step_starts_the_count_of_failed_steps_again(engine: LLMEngine) -> None:
     """Failed steps count only in a row: one step that runs ends the run."""
     for rounds in range(2):
