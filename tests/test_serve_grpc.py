@@ -149,6 +149,23 @@ def test_a_reused_request_id_is_refused_and_the_first_goes_on(channel: grpc.Chan
             grpc.StatusCode.INVALID_ARGUMENT,
         ),
         (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 200)), grpc.StatusCode.INVALID_ARGUMENT),
+        # vLLM's extras, hostile: an id past the vocabulary, a truncation of none or past the context.
+        (
+            pb.GenerateRequest(text="x", sampling=pb.SamplingParameters(allowed_token_ids=[3, 2**31])),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            pb.GenerateRequest(text="x", sampling=pb.SamplingParameters(truncate_prompt_tokens=0)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            pb.GenerateRequest(text="x", sampling=pb.SamplingParameters(truncate_prompt_tokens=-7)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            pb.GenerateRequest(text="x", sampling=pb.SamplingParameters(truncate_prompt_tokens=129)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
     ],
 )
 def test_errors_map_to_status_codes(

@@ -324,6 +324,21 @@ def _error(response: httpx.Response) -> dict[str, object]:
             "allowed_token_ids",
             "range",
         ),
+        ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [-1]}, 400, "allowed_token_ids", "range"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "truncate_prompt_tokens": -3},
+            400,
+            "truncate_prompt_tokens",
+            "-1",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": MESSAGES, "chat_template_kwargs": {"tools": "x"}},
+            400,
+            "chat_template_kwargs",
+            "may not set tools",
+        ),
         (
             "/v1/completions",
             {"prompt": "hi", "truncate_prompt_tokens": MAX_MODEL_LEN + 1},
