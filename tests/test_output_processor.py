@@ -203,6 +203,21 @@ def test_a_stop_string_is_found_at_the_start_and_across_the_shown_text(tokenizer
     assert "".join(o.outputs[0].text_delta for o in outputs) == "012345678"
 
 
+def test_include_stop_str_in_output_ends_the_text_after_the_stop_string(tokenizer_files: Path) -> None:
+    """vLLM's include_stop_str_in_output: the text runs to the end of the stop string, not its start, and
+    the streamed deltas add up to it; the stop string is still where the search found it first."""
+    tokenizer = Tokenizer.from_path(tokenizer_files)
+    processor = OutputProcessor(tokenizer, max_model_len=64)
+    # "3 a" at 3, three long, ends inside the token " and": only + keeps "0123 a" (3 ^ 3, 3 | 3, 3 << 3 ...
+    # do not), and the rest of that token is cut.
+    params = SamplingParams(max_tokens=50, stop=["d m", "3 a"], include_stop_str_in_output=True)
+    processor.add_request("kept", None, [1], params, 0.0)
+    outputs = _feed(processor, "kept", tokenizer.encode("0123 and more", add_special_tokens=False))
+    final = outputs[-1]
+    assert final.finished and final.outputs[0].text == "0123 a" and final.outputs[0].stop_reason == "3 a"
+    assert "".join(o.outputs[0].text_delta for o in outputs) == "0123 a"
+
+
 def test_text_is_shown_as_it_comes_less_what_may_start_a_stop_string(tokenizer_files: Path) -> None:
     tokenizer = Tokenizer.from_path(tokenizer_files)
     processor = OutputProcessor(tokenizer, max_model_len=64)
