@@ -10,6 +10,7 @@ import torch
 
 from pagoda.service.engine.core.request import Request
 from pagoda.service.engine.core.scheduler import GrammarBitmask
+from pagoda.service.engine.messages import NO_TOKEN
 from pagoda.service.engine.runner import sampler as sampler_module
 from pagoda.service.engine.runner.sampler import (
     BitmaskStaging,
@@ -103,6 +104,32 @@ def test_allowed_token_ids_keep_a_row_to_them_and_leave_its_neighbours_free() ->
     out = sampler(logits.clone(), reqs).results()[0]
     expected = torch.log_softmax(logits[0, [7, 8]], 0).max().item()
     assert out.logprob == pytest.approx(expected, abs=1e-5)
+
+
+def test_a_row_whose_masks_leave_no_token_reads_no_token_and_its_device_token_stays_real() -> None:
+    """allowed_token_ids and a grammar with nothing in common, and a grammar that allows only EOS under
+    min_tokens: the host reads NO_TOKEN for those rows (the core fails them), greedy or sampled; the
+    device's token, which the next step reads as an input id, stays a vocabulary id; the rows beside
+    them sample as ever."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, VOCAB)
+    logits[:, 50] = 30.0
+    reqs = [
+        _request(_greedy(allowed_token_ids=[7, 8]), 0),
+        _request(SamplingParams(temperature=1.0, max_tokens=8, allowed_token_ids=[7, 8], logprobs=1), 1),
+        _request(_greedy(min_tokens=3), 2),
+        _request(_greedy(), 3),
+    ]
+    grammar = GrammarBitmask([0, 1, 2], np.stack([_mask([9]), _mask([9]), _mask([EOS])]))
+    batch = Sampler(VOCAB, {EOS})(logits.clone(), reqs, grammar)
+    assert [r.token_id for r in batch.results()] == [NO_TOKEN, NO_TOKEN, NO_TOKEN, 50]
+    assert ((batch.tokens >= 0) & (batch.tokens < VOCAB)).all()
+    # One token in common (8): sampled there, not marked.
+    grammar = GrammarBitmask([0, 1], np.stack([_mask([8, 9]), _mask([8, 9])]))
+    assert [r.token_id for r in Sampler(VOCAB, {EOS})(logits[:2].clone(), reqs[:2], grammar).results()] == [
+        8,
+        8,
+    ]
 
 
 def test_the_allowed_ids_kept_on_the_device_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:

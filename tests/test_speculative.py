@@ -11,14 +11,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from pagoda.service.engine.config import EngineConfig, SpeculativeConfig
 from pagoda.service.engine.core.block_manager import BlockManager
 from pagoda.service.engine.core.request import Request
-from pagoda.service.engine.core.scheduler import Scheduler
+from pagoda.service.engine.core.scheduler import GrammarBitmask, Scheduler
 from pagoda.service.engine.core.speculation import drafts_per_sequence, propose_ngram
+from pagoda.service.engine.messages import NO_TOKEN
 from pagoda.service.engine.runner.sampler import Sampler
 from pagoda.service.engine.runner.spec_verify import verify_drafts
 from pagoda.service.llm import LLM
@@ -143,6 +145,17 @@ def test_verification_keeps_to_allowed_token_ids() -> None:
     for _ in range(5):
         token, kept = verify_drafts(sampler, logits, [_drafting(sampled, [4, 6])])[0]
         assert kept <= 1 and token in (3, 4)
+
+
+def test_verification_marks_a_position_where_no_token_is_possible() -> None:
+    """A draft row whose allowed tokens the grammar forbids: the verdict's token is NO_TOKEN (the core
+    fails the request), not a token outside both."""
+    sampler = Sampler(8, eos_token_ids=set())
+    logits = torch.zeros(2, 8)
+    allowed = SamplingParams(temperature=0.0, allowed_token_ids=[3, 4])
+    grammar = GrammarBitmask([0, 1], np.array([[1 << 3 | 1 << 5], [1 << 5]], dtype=np.int32))
+    assert verify_drafts(sampler, logits, [_drafting(allowed, [3])], grammar) == [(NO_TOKEN, 1)]
+    assert verify_drafts(sampler, logits, [_drafting(allowed, [4])], grammar) == [(3, 0)]
 
 
 def test_greedy_verification_sees_min_tokens_at_each_rows_position() -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -239,6 +240,39 @@ def test_the_server_still_serves_after_bad_grammars(client: openai.OpenAI, model
         model=model, prompt="Hi", max_tokens=2, extra_body={"guided_choice": ["ok"]}
     )
     assert out.choices[0].text == "ok"
+
+
+def test_constraints_that_leave_no_token_are_a_400_and_the_server_goes_on(
+    server: ServeProcess, client: openai.OpenAI, model: str
+) -> None:
+    """The grammar allows only digits, allowed_token_ids only a word's tokens: no token is possible at
+    the first step, and the request is a 400 saying so (streamed too: the headers wait for the first
+    token), not a token outside both. A one-digit grammar under min_tokens 3 meets it at the second
+    token, after a streamed chunk: an error event with the refusal's type ends the stream. A list
+    sharing a token with the grammar is served while the grammar has more to say."""
+
+    def ids(text: str) -> list[int]:
+        body = {"model": model, "prompt": text, "add_special_tokens": False}
+        return httpx.post(f"{server.base_url}/tokenize", json=body).json()["tokens"]
+
+    conflict = {"guided_regex": "[0-9]{3}", "allowed_token_ids": ids("hello")}
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError, match="no next token is possible"):
+            client.completions.create(
+                model=model, prompt="Hi", max_tokens=4, stream=stream, extra_body=conflict
+            )
+    chunks = []
+    with pytest.raises(openai.APIError, match="no next token is possible") as info:
+        for chunk in client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, stream=True,
+            extra_body={"guided_regex": "[0-9]", "min_tokens": 3},
+        ):  # fmt: skip
+            chunks.append(chunk)
+    assert isinstance(info.value.body, dict) and info.value.body["type"] == "invalid_request_error"
+    assert re.fullmatch("[0-9]", "".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+    shared = {"guided_regex": "[0-9]{3}", "allowed_token_ids": ids("hello") + ids("7")}
+    out = client.completions.create(model=model, prompt="Hi", max_tokens=3, extra_body=shared)
+    assert out.choices[0].text == "777"  # a 4th token would be the grammar's EOS, which the list lacks
 
 
 def test_grpc_structured_output_fields(server: ServeProcess) -> None:

@@ -29,19 +29,10 @@ from pagoda.service.api.openai_protocol import (
     UnloadLoRAAdapterRequest,
 )
 from pagoda.service.api.openai_responses import ErrorBody, ErrorResponse, encode
-from pagoda.service.api.openai_serving import OpenAIServing
+from pagoda.service.api.openai_serving import HTTP_ERRORS, OpenAIServing
 from pagoda.service.api.responses_protocol import ResponsesRequest
 from pagoda.service.api.responses_serving import ResponsesServing
 from pagoda.service.metrics import CONTENT_TYPE
-
-# APIError kind -> (HTTP status, OpenAI error type).
-HTTP_ERRORS: dict[str, tuple[int, str]] = {
-    "invalid_request": (400, "invalid_request_error"),
-    "not_found": (404, "invalid_request_error"),
-    "queue_full": (503, "server_overloaded_error"),
-    "unavailable": (503, "service_unavailable_error"),
-    "internal": (500, "internal_server_error"),
-}
 
 
 def error_response(

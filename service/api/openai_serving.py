@@ -61,8 +61,19 @@ def sse(payload: Chunk | ErrorResponse | str) -> bytes:
     return b"data: " + data + b"\n\n"
 
 
+# APIError kind -> (HTTP status, OpenAI error type): a refusal's body, and an error event mid-stream.
+HTTP_ERRORS: dict[str, tuple[int, str]] = {
+    "invalid_request": (400, "invalid_request_error"),
+    "not_found": (404, "invalid_request_error"),
+    "queue_full": (503, "server_overloaded_error"),
+    "unavailable": (503, "service_unavailable_error"),
+    "internal": (500, "internal_server_error"),
+}
+
+
 def error_event(exc: APIError) -> ErrorResponse:
-    return ErrorResponse(ErrorBody(exc.message, exc.kind, exc.param, exc.code))
+    """An error after the headers went out: the same body a refusal before them carries."""
+    return ErrorResponse(ErrorBody(exc.message, HTTP_ERRORS[exc.kind][1], exc.param, exc.code))
 
 
 def usage_of(outputs: list[RequestOutput]) -> Usage:

@@ -19,10 +19,14 @@ import msgspec
 
 from pagoda.service.sampling_params import SamplingParams
 
+# A row's token id when its constraints left no token possible: allowed_token_ids, min_tokens' bans
+# and a grammar with nothing in common. The core fails that request (`RequestFailure.invalid`).
+NO_TOKEN = -1
+
 
 @dataclass
 class SampleResult:
-    token_id: int
+    token_id: int  # or NO_TOKEN
     logprob: float | None = None  # of the sampled token, when asked for
     top: list[tuple[int, float]] | None = None  # (token id, logprob), descending
 
@@ -134,6 +138,7 @@ class RequestFailure(msgspec.Struct, array_like=True):
 
     request_id: str
     message: str
+    invalid: bool = False  # the request's own parameters are at fault (a 400), not the engine
 
 
 class LoRAReply(msgspec.Struct, array_like=True):

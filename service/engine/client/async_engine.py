@@ -345,7 +345,8 @@ class AsyncEngine:
                 processor.fail(failure.request_id, failure.message, time.monotonic())
                 failed = self._streams.get(failure.request_id)
                 if failed is not None:
-                    failed.put_nowait(RequestFailedError(failure.message))
+                    kind = InvalidRequestError if failure.invalid else RequestFailedError
+                    failed.put_nowait(kind(failure.message))
             for reply in message.lora_replies:
                 waiting = self._lora_replies.get(reply.op_id.removeprefix(self._id_prefix))
                 if waiting is not None and not waiting.done():

@@ -40,6 +40,7 @@ from pagoda.service.engine.core.scheduler import GrammarBitmask, Scheduler, Sche
 from pagoda.service.engine.core.speculation import Speculator
 from pagoda.service.engine.core.structured_output import StructuredOutputManager
 from pagoda.service.engine.messages import (
+    NO_TOKEN,
     STEP_SECONDS_BUCKETS,
     AddRequest,
     EngineStats,
@@ -430,6 +431,9 @@ class EngineCore:
             if seq.status is RequestStatus.FINISHED:
                 continue  # stopped or aborted since: its token is dropped
             sample = result.sampled[seq.request_id]
+            if sample.token_id == NO_TOKEN:
+                outputs.failures.append(self._fail_unsamplable(seq))
+                continue
             if seq.num_drafts:
                 samples = self._keep_accepted(seq, result.accepted[seq.request_id], sample)
             else:
@@ -468,6 +472,22 @@ class EngineCore:
                 len(step.out.requests), step.drafted, tokens, now - self._last_completed
             )
         self._last_completed = now
+
+    def _fail_unsamplable(self, seq: Request) -> RequestFailure:
+        """End `seq`'s whole client request: its constraints left no token to sample (a 400, as its own
+        parameters are at fault; nothing was appended)."""
+        client_id = seq.request_id.rpartition("#")[0]
+        for s in self._requests.get(client_id, []):
+            if s.status is not RequestStatus.FINISHED:
+                self._finish(s)
+        self._forget_if_done(client_id)
+        self.failed_requests_total += 1
+        return RequestFailure(
+            client_id,
+            "no next token is possible: allowed_token_ids, min_tokens (which forbids end-of-sequence "
+            "and stop tokens) and the structured output's grammar leave none in common",
+            invalid=True,
+        )
 
     def _keep_accepted(self, seq: Request, accepted: int, sample: SampleResult) -> list[SampleResult]:
         """A sequence that drafted: its drafts leave `token_ids` (so each kept token is appended and

@@ -21,7 +21,7 @@ import torch
 from pagoda import kernels
 from pagoda.service.engine.core.request import Request
 from pagoda.service.engine.core.scheduler import GrammarBitmask
-from pagoda.service.engine.messages import SampleResult
+from pagoda.service.engine.messages import NO_TOKEN, SampleResult
 from pagoda.service.engine.runner.seeded_noise import row_key
 from pagoda.service.grammar import LOGIT_BIAS_LIMIT
 
@@ -186,6 +186,18 @@ def _argmax_of_raw_logits(r: Request) -> bool:
     )
 
 
+def mark_unsamplable(
+    tokens: torch.Tensor, logits: torch.Tensor, grammar: GrammarBitmask | None
+) -> torch.Tensor:
+    """`tokens` with NO_TOKEN in the rows whose `logits` are all -inf, for the host to read (the next
+    step's input ids keep a real id). Only masks make -inf (logit_bias is bounded), and without a
+    grammar the others always leave a token: admission refuses an allowed_token_ids list of only stop
+    tokens under min_tokens. So a batch without a grammar costs nothing here."""
+    if grammar is None:
+        return tokens
+    return torch.where(torch.isneginf(logits).all(dim=1), NO_TOKEN, tokens)
+
+
 # At most this many allowed token ids kept on the device between steps (8 bytes each: 32 MiB), however
 # many requests list how many: a request may list up to the vocabulary.
 ALLOWED_IDS_HELD = 1 << 22
@@ -232,7 +244,7 @@ class Sampler:
                 to_device(greedy, torch.bool, device), kernels.argmax(logits), self._sample(logits, reqs)
             )
 
-        wanted = [tokens]
+        wanted = [mark_unsamplable(tokens, logits, grammar)]  # the device keeps `tokens`
         num_logprobs = [p.logprobs for p in params]
         widest = max((k for k in num_logprobs if k is not None), default=None)
         if widest is not None:

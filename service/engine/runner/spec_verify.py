@@ -28,7 +28,7 @@ import torch
 from pagoda import kernels
 from pagoda.service.engine.core.request import Request
 from pagoda.service.engine.core.scheduler import GrammarBitmask
-from pagoda.service.engine.runner.sampler import Sampler, fill_seeded_noise, to_device
+from pagoda.service.engine.runner.sampler import Sampler, fill_seeded_noise, mark_unsamplable, to_device
 from pagoda.service.sampling_params import SamplingParams
 
 
@@ -83,6 +83,7 @@ def verify_drafts(
         is_greedy = to_device(greedy, torch.bool, device)
         tokens = torch.where(is_greedy, tokens, sampled)
         accept = torch.where(is_greedy, accept, (uniform < p_draft) & has_draft)
+    tokens = mark_unsamplable(tokens, adjusted, grammar)
     tokens_host, accept_host = tokens.tolist(), accept.tolist()
     verdicts = []
     start = 0
