@@ -23,6 +23,7 @@ class Logprob:
     token: str
     logprob: float
     top: list[TokenLogprob] = field(default_factory=list)
+    rank: int | None = None  # a prompt token's, among its position's tokens (1: the likeliest)
 
 
 @dataclass

@@ -179,6 +179,11 @@ def test_prompt_logprobs_match_transformers_across_chunks(llama_ckpt: Path) -> N
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     for lp, row in zip(scored[1:], logprobs, strict=True):
         assert lp is not None and [t.token_id for t in lp.top] == row.topk(3).indices.tolist()
+        # vLLM's rank: 1 + the tokens strictly likelier (bounds for float noise near a tie; not itself).
+        t = lp.token_id
+        likelier = (row > row[t] + 1e-4).sum().item(), (row > row[t] - 1e-4).sum().item() - 1
+        assert lp.rank is not None and likelier[0] + 1 <= lp.rank <= likelier[1] + 1
+    assert sorted(lp.rank for lp in scored[1:] if lp is not None and lp.rank is not None)[-1] > 3
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 

@@ -156,6 +156,61 @@ def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI, llama_ckpt:
     assert first.text_offset == scored.text_offset
 
 
+def test_prompt_logprobs_in_vllms_shape(
+    server: ServeProcess, client: openai.OpenAI, llama_ckpt: Path
+) -> None:
+    """vLLM's `prompt_logprobs`: on a completion's choice and on a chat response, per prompt position
+    (None first) the prompt's token with its logprob and rank, then the position's top k at ranks
+    1..k; checked against transformers. Beside echo + logprobs each keeps its own k; streamed, and on
+    the Responses API, it is a 400 naming the field."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokens = [1, 520, 1741, 282, 3065, 77, 9000]
+    model = AutoModelForCausalLM.from_pretrained(llama_ckpt, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = torch.log_softmax(model(torch.tensor([tokens])).logits[0, :-1], -1)
+    reply = client.completions.create(
+        model=MODEL, prompt=tokens, max_tokens=1, echo=True, logprobs=1, extra_body={"prompt_logprobs": 3}
+    )
+    positions = reply.choices[0].model_extra["prompt_logprobs"]  # type: ignore[index]
+    assert len(positions) == len(tokens) and positions[0] is None
+    for j, entry in enumerate(positions[1:]):
+        row, token = expected[j], tokens[j + 1]
+        top = row.topk(3)
+        assert next(iter(entry)) == str(token)  # the prompt's token first, then the top k
+        assert entry[str(token)]["logprob"] == pytest.approx(row[token].item(), abs=1e-4)
+        likelier = (row > row[token] + 1e-4).sum().item(), (row > row[token] - 1e-4).sum().item() - 1
+        assert likelier[0] + 1 <= entry[str(token)]["rank"] <= likelier[1] + 1  # -1: not itself
+        for rank, (value, t) in enumerate(zip(top.values.tolist(), top.indices.tolist(), strict=True), 1):
+            if t != token:
+                assert entry[str(t)]["rank"] == rank and entry[str(t)]["logprob"] == pytest.approx(
+                    value, abs=1e-4
+                )
+        assert len(entry) == 3 + (token not in top.indices.tolist())
+        assert all(isinstance(e["decoded_token"], str) for e in entry.values())
+    echoed = reply.choices[0].logprobs
+    assert echoed is not None and echoed.top_logprobs is not None
+    assert all(len(top) == 1 for top in echoed.top_logprobs[1 : len(tokens)])  # echo's own k, not 3
+
+    answer = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
+    positions = answer.model_extra["prompt_logprobs"]  # type: ignore[index]
+    assert positions[0] is None and all(len(entry) == 1 for entry in positions[1:])
+    assert answer.usage is not None and len(positions) == answer.usage.prompt_tokens
+    assert "prompt_logprobs" not in chat(client, max_tokens=1).model_extra  # type: ignore[operator]
+    for route, body in (
+        ("/v1/completions", {"prompt": "hi", "stream": True}),
+        ("/v1/chat/completions", {"messages": MESSAGES, "stream": True}),
+        ("/v1/responses", {"input": "hi"}),
+    ):
+        refused = httpx.post(f"{server.base_url}{route}", json={"model": MODEL, "prompt_logprobs": 1, **body})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs", (
+            refused.text
+        )
+
+
 def test_n2_and_seed_reproducibility(client: openai.OpenAI) -> None:
     kwargs = dict(max_tokens=8, temperature=1.0, n=2, seed=1234, extra_body=EXACT)
     first, again = chat(client, **kwargs), chat(client, **kwargs)
@@ -362,13 +417,6 @@ def _error(response: httpx.Response) -> dict[str, object]:
             "not supported",
         ),
         ("/v1/completions", {"prompt": "hi", "length_penalty": 0.5}, 400, "length_penalty", "not supported"),
-        (
-            "/v1/completions",
-            {"prompt": "hi", "prompt_logprobs": 1},
-            400,
-            "prompt_logprobs",
-            "echo and logprobs",
-        ),
         (
             "/v1/completions",
             {"prompt": "hi", "return_tokens_as_token_ids": True},

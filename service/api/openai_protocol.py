@@ -89,12 +89,14 @@ class SamplingExtras(BaseModel):
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
     include_stop_str_in_output: bool = False
+    # Chat and completions only (the Responses and Messages APIs refuse it): each prompt token's
+    # logprob and rank, with its position's top k, in vLLM's `prompt_logprobs` shape; not streamed.
+    prompt_logprobs: int | None = None
     # vLLM extensions not implemented here: refused by name when set (`refuse_unimplemented_vllm`).
     use_beam_search: bool = False
     length_penalty: float = 1.0
     bad_words: list[str] | None = None
     return_tokens_as_token_ids: bool = False
-    prompt_logprobs: int | None = None
 
     def refuse_unimplemented_vllm(self) -> None:
         """A 400 naming the first vLLM extension set that Pagoda does not implement: ignored, each would
@@ -104,16 +106,10 @@ class SamplingExtras(BaseModel):
             "length_penalty": self.length_penalty != 1.0,
             "bad_words": bool(self.bad_words),
             "return_tokens_as_token_ids": self.return_tokens_as_token_ids,
-            "prompt_logprobs": self.prompt_logprobs is not None,
         }
         for name, asked in unimplemented.items():
             if asked:
-                hint = (
-                    "; completions score the prompt with echo and logprobs"
-                    if name == "prompt_logprobs"
-                    else ""
-                )
-                raise InvalidRequestError(f"{name} is not supported by this server{hint}", name)
+                raise InvalidRequestError(f"{name} is not supported by this server", name)
 
 
 class _Request(StructuredOutputFields, SamplingExtras):
@@ -135,6 +131,10 @@ class _Request(StructuredOutputFields, SamplingExtras):
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", "stream_options")
         self.refuse_unimplemented_vllm()
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidRequestError(
+                "prompt_logprobs are not available when stream is true", "prompt_logprobs"
+            )
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             n=self.n,
@@ -158,6 +158,7 @@ class _Request(StructuredOutputFields, SamplingExtras):
             allowed_token_ids=None if self.allowed_token_ids is None else list(self.allowed_token_ids),
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -290,8 +291,8 @@ class CompletionRequest(_Request):
                 f"best_of other than n is not supported (best_of {self.best_of}, n {self.n})", "best_of"
             )
         params = self._sampling_params(self.max_tokens, self.logprobs)
-        if self.echo and self.logprobs is not None:
-            params.prompt_logprobs = self.logprobs  # the echoed prompt comes with its scores
+        if self.echo and self.logprobs is not None:  # the echoed prompt comes with its scores
+            params.prompt_logprobs = max(self.logprobs, self.prompt_logprobs or 0)
         return params
 
     def prompts(self) -> list[str | list[int]]:

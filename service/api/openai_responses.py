@@ -60,6 +60,18 @@ class CompletionLogprobs(Struct):
     text_offset: list[int]
 
 
+class PromptLogprob(Struct):
+    """vLLM's entry for one token at one prompt position (`prompt_logprobs`)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+# Per prompt position: the prompt's token and its position's top k, by token id; None for the first.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class ChatMessage(Struct):
     role: Literal["assistant"]
     content: str | None
@@ -80,6 +92,7 @@ class CompletionChoice(Struct):
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM's, when asked for
 
 
 class ChatCompletion(Struct):
@@ -90,6 +103,7 @@ class ChatCompletion(Struct):
     usage: Usage
     object: Literal["chat.completion"] = "chat.completion"
     system_fingerprint: None = None
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM's, when asked for
 
 
 class Completion(Struct):

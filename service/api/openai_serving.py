@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from msgspec import UNSET
+from msgspec import UNSET, UnsetType
 from pydantic import ValidationError
 
 from pagoda.service.api.engine_client import APIError, EngineClient, ServingState, now_s
@@ -41,6 +41,8 @@ from pagoda.service.api.openai_responses import (
     Load,
     ModelCard,
     ModelList,
+    PromptLogprob,
+    PromptLogprobs,
     PromptTokensDetails,
     Rendered,
     TokenLogprob,
@@ -144,8 +146,9 @@ def _completion_logprobs(logprobs: list[Logprob] | None, text_offset: int) -> Co
     )
 
 
-def _prompt_logprobs(out: RequestOutput, client: EngineClient) -> CompletionLogprobs | None:
-    """The echoed prompt's part of a completion's `logprobs` (None for its first token)."""
+def _prompt_logprobs(out: RequestOutput, client: EngineClient, k: int) -> CompletionLogprobs | None:
+    """The echoed prompt's part of a completion's `logprobs` (None for its first token), with each
+    position's top `k` (the engine may hold more, for `prompt_logprobs`)."""
     if out.prompt_logprobs is None:
         return None
     tokens = client.token_strings(out.prompt_token_ids)
@@ -156,9 +159,26 @@ def _prompt_logprobs(out: RequestOutput, client: EngineClient) -> CompletionLogp
     return CompletionLogprobs(
         tokens,
         [None if lp is None else lp.logprob for lp in out.prompt_logprobs],
-        [None if lp is None else {t.token: t.logprob for t in lp.top} for lp in out.prompt_logprobs],
+        [None if lp is None else {t.token: t.logprob for t in lp.top[:k]} for lp in out.prompt_logprobs],
         offsets,
     )
+
+
+def vllm_prompt_logprobs(out: RequestOutput, k: int | None) -> PromptLogprobs | UnsetType:
+    """vLLM's `prompt_logprobs` (asked for with `k`): per position the prompt's token with its rank,
+    then the position's top `k` (ranks 1..k) less that token; None for the first position."""
+    if k is None or out.prompt_logprobs is None:
+        return UNSET
+    positions: PromptLogprobs = []
+    for lp in out.prompt_logprobs:
+        if lp is None:
+            positions.append(None)
+            continue
+        entry = {lp.token_id: PromptLogprob(lp.logprob, lp.rank, lp.token)}
+        for rank, t in enumerate(lp.top[:k], 1):
+            entry.setdefault(t.token_id, PromptLogprob(t.logprob, rank, t.token))
+        positions.append(entry)
+    return positions
 
 
 def _tool_finish(finish_reason: str | None, made_calls: bool) -> str | None:
@@ -341,7 +361,10 @@ class OpenAIServing:
             message = ChatMessage("assistant", content, calls or UNSET)
             finish = _tool_finish(c.finish_reason, bool(calls))
             choices.append(ChatChoice(c.index, message, _chat_logprobs(c.logprobs), finish, c.stop_reason))
-        return ChatCompletion(response_id, created, model, choices, usage_of([final]))
+        prompt_logprobs = vllm_prompt_logprobs(final, request.prompt_logprobs)
+        return ChatCompletion(
+            response_id, created, model, choices, usage_of([final]), prompt_logprobs=prompt_logprobs
+        )
 
     async def _chat_stream(
         self,
@@ -421,14 +444,15 @@ class OpenAIServing:
         for p, final in enumerate(finals):
             for c in final.outputs:
                 logprobs = _join_logprobs(
-                    _prompt_logprobs(final, self.client) if request.echo else None,
+                    _prompt_logprobs(final, self.client, request.logprobs or 0) if request.echo else None,
                     _completion_logprobs(c.logprobs, len(echoes[p])),
                 )
                 choices.append(
                     CompletionChoice(
-                        p * n + c.index, echoes[p] + c.text, logprobs, c.finish_reason, c.stop_reason
+                        p * n + c.index, echoes[p] + c.text, logprobs, c.finish_reason, c.stop_reason,
+                        vllm_prompt_logprobs(final, request.prompt_logprobs),
                     )
-                )
+                )  # fmt: skip
         return Completion(response_id, created, model, choices, usage_of(list(finals)))
 
     def _echo_text(self, prompt: str | list[int]) -> str:
@@ -466,7 +490,9 @@ class OpenAIServing:
                     if prefix or c.text_delta or c.logprobs_delta or finish is not None:
                         logprobs = _completion_logprobs(c.logprobs_delta, offsets[key] + len(prefix))
                         if prefix:
-                            logprobs = _join_logprobs(_prompt_logprobs(out, self.client), logprobs)
+                            logprobs = _join_logprobs(
+                                _prompt_logprobs(out, self.client, request.logprobs or 0), logprobs
+                            )
                         offsets[key] += len(prefix) + sum(len(lp.token) for lp in c.logprobs_delta or [])
                         text = prefix + c.text_delta
                         yield chunks.choice(CompletionChunkChoice(p * n + c.index, text, logprobs, finish))

@@ -108,6 +108,8 @@ class ResponsesRequest(SamplingExtras):
     def chat_request(self) -> ChatCompletionRequest:
         """The chat completion request this one means; `InvalidRequestError` naming the field otherwise."""
         self._refuse_unsupported()
+        if self.prompt_logprobs is not None:  # chat and completions show them; this API has no place
+            raise InvalidRequestError("prompt_logprobs is not supported on /v1/responses", "prompt_logprobs")
         body: dict[str, Any] = {
             "model": self.model,
             "messages": self._messages(),

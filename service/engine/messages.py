@@ -29,6 +29,7 @@ class SampleResult:
     token_id: int  # or NO_TOKEN
     logprob: float | None = None  # of the sampled token, when asked for
     top: list[tuple[int, float]] | None = None  # (token id, logprob), descending
+    rank: int | None = None  # of a scored prompt token in its position's distribution, 1 the likeliest
 
 
 @dataclass

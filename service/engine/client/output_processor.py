@@ -165,7 +165,11 @@ class OutputProcessor:
     def _logprob(self, sample: SampleResult) -> Logprob:
         top = [TokenLogprob(t, self.tokenizer.id_to_token(t), lp) for t, lp in sample.top or []]
         return Logprob(
-            sample.token_id, self.tokenizer.id_to_token(sample.token_id), sample.logprob or 0.0, top
+            sample.token_id,
+            self.tokenizer.id_to_token(sample.token_id),
+            sample.logprob or 0.0,
+            top,
+            sample.rank,
         )
 
     def _add_prompt_logprobs(self, client: ClientRequest, position: int, scores: list[SampleResult]) -> None:

@@ -524,16 +524,22 @@ class ModelRunner:
             start = req.num_computed_tokens
             logprobs = torch.log_softmax(chunk_logits, -1)
             targets = torch.tensor(req.token_ids[start + 1 : start + count + 1], device=logprobs.device)
-            chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+            chosen = logprobs.gather(1, targets[:, None])
+            ranks = (logprobs > chosen).sum(dim=1) + 1  # vLLM's rank: 1 + the tokens strictly likelier
             top_vals, top_ids = (
                 logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], targets[:, None][:, :0])
             )
             result[req.request_id] = (
                 start + 1,
                 [
-                    SampleResult(t, lp, list(zip(ids, vals, strict=True)))
-                    for t, lp, ids, vals in zip(
-                        targets.tolist(), chosen, top_ids.tolist(), top_vals.tolist(), strict=True
+                    SampleResult(t, lp, list(zip(ids, vals, strict=True)), rank)
+                    for t, lp, ids, vals, rank in zip(
+                        targets.tolist(),
+                        chosen[:, 0].tolist(),
+                        top_ids.tolist(),
+                        top_vals.tolist(),
+                        ranks.tolist(),
+                        strict=True,
                     )
                 ],
             )
