@@ -276,6 +276,11 @@ def test_constraints_that_leave_no_token_are_a_400_and_the_server_goes_on(
     assert out.choices[0].text == "777"  # a 4th token would be the grammar's EOS, which the list lacks
 
 
+def server_token_id(server: ServeProcess, word: str) -> int:
+    body = {"prompt": word, "add_special_tokens": False}
+    return int(httpx.post(f"{server.base_url}/tokenize", json=body).json()["tokens"][0])
+
+
 def test_grpc_structured_output_fields(server: ServeProcess) -> None:
     with grpc.insecure_channel(server.grpc_target) as channel:
         stub = pb_grpc.InferenceStub(channel)
@@ -303,6 +308,10 @@ def test_grpc_structured_output_fields(server: ServeProcess) -> None:
         with pytest.raises(grpc.RpcError) as info:
             generate(logit_bias={10**6: 1.0})
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as info:  # a grammar and allowed ids with nothing in common
+            generate(regex="[0-9]{3}", allowed_token_ids=[server_token_id(server, "hello")])
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "no next token is possible" in (info.value.details() or "")
         for too_much in (
             {"choice": pb.Choices(choices=[f"c{i}" for i in range(100_000)])},
             {"regex": "((a{100}){100}){100}"},
