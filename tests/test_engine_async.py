@@ -288,3 +288,18 @@ def _drain_core(core: EngineCore) -> None:
             return
         core.step()
     raise AssertionError("the core did not finish")
+
+
+def test_aborting_the_last_request_drains_the_step_in_flight(llama_ckpt: Path) -> None:
+    """With async scheduling, a step is queued behind the one completed; aborting the only request
+    leaves nothing to wait on it, so the abort completes it then: the core is idle at once, with every
+    block back (a later step() would have found it and done the same, later)."""
+    engine = _engine(llama_ckpt, True, kv_cache_memory_bytes=8 << 20)
+    engine.add_request("only", [5, 6, 7], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    engine.step()
+    engine.step()
+    core = engine.core
+    assert core._in_flight is not None
+    core.abort("only")
+    assert not core.has_unfinished and core._in_flight is None
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
