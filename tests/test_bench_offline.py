@@ -82,6 +82,21 @@ def test_repeat_times_the_largest_batch_again_on_the_same_engine(
     assert "expected a count of at least 1" in capsys.readouterr().err
 
 
+def test_the_null_executor_times_the_engines_host_work_alone(llama_ckpt: Path, tmp_path: Path) -> None:
+    """`--executor-class ...NullExecutor`: the engine around no model (its host work per step); the
+    table says so, and its command line names the stand-in."""
+    out = tmp_path / "bench.md"
+    null = "pagoda.service.engine.runner.null_executor:NullExecutor"
+    args = ["offline", "--model", str(llama_ckpt), "--device", "cpu", "--peer", "none",
+            "--num-prompts", "64", "--input-len", "16", "--output-len", "40", "--executor-class", null,
+            "--output", str(out)]  # fmt: skip
+    assert bench.main(args) == 0
+    table = out.read_text()
+    assert "no model (null executor)" in table and f"--executor-class {null}" in table
+    batch = next(r.split("|") for r in table.splitlines() if r.startswith("| pagoda | 64 "))
+    assert float(batch[4]) > 0 and float(batch[9]) > 0  # output tok/s, host ms a decode step
+
+
 def test_batch_phases_take_the_last_first_token_and_the_steps_after_it() -> None:
     def out(first: float | None) -> RequestOutput:
         return RequestOutput("r", [1], [], True, RequestMetrics(arrival_time=100.0, first_token_time=first))

@@ -83,6 +83,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     offline.add_argument("--peer", choices=["transformers", "none"], default="transformers")
     offline.add_argument(
+        "--executor-class",
+        default=None,
+        help="another model side, as `pagoda serve`'s flag: "
+        "pagoda.service.engine.runner.null_executor:NullExecutor times the engine's host work alone "
+        "(scheduling, KV blocks, outputs) with no forward pass; use with --peer none",
+    )
+    offline.add_argument(
         "--repeat",
         type=_at_least_one,
         default=1,
@@ -258,6 +265,7 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
         cuda_graph_max_tokens=args.cuda_graph_max_tokens,
         max_cudagraph_capture_size=args.max_cudagraph_capture_size,
         long_prefill_attention=args.long_prefill_attention,
+        executor_class=args.executor_class,
     )
     runner = llm.engine.runner
     if args.long_chunk_tokens is not None:
