@@ -8,8 +8,8 @@ needs `TRITON_INTERPRET=1`, which is how the tests run them without a GPU), `ref
 references, `auto` (or unset) picks by device. Triton is imported only when a kernel is used, so
 CPU-only code paths work without it.
 
-`PAGODA_PDL=1` launches the hot path's kernels with programmatic dependent launch on Hopper GPUs
-(`pdl.py`: each starts while the kernel before it drains and waits for it first).
+The hot path's kernels launch with programmatic dependent launch on Hopper GPUs (`pdl.py`: each
+starts while the kernel before it drains and waits for it first); `PAGODA_PDL=0` turns it off.
 """
 
 from __future__ import annotations

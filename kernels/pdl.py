@@ -15,10 +15,11 @@ after its own wait, the chain holds back to the last ordinary launch (cuBLAS's G
 `flags(t)` gives a launch both halves at once (the kernel's `PDL` constexpr and Triton's `launch_pdl`),
 so one cannot be set without the other.
 
-Off unless `PAGODA_PDL=1` (the interpreter and CPU tensors never use it; read once, at import). On one
-H100 it took batch-1 fp8 decode from 250.1 to 260.4 tok/s (+4.1%, BENCHMARKS.md 2026-12-07) and the
-kernel checks pass with it; it becomes the default once the engine's GPU checks (graphs == eager, async
-== in turn, parity with transformers) have run with it.
+On by default on Hopper and newer; `PAGODA_PDL=0` turns it off (read once, at import; the interpreter
+and CPU tensors never use it). On one H100 it took batch-1 decode from 249.6 to 259.6 tok/s in fp8 + fp8
+KV (+4.0%) and from 160.6 to 166.6 in bf16 (+3.7%); a 640-request grid row moved by 0.1% (GEMMs and
+attention bound it). The engine's GPU checks (parity with transformers, graphs == eager, async == in
+turn) and the kernel checks pass with it (BENCHMARKS.md, 2026-12-07).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-ENABLED = os.environ.get("PAGODA_PDL", "0") == "1"
+ENABLED = os.environ.get("PAGODA_PDL", "1") != "0"
 
 
 @functools.cache

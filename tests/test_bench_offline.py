@@ -44,17 +44,17 @@ def test_offline_table_and_prefill_profile(
     command = re.search(r"Command: `(.*)`", out.read_text())
     assert command is not None and "--num-prompts 3 " in command[1]
     assert "--profile-prefill" in command[1].split() and "True" not in command[1].split()  # a flag, no value
-    assert not command[1].startswith("PAGODA_PDL")  # the kernels' launch switch is off by default
+    assert not command[1].startswith("PAGODA_PDL")  # the kernels' launch switch is on by default
 
 
-def test_the_command_names_the_launch_switch_when_on(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_command_names_the_launch_switch_when_off(monkeypatch: pytest.MonkeyPatch) -> None:
     from pagoda.kernels import pdl
 
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     args = parser.parse_args(["offline", "--num-prompts", "2"])
-    monkeypatch.setattr(pdl, "ENABLED", True)
-    assert bench._command(args).startswith("PAGODA_PDL=1 pagoda bench offline ")
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    assert bench._command(args).startswith("PAGODA_PDL=0 pagoda bench offline ")
 
 
 def test_repeat_times_the_largest_batch_again_on_the_same_engine(

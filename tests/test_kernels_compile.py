@@ -37,7 +37,7 @@ def test_every_kernel_compiles_for_sm90(tmp_path: Path) -> None:
         "_sgmv_shrink_kernel",
         "_sgmv_expand_kernel",
     } <= kernels
-    # With programmatic dependent launch on (PAGODA_PDL=1 on Hopper), the hot path's kernels launch early,
+    # With programmatic dependent launch on (the default on Hopper), the hot path's kernels launch early,
     # each waiting for its inputs first (compile_for_gpu fails a launch whose PTX has no wait).
     early = {line.split(": ")[1].split(" ")[0] for line in lines if line.endswith(", PDL)")}
     assert early == core | {

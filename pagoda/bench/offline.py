@@ -596,10 +596,10 @@ def _command(args: argparse.Namespace) -> str:
             continue
         flag = f"--{key.replace('_', '-')}"
         words += [flag] if value is True else [flag, str(value)]
-    # The kernels' launch switch is read from the environment: a row timed with it says so.
+    # The kernels' launch switch is read from the environment: a row timed with it off says so.
     from pagoda.kernels import pdl
 
-    return ("PAGODA_PDL=1 " if pdl.ENABLED else "") + shlex.join(words)
+    return ("" if pdl.ENABLED else "PAGODA_PDL=0 ") + shlex.join(words)
 
 
 def run(args: argparse.Namespace) -> int:

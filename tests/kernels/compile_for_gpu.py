@@ -6,7 +6,7 @@ not the compiler, which refuses some programs the interpreter accepts (a name re
 dtype inside a runtime `if`, for one). Here each wrapper is called on CPU tensors with every kernel's
 `run` replaced by a recorder; the recorded launch becomes a signature that `triton.compile` builds
 for sm_90 down to a cubin (Triton's bundled ptxas), no driver needed. Every launch that goes through
-`pdl.flags` is built with programmatic dependent launch on (as `PAGODA_PDL=1` on a Hopper GPU), and its
+`pdl.flags` is built with programmatic dependent launch on (as by default on a Hopper GPU), and its
 PTX must hold the `griddepcontrol` wait and release that make the early launch safe: a kernel launched
 early that reads before it waits races with the kernel before it.
 
@@ -327,7 +327,7 @@ def main() -> int:
     JITFunction.run = record  # type: ignore[method-assign]
     from pagoda.kernels import pdl
 
-    pdl.flags = lambda t: {"PDL": True, "launch_pdl": True}  # as on a Hopper GPU with PAGODA_PDL=1
+    pdl.flags = lambda t: {"PDL": True, "launch_pdl": True}  # as on a Hopper GPU by default
     if sys.argv[1:] == ["--fp8-decode-ptx"]:
         print(json.dumps(fp8_decode_ptx()))
         return 0
