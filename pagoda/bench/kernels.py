@@ -800,8 +800,9 @@ def sweep_fp8(copy_bw: float) -> list[str]:
     from pagoda.kernels.attention import DecodeConfig, paged_attention
     from pagoda.kernels.kv_cache import token_major_copy
 
-    # Contexts of whole 64-token tiles, and two ragged ones, whose last tile is masked.
-    cases = [(256, 256), (64, 1024), (640, 1536), (8, 8192), (256, 200), (640, 1500)]
+    # Contexts of whole 64-token tiles, and three ragged ones, whose last tile is masked; 1024 x 190 is
+    # 128 / 128 x 1,024's decode step, where the kernel ran at ~0.66 of copy (BENCHMARKS.md, 2026-12-07).
+    cases = [(256, 256), (64, 1024), (640, 1536), (8, 8192), (256, 200), (640, 1500), (1024, 190)]
     fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
     lines = [
         "fp8-cache decode sweep (us, fraction of copy) at batch x ctx "
