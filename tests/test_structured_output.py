@@ -369,15 +369,19 @@ def test_offline_llm_structured_output_and_logit_bias(is_async: bool) -> None:
         assert again[0].outputs[0].text in ("red", "blue")
 
         # A grammar that min_tokens leaves no token (a digit, then only its end, which min_tokens
-        # forbids) in one of n = 2 (seed 0 draws a word first, then a digit), beside a free request:
-        # that request ends with the reason, and its blocks and matchers go; the free one is as it is
-        # alone.
-        grammar = Grammar.regex("[0-9]|[a-z]{3}", "guided_regex")
-        stuck = SamplingParams(temperature=1.5, seed=0, n=2, max_tokens=4, min_tokens=3, grammar=grammar)
+        # forbids) in one of n = 2 (seed 0 draws a word of several tokens, and a digit), beside a free
+        # request: that request ends with the reason, and its blocks and matchers go; the free one is
+        # as it is alone.
+        grammar = Grammar.regex("[0-9]|[a-z]{9}", "guided_regex")
+        stuck = SamplingParams(temperature=1.5, seed=0, n=2, max_tokens=8, min_tokens=3, grammar=grammar)
         failed, free = llm.generate(["A digit or a word:", prompts[1]], [stuck, plain])
         assert failed.error is not None and "no next token is possible" in failed.error
         assert free.error is None and free.outputs[0].token_ids == alone
         assert not engine.core.structured_output.is_active and not engine.core.has_unfinished
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
         drawn = llm.generate("A digit or a word:", dataclasses.replace(stuck, min_tokens=0))
-        assert sorted(len(o.text) for o in drawn[0].outputs) == [1, 3]  # the siblings do differ
+        assert sorted(len(o.text) for o in drawn[0].outputs) == [1, 9]  # the siblings do differ
+        # Alone: the word's sibling is ended with the request at the step where the digit's finds no
+        # token, not left running to finish its word after the request has failed.
+        assert llm.generate("A digit or a word:", stuck)[0].error is not None
+        assert not engine.core.has_unfinished
