@@ -57,6 +57,16 @@ def test_the_command_names_the_launch_switch_when_off(monkeypatch: pytest.Monkey
     assert bench._command(args).startswith("PAGODA_PDL=0 pagoda bench offline ")
 
 
+def test_a_busy_figure_says_when_pdl_makes_it_overstate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With programmatic dependent launch on the device, GPU-busy counts kernels waiting to start: the
+    busy line says so and how to turn it off; without it (a CPU here), nothing is added."""
+    from pagoda.kernels import pdl
+
+    assert bench.busy_caveat(torch.device("cpu")) == ""
+    monkeypatch.setattr(pdl, "flags", lambda t: {"PDL": True, "launch_pdl": True})  # as on a Hopper GPU
+    assert "PAGODA_PDL=0" in bench.busy_caveat(torch.device("cpu"))
+
+
 def test_repeat_times_the_largest_batch_again_on_the_same_engine(
     llama_ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

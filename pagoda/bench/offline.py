@@ -336,6 +336,7 @@ def bench_engine(args: argparse.Namespace) -> tuple[list[Result], Setup]:
             if on_gpu:
                 idle = wall - busy
                 line += f", GPU busy {busy:.2f} ms/step ({100 * busy / wall:.0f}%), idle {idle:.2f} ms/step"
+                line += busy_caveat(runner.device)
             print(line + (f"; trace {trace}" if trace else ""))
     if args.profile_prefill:
         print(
@@ -521,9 +522,22 @@ def _prefill_profile(llm: Any, prompts: list[list[int]], top: int = 0, trace: st
     if on_gpu and prof is not None:
         kernels = device_work(prof.key_averages())
         busy_ms = sum(e.self_device_time_total for e in kernels) / 1000
-        busy = f"; GPU busy {busy_ms:.1f} ms ({100 * busy_ms / (1000 * wall):.0f}%)"
+        busy = f"; GPU busy {busy_ms:.1f} ms ({100 * busy_ms / (1000 * wall):.0f}%){busy_caveat(device)}"
         line = "\n".join([line + busy, *_top_kernels(kernels, steps, top)])
     return line
+
+
+def busy_caveat(device: Any) -> str:
+    """What a GPU-busy figure means on `device`: with programmatic dependent launch (`kernels.pdl`, on
+    by default on Hopper) a kernel placed early counts as running while it waits, so busy can pass the
+    wall time; `PAGODA_PDL=0` gives figures that mean busy."""
+    import torch
+
+    from pagoda.kernels import pdl
+
+    if not pdl.flags(torch.empty(0, device=device))["PDL"]:
+        return ""
+    return " (PDL on: kernels waiting to start count as busy; PAGODA_PDL=0 for busy and idle)"
 
 
 def device_work(events: Any) -> list[Any]:
