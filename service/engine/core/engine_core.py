@@ -477,17 +477,21 @@ class EngineCore:
         """End `seq`'s whole client request: its constraints left no token to sample (a 400, as its own
         parameters are at fault; nothing was appended)."""
         client_id = seq.request_id.rpartition("#")[0]
-        for s in self._requests.get(client_id, []):
-            if s.status is not RequestStatus.FINISHED:
-                self._finish(s)
-        self._forget_if_done(client_id)
-        self.failed_requests_total += 1
+        self._end_failed(client_id)
         return RequestFailure(
             client_id,
             "no next token is possible: allowed_token_ids, min_tokens (which forbids end-of-sequence "
             "and stop tokens) and the structured output's grammar leave none in common",
             invalid=True,
         )
+
+    def _end_failed(self, client_id: str) -> None:
+        """End every sequence of a client request that failed (already finished ones stay so) and
+        forget it; count the failure."""
+        for seq in self._requests.get(client_id, []):
+            self._finish(seq)
+        self._forget_if_done(client_id)
+        self.failed_requests_total += 1
 
     def _keep_accepted(self, seq: Request, accepted: int, sample: SampleResult) -> list[SampleResult]:
         """A sequence that drafted: its drafts leave `token_ids` (so each kept token is appended and
@@ -536,10 +540,7 @@ class EngineCore:
         else:
             self._failed_steps_in_a_row = 0
         for client_id in failed:
-            for seq in self._requests.get(client_id, []):
-                self._finish(seq)
-            self._forget_if_done(client_id)
-        self.failed_requests_total += len(failed)
+            self._end_failed(client_id)
         failures = [RequestFailure(client_id, message) for client_id, message in failed.items()]
         return _IsolatedResult(sampled, prompt_logprobs, accepted), failures
 
