@@ -204,6 +204,8 @@ def test_prompt_logprobs_in_vllms_shape(
         ("/v1/completions", {"prompt": "hi", "stream": True}),
         ("/v1/chat/completions", {"messages": MESSAGES, "stream": True}),
         ("/v1/responses", {"input": "hi"}),
+        ("/v1/completions", {"prompt": "hi", "prompt_logprobs": -1}),  # vLLM's "whole vocabulary": no
+        ("/v1/chat/completions", {"messages": MESSAGES, "prompt_logprobs": 10**6}),
     ):
         refused = httpx.post(f"{server.base_url}{route}", json={"model": MODEL, "prompt_logprobs": 1, **body})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs", (
