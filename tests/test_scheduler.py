@@ -321,3 +321,27 @@ def test_a_long_prompt_samples_when_its_last_chunk_is_computed() -> None:
     assert req.num_tokens == 300
     assert order(sched) == ["long:100"]
     assert req.num_tokens == 301 and req.token_ids[-1] == 7
+
+
+def test_prompt_scoring_is_held_to_its_own_budget_across_requests() -> None:
+    """`prompt_logprobs` requests score at most max_prompt_score_tokens prompt positions a step between
+    them (each scored row is a vocabulary-wide float32 row on the device); the others are not held."""
+    sched = Scheduler(BlockManager(64, 4), 8, max_num_batched_tokens=40, max_prompt_score_tokens=6)
+
+    def scoring(n: int, rid: str, start: int) -> Request:
+        return Request(
+            rid, list(range(start, start + n)), SamplingParams(prompt_logprobs=1), arrival_time=0.0
+        )
+
+    sched.add(scoring(10, "a", 0))
+    sched.add(make(12, "plain", start=100))
+    sched.add(scoring(5, "b", 200))
+    sched.add(make(3, "after", start=300))
+    # "a" takes the whole scoring budget; "b" waits for the next step, and so does "after" (arrival order).
+    assert run_step(sched) == {"a": 6, "plain": 12}
+    # The budget counts a chunk's tokens (a's last 4, its last prompt token unscored): b gets the 2 left.
+    assert run_step(sched) == {"a": 4, "plain": 1, "b": 2, "after": 3}
+    assert run_step(sched) == {"a": 1, "plain": 1, "b": 3, "after": 1}  # decodes are not held
+    sched.add(scoring(6, "c", 400))
+    sched.add(scoring(1, "one", 500))  # a one-token prompt has no position to score: not held
+    assert run_step(sched) == {"a": 1, "plain": 1, "b": 1, "after": 1, "c": 6, "one": 1}

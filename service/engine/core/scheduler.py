@@ -17,6 +17,12 @@ from pagoda.service.engine.core.block_manager import BlockManager
 from pagoda.service.engine.core.lora_slots import LoRASlots
 from pagoda.service.engine.core.request import PLACEHOLDER, Request, RequestStatus
 
+# Prompt tokens a step may score for `prompt_logprobs`, over all its requests. Each scored row costs the
+# runner ~10 bytes a vocabulary entry at once (the LM head's 16-bit row, its float32 copy, the
+# log-softmax): an 8k-token chunk at Llama-3's 128k vocabulary would ask for ~10 GB beside the KV cache.
+# 512 rows: ~0.66 GB, about what sampling max_num_seqs rows takes. A long prompt scores in more steps.
+PROMPT_SCORE_TOKENS = 512
+
 
 @dataclass
 class GrammarBitmask:
@@ -61,6 +67,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_mixed_prefill_tokens: int = 0,
         lora_slots: LoRASlots | None = None,
+        max_prompt_score_tokens: int = PROMPT_SCORE_TOKENS,
     ) -> None:
         self.block_manager = block_manager
         self.lora_slots = lora_slots  # with --enable-lora: the adapters' GPU slots
@@ -69,6 +76,7 @@ class Scheduler:
         # Prefill tokens a step may add beside running decodes (0: the whole step budget). Every stream
         # waits for the step, so this bounds the gap new prompts open in the others' token streams.
         self.max_mixed_prefill_tokens = max_mixed_prefill_tokens
+        self.max_prompt_score_tokens = max_prompt_score_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -85,6 +93,11 @@ class Scheduler:
         if req.pending_forks:
             num_new = min(num_new, req.fork_point - req.num_computed_tokens)
         return num_new
+
+    @staticmethod
+    def _scores_prompt(req: Request, num_computed: int) -> bool:
+        """Whether the request's next tokens include prompt positions scored for `prompt_logprobs`."""
+        return req.params.prompt_logprobs is not None and num_computed < req.num_prompt_tokens - 1
 
     def _fork(self, leader: Request, position: int) -> None:
         """Siblings join right after the leader, sharing its blocks (copy on write later)."""
@@ -112,6 +125,7 @@ class Scheduler:
         cap = self.max_mixed_prefill_tokens  # (the scan for decodes runs only when a cap is set)
         if cap and any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
             prefill_budget = cap
+        score_budget = self.max_prompt_score_tokens
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -127,6 +141,12 @@ class Scheduler:
                 if num_new == 0:
                     i += 1
                     continue
+                if self._scores_prompt(req, req.num_computed_tokens):
+                    num_new = min(num_new, score_budget)
+                    if num_new == 0:
+                        i += 1
+                        continue
+                    score_budget -= num_new
                 prefill_budget -= num_new
             while not bm.can_allocate(req, num_new):
                 if req.num_drafts:  # drafts give way before any sequence is preempted
@@ -160,6 +180,11 @@ class Scheduler:
             num_new = min(req.num_tokens - num_cached, budget, prefill_budget)
             if req.pending_forks:
                 num_new = min(num_new, req.fork_point - num_cached)
+            scores = self._scores_prompt(req, num_cached)
+            if scores:
+                num_new = min(num_new, score_budget)
+                if num_new == 0:
+                    break  # in arrival order: the next step scores it
             if not bm.can_allocate(req, num_new):
                 break
             self.waiting.popleft()
@@ -173,6 +198,8 @@ class Scheduler:
             out.num_scheduled_tokens.append(num_new)
             budget -= num_new
             prefill_budget -= num_new
+            if scores:
+                score_budget -= num_new
         self.waiting.extendleft(reversed(passed))
         if self.lora_slots is not None:
             out.lora_loads = self.lora_slots.take_loads()
