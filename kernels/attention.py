@@ -462,6 +462,9 @@ class DecodeConfig:
     tile_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    # A register cap (ptxas' maxnreg) for the decode kernel: None lets the compiler choose (128 at tile
+    # 64 over an fp8 cache, so 4 programs of 4 warps an SM). Swept, not yet a default.
+    maxnreg: int | None = None
     # Split the context until the grid is about one full wave: at 115 registers x 128 threads an
     # H200 SM holds 4 programs. Measured at Llama-3-8B shapes with the old host-chosen partition
     # (cut from max_seq_len, here the batch's longest context): batch 64 (512 programs) runs 66 us
@@ -811,6 +814,7 @@ def paged_attention(
             BLOCK_SIZE=block_size, TILE_N=dcfg.tile_n, DOT_PRECISION=precision,
             DOT_DTYPE=dot_dtype, V_ASM=v_asm, V_SUB=v_sub,
             num_warps=dcfg.num_warps, num_stages=dcfg.num_stages, **pdl.flags(q),
+            **({"maxnreg": dcfg.maxnreg} if dcfg.maxnreg else {}),
         )  # fmt: skip
         if num_splits > 1:
             _reduce_kernel[(num_seqs, num_heads)](

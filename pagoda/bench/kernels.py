@@ -801,8 +801,18 @@ def sweep_fp8(copy_bw: float) -> list[str]:
     from pagoda.kernels.kv_cache import token_major_copy
 
     # Contexts of whole 64-token tiles, and three ragged ones, whose last tile is masked; 1024 x 190 is
-    # 128 / 128 x 1,024's decode step, where the kernel ran at ~0.66 of copy (BENCHMARKS.md, 2026-12-07).
-    cases = [(256, 256), (64, 1024), (640, 1536), (8, 8192), (256, 200), (640, 1500), (1024, 190)]
+    # 128 / 128 x 1,024's decode step, where the kernel ran at ~0.66 of copy (BENCHMARKS.md, 2026-12-07);
+    # 1024 x 192 the same step in whole tiles (the masked tile's share of it).
+    cases = [
+        (256, 256),
+        (64, 1024),
+        (640, 1536),
+        (8, 8192),
+        (256, 200),
+        (640, 1500),
+        (1024, 190),
+        (1024, 192),
+    ]
     fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
     lines = [
         "fp8-cache decode sweep (us, fraction of copy) at batch x ctx "
@@ -847,6 +857,12 @@ def sweep_fp8(copy_bw: float) -> list[str]:
             (64, 2, 4), (128, 2, 4), (64, 3, 4), (32, 2, 4), (128, 3, 4),
             (64, 2, 2), (32, 2, 2), (64, 2, 8), (128, 2, 8), (128, 3, 8),
         )
+    ]  # fmt: skip
+    # Register caps: 128 registers at 4 warps hold an SM to 4 programs, each latency-bound at short contexts.
+    variants += [
+        (f"fp8, V token-major, tile {t}, stages {st}, warps {w}, maxnreg {r}", fp8, True,
+         DecodeConfig(tile_n=t, num_stages=st, num_warps=w, maxnreg=r))
+        for t, st, w, r in ((64, 2, 4, 96), (64, 2, 4, 80), (64, 2, 4, 64), (32, 2, 4, 80), (32, 2, 2, 128))
     ]  # fmt: skip
     variants += [
         ("fp8, V slot-major, tile 128, widen v", fp8, False, DecodeConfig(tile_n=128, fp8_widen="v")),
