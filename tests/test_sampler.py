@@ -427,8 +427,18 @@ def test_plain_greedy_rows_in_the_model_dtype_pick_what_float32_picks() -> None:
         (_greedy(logit_bias={9: 5.0}), [], {5: 1.0}, 9),
         (_greedy(min_tokens=3), [], {EOS: 1.0, 9: 0.5}, 9),  # EOS banned before 3 tokens
         (_greedy(logprobs=1), [], {5: 1.0}, 5),
+        (_greedy(allowed_token_ids=[9, 11]), [], {5: 1.0, 9: 0.5}, 9),
     ],
-    ids=["presence", "frequency", "repetition 2", "repetition 0.5", "logit_bias", "min_tokens", "logprobs"],
+    ids=[
+        "presence",
+        "frequency",
+        "repetition 2",
+        "repetition 0.5",
+        "logit_bias",
+        "min_tokens",
+        "logprobs",
+        "allowed_token_ids",
+    ],
 )
 def test_a_greedy_batch_that_asks_for_more_than_the_raw_argmax_gets_it(
     params: SamplingParams, output: list[int], raw: dict[int, float], want: int
