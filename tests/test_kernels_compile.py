@@ -37,6 +37,12 @@ def test_every_kernel_compiles_for_sm90(tmp_path: Path) -> None:
         "_sgmv_shrink_kernel",
         "_sgmv_expand_kernel",
     } <= kernels
+    # DecodeConfig.maxnreg (swept by `bench kernels --sweep fp8`) reaches the compiler as a cap.
+    assert any(
+        line.startswith("ok   attention decode fp8 V token-major, maxnreg 80: _decode_kernel (")
+        and ", maxnreg 80" in line.split(": ", 1)[1]
+        for line in lines
+    ), lines
     # With programmatic dependent launch on (the default on Hopper), the hot path's kernels launch early,
     # each waiting for its inputs first (compile_for_gpu fails a launch whose PTX has no wait).
     early = {line.split(": ")[1].split(" ")[0] for line in lines if line.endswith(", PDL)")}

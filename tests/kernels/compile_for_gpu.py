@@ -40,7 +40,7 @@ _TYPES = {
     torch.int64: "i64",
     torch.int32: "i32",
 }
-_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
+_OPTIONS = ("num_warps", "num_stages", "launch_pdl", "maxnreg")
 
 
 def _type(value: Any) -> str | tuple:
@@ -78,10 +78,15 @@ def build(fn: JITFunction, args: tuple[Any, ...], kwargs: dict[str, Any], aligne
 
 
 def compile_launch(fn: JITFunction, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    """Build one recorded launch for sm_90; returns what to print: the cubin's size, and "PDL" for a
-    launch with programmatic dependent launch (raises if its kernel does not wait for its inputs)."""
+    """Build one recorded launch for sm_90; returns what to print: the cubin's size, its register cap if
+    launched with one, and "PDL" for a launch with programmatic dependent launch (raises if its kernel
+    does not wait for its inputs)."""
     kernel = build(fn, args, kwargs)
     size = f"{len(kernel.asm['cubin'])} bytes of sm_90 code"
+    if kwargs.get("maxnreg"):  # a register cap reaches ptxas as the PTX's .maxnreg directive
+        if f".maxnreg {kwargs['maxnreg']}" not in kernel.asm["ptx"]:
+            raise RuntimeError(f"{fn.__name__} launched with maxnreg {kwargs['maxnreg']}: its PTX has no cap")
+        size += f", maxnreg {kwargs['maxnreg']}"
     if not kwargs.get("launch_pdl"):
         return size
     ptx = kernel.asm["ptx"]
@@ -303,6 +308,10 @@ def _launches() -> list[tuple[str, Callable[[], object]]]:
         ("attention prefill fp8", lambda: attention_call(7, cache8)),
         ("attention decode fp8 V token-major", lambda: attention_call(1, cache8, v=v8_token_major)),
         ("attention prefill fp8 V token-major", lambda: attention_call(7, cache8, v=v8_token_major)),
+        (  # the register cap `bench kernels --sweep fp8` times (DecodeConfig.maxnreg)
+            "attention decode fp8 V token-major, maxnreg 80",
+            lambda: attention_call(1, cache8, v=v8_token_major, maxnreg=80),
+        ),
         ("lora bgmv", lambda: lora_call(None)),
         ("lora sgmv", lambda: lora_call(runs)),
         ("lora sgmv float32", lambda: lora_call(runs, f32)),
