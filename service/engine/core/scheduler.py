@@ -20,7 +20,7 @@ from pagoda.service.engine.core.request import PLACEHOLDER, Request, RequestStat
 # Prompt tokens a step may score for `prompt_logprobs`, over all its requests. Each scored row costs the
 # runner ~10 bytes a vocabulary entry at once (the LM head's 16-bit row, its float32 copy, the
 # log-softmax): an 8k-token chunk at Llama-3's 128k vocabulary would ask for ~10 GB beside the KV cache.
-# 512 rows: ~0.66 GB, about what sampling max_num_seqs rows takes. A long prompt scores in more steps.
+# 512 rows: ~0.66 GB there. A long prompt's scores take more steps (a 32k prompt 64), not more memory.
 PROMPT_SCORE_TOKENS = 512
 
 
