@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagoda.service.engine.core.block_manager import BlockManager
+from pagoda.service.engine.core.lora_slots import LoRASlots
 from pagoda.service.engine.core.request import Request, RequestStatus
 from pagoda.service.engine.core.scheduler import Scheduler
 from pagoda.service.sampling_params import SamplingParams
@@ -345,3 +346,60 @@ def test_prompt_scoring_is_held_to_its_own_budget_across_requests() -> None:
     sched.add(scoring(6, "c", 400))
     sched.add(scoring(1, "one", 500))  # a one-token prompt has no position to score: not held
     assert run_step(sched) == {"a": 1, "plain": 1, "b": 1, "after": 1, "c": 6, "one": 1}
+
+
+def test_a_request_whose_adapter_has_no_slot_waits_while_the_ones_behind_it_run() -> None:
+    """One adapter slot: a second adapter's request waits at the head of the queue (the requests behind
+    it, base model or the first adapter, are admitted meanwhile) until no running request holds the slot;
+    each placement is a load the step carries."""
+    slots = LoRASlots(1)
+    for name in ("x", "y"):
+        slots.register(name, f"/{name}")
+    sched = Scheduler(BlockManager(64, 4), 8, 100, lora_slots=slots)
+
+    def under(adapter: str | None, rid: str, start: int) -> Request:
+        return Request(rid, list(range(start, start + 3)), SamplingParams(), 0.0, lora_name=adapter)
+
+    for adapter, rid, start in (("x", "x1", 0), ("y", "y1", 10), (None, "base", 20), ("x", "x2", 30)):
+        sched.add(under(adapter, rid, start))
+    out = sched.schedule()
+    assert [r.request_id for r in out.requests] == ["x1", "base", "x2"]
+    assert out.lora_loads == [(0, "x", "/x")]
+    assert [r.lora_slot for r in out.requests] == [0, -1, 0]
+    assert [r.request_id for r in sched.waiting] == ["y1"]
+    sched.advance(out)
+    sched.finish(sched.running[0])  # x1
+    assert [r.request_id for r in sched.schedule().requests] == ["base", "x2"]  # x2 still holds x's slot
+    sched.finish(next(r for r in sched.running if r.request_id == "x2"))
+    out = sched.schedule()
+    assert [r.request_id for r in out.requests] == ["base", "y1"]
+    assert out.lora_loads == [(0, "y", "/y")] and out.requests[1].lora_slot == 0
+
+
+def test_a_preempted_request_goes_back_first_and_holds_back_those_behind_it() -> None:
+    """The victim goes back to the head of the queue, before requests that waited already, and while it
+    does not fit nothing behind it is admitted, though "tiny" would fit the block left: arrival order.
+    (The step's own `preempted` guard, no admission after a preemption, is not observable here: the head
+    is always the last victim, which never fits the blocks its preemption left.)"""
+    bm = BlockManager(4, 4)  # 16 token slots
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    sched.add(make(8, "old"))
+    sched.add(make(8, "new", start=100))
+    assert order(sched) == ["old:8", "new:8"]  # every block in use
+    sched.add(make(1, "tiny", start=200))
+    assert order(sched) == ["old:1"]  # "new" preempted for old's next block; "tiny" not admitted
+    assert [r.request_id for r in sched.waiting] == ["new", "tiny"]
+    assert sched.num_preemptions == 1
+
+
+def test_a_preempted_request_that_is_the_one_scheduling_ends_the_pass() -> None:
+    """The newest running request is the victim; when it is the request being scheduled, nothing after
+    it is scheduled this step (it was the last)."""
+    bm = BlockManager(4, 4)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)
+    sched.add(make(7, "a"))
+    sched.add(make(8, "b", start=100))
+    assert order(sched) == ["a:7", "b:8"]  # a samples at 7 (8 tokens), b at 8 (9 tokens)
+    # a's 8th token fits its block; b's 9th needs a fifth block: b, the newest, is its own victim.
+    assert order(sched) == ["a:1"]
+    assert [r.request_id for r in sched.running] == ["a"] and [r.request_id for r in sched.waiting] == ["b"]

@@ -44,7 +44,16 @@ TARGETS: dict[str, Target] = {
         "service/engine/core/block_manager.py", (".mutation/before_test_block_manager.py",)
     ),
     "block_manager": Target("service/engine/core/block_manager.py", ("tests/test_block_manager.py",)),
-    "scheduler": Target("service/engine/core/scheduler.py", ("tests/test_scheduler.py",)),
+    # With the speculative tests that run the scheduler alone (drafts dropped for room, given way first).
+    "scheduler": Target(
+        "service/engine/core/scheduler.py",
+        (
+            "tests/test_scheduler.py",
+            "tests/test_speculative.py::test_drafts_are_dropped_when_the_step_has_no_room_for_them",
+            "tests/test_speculative.py::test_drafts_give_way_before_anyone_is_preempted",
+            "tests/test_speculative.py::test_blocks_are_hashed_only_over_tokens_the_verifier_kept",
+        ),
+    ),
     "sampler": Target(
         "service/engine/runner/sampler.py",
         ("tests/test_sampler.py", "tests/test_sampler_reference.py"),
