@@ -153,8 +153,9 @@ def test_prompt_over_context_refused_with_numbers(llama_ckpt: Path) -> None:
 
 
 def test_prompt_logprobs_match_transformers_across_chunks(llama_ckpt: Path) -> None:
-    """Scored in chunks of 16 (chunked prefill), with a cached copy of the prompt already in the
-    prefix cache (which such requests must not use), and with n = 2 sharing the prompt."""
+    """Scored in chunks of 7 (the scheduler's bound on scored positions a step, below the step's 16),
+    with a cached copy of the prompt already in the prefix cache (which such requests must not use),
+    and with n = 2 sharing the prompt."""
     from transformers import AutoModelForCausalLM
 
     prompt = random_prompts([45], seed=5)[0]
@@ -163,11 +164,16 @@ def test_prompt_logprobs_match_transformers_across_chunks(llama_ckpt: Path) -> N
             model=str(llama_ckpt), dtype="float32", max_num_batched_tokens=16, kv_cache_memory_bytes=8 << 20
         )
     )
+    # The scoring bound (PROMPT_SCORE_TOKENS, 512) made small: 7 prompt positions a step, not 16.
+    engine.scheduler.max_prompt_score_tokens = 7
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, n=2, prompt_logprobs=3)
     for rid, p in (("warm", SamplingParams(max_tokens=1)), ("scored", params)):
         engine.add_request(rid, prompt, p)
+        steps = 0
         while engine.has_unfinished:
             outs = engine.step()
+            steps += 1
+    assert steps >= -(-(len(prompt) - 1) // 7)  # the 44 scored positions took 7 steps at least
     scored = outs[-1].prompt_logprobs
     assert scored is not None and len(scored) == len(prompt) and scored[0] is None
 
