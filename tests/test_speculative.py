@@ -17,7 +17,7 @@ import torch
 
 from pagoda.service.engine.config import EngineConfig, SpeculativeConfig
 from pagoda.service.engine.core.block_manager import BlockManager
-from pagoda.service.engine.core.request import Request
+from pagoda.service.engine.core.request import PLACEHOLDER, Request
 from pagoda.service.engine.core.scheduler import GrammarBitmask, Scheduler
 from pagoda.service.engine.core.speculation import drafts_per_sequence, propose_ngram
 from pagoda.service.engine.messages import NO_TOKEN
@@ -295,6 +295,23 @@ def test_blocks_are_hashed_only_over_tokens_the_verifier_kept() -> None:
     assert len(bm._hash_to_block) == 0  # the computed drafts fill block 2 (9 10 11 12) but are not judged
     req.drop_drafts(keep=1)  # 10 stays
     assert req.token_ids == [1, 2, 3, 9, 10] and req.num_computed_tokens == 5
+
+
+def test_advance_goes_on_past_a_drafting_sequence() -> None:
+    """A drafting sequence's blocks wait for the verifier, and the batch's others advance as usual:
+    their counts, cached blocks and placeholder token."""
+    bm = BlockManager(64, 4, True)
+    scheduler = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    drafting = _running(scheduler, [1, 2, 3])
+    drafting.add_drafts([10, 11])
+    plain = Request("plain", [20, 21, 22, 23, 24], SamplingParams(), 0.0)
+    scheduler.add(plain)
+    out = scheduler.schedule()
+    assert out.requests == [drafting, plain] and out.num_scheduled_tokens == [3, 5]
+    assert scheduler.advance(out) == [drafting, plain]
+    assert drafting.num_computed_tokens == 6 and drafting.token_ids == [1, 2, 3, 9, 10, 11]
+    assert plain.num_computed_tokens == 5 and plain.token_ids[-1] == PLACEHOLDER
+    assert len(bm._hash_to_block) == 1  # plain's full block (20 21 22 23); none of the drafting one's
 
 
 # ---- the engine ---------------------------------------------------------------------------------

@@ -44,7 +44,8 @@ TARGETS: dict[str, Target] = {
         "service/engine/core/block_manager.py", (".mutation/before_test_block_manager.py",)
     ),
     "block_manager": Target("service/engine/core/block_manager.py", ("tests/test_block_manager.py",)),
-    # With the speculative tests that run the scheduler alone (drafts dropped for room, given way first).
+    # With the speculative tests that run the scheduler alone (drafts dropped for room, given way first,
+    # advanced past).
     "scheduler": Target(
         "service/engine/core/scheduler.py",
         (
@@ -52,6 +53,7 @@ TARGETS: dict[str, Target] = {
             "tests/test_speculative.py::test_drafts_are_dropped_when_the_step_has_no_room_for_them",
             "tests/test_speculative.py::test_drafts_give_way_before_anyone_is_preempted",
             "tests/test_speculative.py::test_blocks_are_hashed_only_over_tokens_the_verifier_kept",
+            "tests/test_speculative.py::test_advance_goes_on_past_a_drafting_sequence",
         ),
     ),
     "sampler": Target(
