@@ -526,7 +526,8 @@ class ModelRunner:
             targets = torch.tensor(req.token_ids[start + 1 : start + count + 1], device=logprobs.device)
             chosen = logprobs.gather(1, targets[:, None])
             # vLLM's rank: 1 + the tokens strictly likelier; in row blocks, so the comparison's bools stay
-            # within 1,024 x vocab (128 MB at Llama-3's) beside a long chunk's logprobs.
+            # within 1,024 x vocab (128 MB at Llama-3's) beside the chunk's logprobs (the scheduler scores
+            # at most PROMPT_SCORE_TOKENS rows a step: a second guard).
             ranks = (
                 torch.cat(
                     [
