@@ -525,18 +525,9 @@ class ModelRunner:
             logprobs = torch.log_softmax(chunk_logits, -1)
             targets = torch.tensor(req.token_ids[start + 1 : start + count + 1], device=logprobs.device)
             chosen = logprobs.gather(1, targets[:, None])
-            # vLLM's rank: 1 + the tokens strictly likelier; in row blocks, so the comparison's bools stay
-            # within 1,024 x vocab (128 MB at Llama-3's) beside the chunk's logprobs (the scheduler scores
-            # at most PROMPT_SCORE_TOKENS rows a step: a second guard).
-            ranks = (
-                torch.cat(
-                    [
-                        (lp > ch).sum(dim=1)
-                        for lp, ch in zip(logprobs.split(1024), chosen.split(1024), strict=True)
-                    ]
-                )
-                + 1
-            )
+            # vLLM's rank: 1 + the tokens strictly likelier. The scheduler scores at most
+            # PROMPT_SCORE_TOKENS (512) rows a step, so the comparison's bools stay within 512 x vocab.
+            ranks = (logprobs > chosen).sum(dim=1) + 1
             top_vals, top_ids = (
                 logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], targets[:, None][:, :0])
             )
