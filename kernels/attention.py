@@ -68,11 +68,16 @@ def _load_kv_tile(
     BLOCK_SIZE: tl.constexpr,
     MASK: tl.constexpr,
     pos_ok,  # [TILE_N] which positions exist (used when MASK)
+    MASK_DATA: tl.constexpr = True,  # with MASK: False reads the slots past the end as they are (block 0's
+    # where the block table has no entry): a finite cache's (`DecodeConfig.finite_cache`)
 ):
     if MASK:
         block_ids = tl.load(block_table_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
         offs = block_ids * stride_block + (pos % BLOCK_SIZE) * stride_slot + kv_head * stride_head
-        tile = tl.load(cache_ptr + offs[:, None] + dims[None, :], mask=pos_ok[:, None], other=0.0)
+        if MASK_DATA:
+            tile = tl.load(cache_ptr + offs[:, None] + dims[None, :], mask=pos_ok[:, None], other=0.0)
+        else:
+            tile = tl.load(cache_ptr + offs[:, None] + dims[None, :])
     else:
         block_ids = tl.load(block_table_row + pos // BLOCK_SIZE).to(tl.int64)
         offs = block_ids * stride_block + (pos % BLOCK_SIZE) * stride_slot + kv_head * stride_head
@@ -149,14 +154,17 @@ def _decode_tile(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DOT_DTYPE: tl.constexpr, V_ASM: tl.constexpr, V_SUB: tl.constexpr, MASK: tl.constexpr,
+    FINITE: tl.constexpr,
 ):  # fmt: skip
     """One TILE_N-token tile of a decode split's online softmax: (m_i, l_i, acc) after it. MASK: the
-    tile runs past `end`."""
+    tile may run past `end`. FINITE: the cache holds no NaN or inf, written or not, so a masked tile
+    masks only its block-table reads and its scores: K and V past `end` are read as they are (their
+    probabilities are 0, and 0 times a finite value adds nothing)."""
     pos = tile_start + tl.arange(0, TILE_N)
     pos_ok = pos < end
     k = _load_kv_tile(
         k_cache_ptr, block_table_row, pos, dims, kv_head, stride_kb, stride_ks, stride_kh,
-        BLOCK_SIZE, MASK, pos_ok,
+        BLOCK_SIZE, MASK, pos_ok, not FINITE,
     ).to(DOT_DTYPE)  # fmt: skip
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     if MASK:
@@ -168,12 +176,12 @@ def _decode_tile(
     if V_SUB:
         v = _load_v_token_major(
             v_cache_ptr, block_table_row, tile_start, end, dims, kv_head, stride_vb, stride_vh,
-            BLOCK_SIZE, TILE_N, V_SUB, HEAD_DIM, MASK,
+            BLOCK_SIZE, TILE_N, V_SUB, HEAD_DIM, MASK and not FINITE,
         ).to(DOT_DTYPE)  # fmt: skip
     else:
         v = _load_kv_tile(
             v_cache_ptr, block_table_row, pos, dims, kv_head, stride_vb, stride_vs, stride_vh,
-            BLOCK_SIZE, MASK, pos_ok,
+            BLOCK_SIZE, MASK, pos_ok, not FINITE,
         )  # fmt: skip
         v = _widen_fp8(v, DOT_DTYPE, V_ASM)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -219,6 +227,7 @@ def _decode_kernel(
     DOT_DTYPE: tl.constexpr,  # q's dtype, or float16 over an fp8 cache (see _dot_dtype)
     V_ASM: tl.constexpr,  # widen the V tile by inline PTX (`_widen_fp8`); K is cast
     V_SUB: tl.constexpr,  # 0: V slot-major; else token-major: min(BLOCK_SIZE, TILE_N) (`_load_v_token_major`)
+    FINITE: tl.constexpr,  # DecodeConfig.finite_cache
     PDL: tl.constexpr,  # pdl.flags: launched early, waits in await_inputs
 ):
     await_inputs(PDL)
@@ -245,21 +254,31 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    # Whole tiles unmasked, then the one running past `end`, if any, masked (a masked token-major V
-    # tile takes a slower path to the dot, `_load_v_token_major`).
-    full_end = start + (end - start) // TILE_N * TILE_N
-    for tile_start in range(start, full_end, TILE_N):
-        m_i, l_i, acc = _decode_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, tile_start, end, dims, kv_head,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
-            BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, DOT_DTYPE, V_ASM, V_SUB, False,
-        )  # fmt: skip
-    if full_end < end:
-        m_i, l_i, acc = _decode_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, full_end, end, dims, kv_head,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
-            BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, DOT_DTYPE, V_ASM, V_SUB, True,
-        )  # fmt: skip
+    if (
+        FINITE
+    ):  # one loop, every tile masked as `_decode_tile` masks over a finite cache: pipelined to the end
+        for tile_start in range(start, end, TILE_N):
+            m_i, l_i, acc = _decode_tile(
+                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, tile_start, end, dims, kv_head,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
+                BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, DOT_DTYPE, V_ASM, V_SUB, True, True,
+            )  # fmt: skip
+    else:
+        # Whole tiles unmasked, then the one running past `end`, if any, masked (a masked token-major V
+        # tile takes a slower path to the dot, `_load_v_token_major`).
+        full_end = start + (end - start) // TILE_N * TILE_N
+        for tile_start in range(start, full_end, TILE_N):
+            m_i, l_i, acc = _decode_tile(
+                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, tile_start, end, dims, kv_head,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
+                BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, DOT_DTYPE, V_ASM, V_SUB, False, False,
+            )  # fmt: skip
+        if full_end < end:
+            m_i, l_i, acc = _decode_tile(
+                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, full_end, end, dims, kv_head,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
+                BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, DOT_DTYPE, V_ASM, V_SUB, True, False,
+            )  # fmt: skip
 
     out = acc * (v_scale / l_i)[:, None]
     if partition >= ctx_len:  # the only split of this sequence: nothing to merge
@@ -465,6 +484,12 @@ class DecodeConfig:
     # A register cap (ptxas' maxnreg) for the decode kernel: None lets the compiler choose (128 at tile
     # 64 over an fp8 cache, so 4 programs of 4 warps an SM). Swept, not yet a default.
     maxnreg: int | None = None
+    # The cache holds no NaN or inf, in written slots or not (zeroed at allocation, written finite):
+    # then a context's last, partial tile needs no masked loads, only masked scores, and every tile runs
+    # in one pipelined loop (`_decode_tile`'s FINITE). Unset, the last tile is loaded masked after the
+    # loop: its loads then wait on nothing before them (a program of 3 tiles, 128 / 128's decode, pays
+    # one exposed memory round trip in 3). Swept, not yet a default.
+    finite_cache: bool = False
     # Split the context until the grid is about one full wave: at 115 registers x 128 threads an
     # H200 SM holds 4 programs. Measured at Llama-3-8B shapes with the old host-chosen partition
     # (cut from max_seq_len, here the batch's longest context): batch 64 (512 programs) runs 66 us
@@ -812,7 +837,7 @@ def paged_attention(
             scale_log2, float(v_scale), min_partition, num_splits, *strides, out.stride(0), out.stride(1),
             GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
             BLOCK_SIZE=block_size, TILE_N=dcfg.tile_n, DOT_PRECISION=precision,
-            DOT_DTYPE=dot_dtype, V_ASM=v_asm, V_SUB=v_sub,
+            DOT_DTYPE=dot_dtype, V_ASM=v_asm, V_SUB=v_sub, FINITE=dcfg.finite_cache,
             num_warps=dcfg.num_warps, num_stages=dcfg.num_stages, **pdl.flags(q),
             **({"maxnreg": dcfg.maxnreg} if dcfg.maxnreg else {}),
         )  # fmt: skip

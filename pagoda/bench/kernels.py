@@ -864,6 +864,13 @@ def sweep_fp8(copy_bw: float) -> list[str]:
          DecodeConfig(tile_n=t, num_stages=st, num_warps=w, maxnreg=r))
         for t, st, w, r in ((64, 2, 4, 96), (64, 2, 4, 80), (64, 2, 4, 64), (32, 2, 4, 80), (32, 2, 2, 128))
     ]  # fmt: skip
+    # One pipelined loop to the context's end, the last tile's slots past it read unmasked (a finite cache).
+    variants += [
+        (f"fp8, V token-major, tile {t}, stages {st}, warps {w}, finite cache", fp8, True,
+         DecodeConfig(tile_n=t, num_stages=st, num_warps=w, finite_cache=True))
+        for t, st, w in ((64, 2, 4), (64, 3, 4), (32, 2, 2), (32, 3, 4))
+    ]  # fmt: skip
+    variants += [("bf16 cache, finite cache", bf16, False, DecodeConfig(finite_cache=True))]
     variants += [
         ("fp8, V slot-major, tile 128, widen v", fp8, False, DecodeConfig(tile_n=128, fp8_widen="v")),
         ("fp8, V slot-major, tile 128, widen cast", fp8, False, DecodeConfig(tile_n=128, fp8_widen="cast")),

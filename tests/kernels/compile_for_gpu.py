@@ -312,6 +312,11 @@ def _launches() -> list[tuple[str, Callable[[], object]]]:
             "attention decode fp8 V token-major, maxnreg 80",
             lambda: attention_call(1, cache8, v=v8_token_major, maxnreg=80),
         ),
+        (  # one pipelined loop over a finite cache (DecodeConfig.finite_cache)
+            "attention decode fp8 V token-major, finite cache",
+            lambda: attention_call(1, cache8, v=v8_token_major, finite_cache=True),
+        ),
+        ("attention decode bf16, finite cache", lambda: attention_call(1, cache, finite_cache=True)),
         ("lora bgmv", lambda: lora_call(None)),
         ("lora sgmv", lambda: lora_call(runs)),
         ("lora sgmv float32", lambda: lora_call(runs, f32)),
