@@ -484,12 +484,15 @@ class DecodeConfig:
     # A register cap (ptxas' maxnreg) for the decode kernel: None lets the compiler choose (128 at tile
     # 64 over an fp8 cache, so 4 programs of 4 warps an SM). Swept, not yet a default.
     maxnreg: int | None = None
-    # The cache holds no NaN or inf, in written slots or not (zeroed at allocation, written finite):
-    # then a context's last, partial tile needs no masked loads, only masked scores, and every tile runs
-    # in one pipelined loop (`_decode_tile`'s FINITE). Unset, the last tile is loaded masked after the
-    # loop: its loads then wait on nothing before them (a program of 3 tiles, 128 / 128's decode, pays
-    # one exposed memory round trip in 3). Swept, not yet a default.
-    finite_cache: bool = False
+    # The cache holds no NaN or inf, in written slots or not: the engine's, zeroed at allocation and
+    # written finite (`kv_cache.write_kv`, the rotary launch). Then a context's last, partial tile needs
+    # no masked loads, only masked scores, and every tile runs in one pipelined loop (`_decode_tile`'s
+    # FINITE); False loads the last tile masked after the loop, its loads waiting on nothing before them.
+    # One H100, us a layer at 256x256 | 64x1024 | 640x1536 | 8x8192 | 256x200 | 640x1500 | 1024x190
+    # (`bench kernels --sweep fp8`, BENCHMARKS.md 2026-12-07), fp8 token-major 64/2/4: 55.5 | 53.1 | 682 |
+    # 54.0 | 52.2 | 673 | 154.3 against 56.7 | 50.3 | 707 | 58.5 | 58.7 | 708 | 185.9 masked; bf16 within
+    # 1-2% but for 64x1024 (98.9 / 90.4) and 8x8192 (93.9 / 107.0). 128 / 128 x 1,024: +2.6%.
+    finite_cache: bool = True
     # Split the context until the grid is about one full wave: at 115 registers x 128 threads an
     # H200 SM holds 4 programs. Measured at Llama-3-8B shapes with the old host-chosen partition
     # (cut from max_seq_len, here the batch's longest context): batch 64 (512 programs) runs 66 us

@@ -14,6 +14,12 @@ Two layouts of a layer's cache, both seen as [num_blocks, block_size, num_kv_hea
 dim) holding its block_size slots contiguously, as vLLM's value cache does. The engine keeps an fp8 V
 cache token-major: attention's P @ V then reduces along contiguous memory, as Q @ K^T does, which
 8-bit operands need (`attention._load_v_token_major`). Writing it scatters bytes block_size apart.
+
+The cache holds no NaN or inf: written values are made finite (`_finite`: NaN as 0, +-inf as the cache
+dtype's largest value, before an fp8 cache's clamp) and the engine zeroes the cache when it allocates it.
+Attention then reads a context's last tile whole, past the context's end, and masks only its scores
+(`attention.DecodeConfig.finite_cache`): a probability of 0 times any finite value adds nothing, where a
+NaN left by a request that overflowed would poison every later sequence given its block.
 """
 
 from __future__ import annotations
@@ -25,6 +31,20 @@ import triton.language as tl
 from pagoda.kernels import pdl
 from pagoda.kernels.pdl import await_inputs
 from pagoda.kernels.quant import _e4m3
+
+
+@triton.jit
+def _finite(x, MAX: tl.constexpr):
+    """x in float32, NaN as 0 and every value within +-MAX (`finite_bound`): what the cache may hold."""
+    x = x.to(tl.float32)
+    x = tl.where(x == x, x, 0.0)
+    return tl.minimum(tl.maximum(x, -MAX), MAX)
+
+
+def finite_bound(cache_dtype: torch.dtype) -> float:
+    """`_finite`'s MAX for a cache of this dtype: its largest value; float32's for an fp8 cache, whose
+    quantization clamps to +-448 after the scale."""
+    return torch.finfo(torch.float32 if cache_dtype == FP8_CACHE else cache_dtype).max
 
 
 @triton.jit
@@ -53,6 +73,7 @@ def _write_kv_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     QUANT: tl.constexpr,  # the cache is fp8: divide by the scale, clamp, round to e4m3
+    CACHE_MAX: tl.constexpr,  # finite_bound
     PDL: tl.constexpr,  # pdl.flags: launched early, waits in await_inputs
 ):
     await_inputs(PDL)
@@ -81,6 +102,8 @@ def _write_kv_kernel(
         + heads[:, None] * stride_vch
         + dims[None, :] * stride_vcd
     )
+    k = _finite(k, CACHE_MAX)
+    v = _finite(v, CACHE_MAX)
     if QUANT:
         k = _e4m3(k, k_scale)
         v = _e4m3(v, v_scale)
@@ -137,7 +160,8 @@ def write_kv(
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         *k_cache.stride(), *v_cache.stride(),
         HEAD_DIM=key.shape[2], BLOCK_H=triton.next_power_of_2(key.shape[1]), BLOCK_SIZE=k_cache.shape[1],
-        QUANT=k_cache.dtype == FP8_CACHE, num_warps=4, **pdl.flags(key),
+        QUANT=k_cache.dtype == FP8_CACHE, CACHE_MAX=finite_bound(k_cache.dtype), num_warps=4,
+        **pdl.flags(key),
     )  # fmt: skip
 
 

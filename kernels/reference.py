@@ -31,16 +31,23 @@ def write_kv(
     k_scale: float = 1.0,  # an fp8 cache holds key / k_scale
     v_scale: float = 1.0,
 ) -> None:
-    """Scatter the new tokens' K and V into their cache slots; an fp8 (e4m3) cache gets
-    `x * (1 / scale)` in float32, clamped to +-448, rounded to the nearest e4m3."""
+    """Scatter the new tokens' K and V into their cache slots, made finite (NaN as 0, +-inf as the cache
+    dtype's largest value); an fp8 (e4m3) cache gets `x * (1 / scale)` in float32, clamped to +-448,
+    rounded to the nearest e4m3."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     for x, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
         x = x[valid]
+        # No NaN or inf in the cache (kv_cache.finite_bound): NaN as 0, +-inf as the largest value.
+        x = torch.nan_to_num(x.float(), nan=0.0, posinf=_finite_bound(cache), neginf=-_finite_bound(cache))
         if cache.dtype == torch.float8_e4m3fn:  # (times the reciprocal: see quantize_fp8_rows)
-            x = (x.float() * torch.reciprocal(_tensor(scale, x))).clamp(-FP8_MAX, FP8_MAX)
+            x = (x * torch.reciprocal(_tensor(scale, x))).clamp(-FP8_MAX, FP8_MAX)
         block_size = cache.shape[1]  # (indexed by block and slot: a token-major view has no flat view)
         cache[slots // block_size, slots % block_size] = x.to(cache.dtype)
+
+
+def _finite_bound(cache: torch.Tensor) -> float:
+    return torch.finfo(torch.float32 if cache.dtype == torch.float8_e4m3fn else cache.dtype).max
 
 
 def _gather_context(

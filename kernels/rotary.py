@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from pagoda.kernels import pdl
-from pagoda.kernels.kv_cache import FP8_CACHE, check_write_kv
+from pagoda.kernels.kv_cache import FP8_CACHE, _finite, check_write_kv, finite_bound
 from pagoda.kernels.pdl import await_inputs
 from pagoda.kernels.quant import _e4m3
 
@@ -125,6 +125,7 @@ def _store_slot(
     BLOCK_H: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     QUANT: tl.constexpr,
+    CACHE_MAX: tl.constexpr,  # kv_cache.finite_bound: the cache holds finite values only
 ):
     heads = tl.arange(0, BLOCK_H)
     offs = tl.arange(0, BLOCK_HALF)
@@ -135,11 +136,13 @@ def _store_slot(
         # (No name from before this runtime `if` is reassigned in it: compiled, it would have to keep
         # its type across both branches.)
         if QUANT:
-            tl.store(dst, _e4m3(first, scale), mask=mask)
-            tl.store(dst + HALF * stride_cd, _e4m3(second, scale), mask=mask)
+            tl.store(dst, _e4m3(_finite(first, CACHE_MAX), scale), mask=mask)
+            tl.store(dst + HALF * stride_cd, _e4m3(_finite(second, CACHE_MAX), scale), mask=mask)
         else:
-            tl.store(dst, first.to(cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(dst + HALF * stride_cd, second.to(cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst, _finite(first, CACHE_MAX).to(cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(
+                dst + HALF * stride_cd, _finite(second, CACHE_MAX).to(cache_ptr.dtype.element_ty), mask=mask
+            )
 
 
 @triton.jit
@@ -189,6 +192,7 @@ def _rotary_kernel(
     WRITE_KV: tl.constexpr,  # also store the rotated K and V into their cache slots (`write_kv`)
     BLOCK_SIZE: tl.constexpr,
     QUANT: tl.constexpr,  # the cache is fp8
+    CACHE_MAX: tl.constexpr,  # kv_cache.finite_bound (WRITE_KV)
     SCALED: tl.constexpr,  # q, k, v are an unscaled fp8 product: scale into DTYPE first; k is not stored
     DTYPE: tl.constexpr,
     KV_OUT: tl.constexpr,  # also store the rotated K and the V in DTYPE (with WRITE_KV)
@@ -215,9 +219,9 @@ def _rotary_kernel(
         v1, v2 = _load_heads(v_ptr, token, num_kv_heads, stride_vt, stride_vh, row_scale, v_cols,
                              HALF, BLOCK_HALF, BLOCK_HK, SCALED, DTYPE)  # fmt: skip
         _store_slot(k_cache_ptr, slot, k1, k2, k_scale, num_kv_heads, stride_kcb, stride_kcs, stride_kch,
-                    stride_kcd, HALF, BLOCK_HALF, BLOCK_HK, BLOCK_SIZE, QUANT)  # fmt: skip
+                    stride_kcd, HALF, BLOCK_HALF, BLOCK_HK, BLOCK_SIZE, QUANT, CACHE_MAX)  # fmt: skip
         _store_slot(v_cache_ptr, slot, v1, v2, v_scale, num_kv_heads, stride_vcb, stride_vcs, stride_vch,
-                    stride_vcd, HALF, BLOCK_HALF, BLOCK_HK, BLOCK_SIZE, QUANT)  # fmt: skip
+                    stride_vcd, HALF, BLOCK_HALF, BLOCK_HK, BLOCK_SIZE, QUANT, CACHE_MAX)  # fmt: skip
         if KV_OUT:
             _store_heads(
                 k_out_ptr, token, k1, k2, num_kv_heads, stride_kot, stride_koh, HALF, BLOCK_HALF, BLOCK_HK
@@ -311,7 +315,7 @@ def rotary_embedding(
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
         WRITE_KV=kv_write is not None, BLOCK_SIZE=k_cache.shape[1] if kv_write is not None else 1,
-        QUANT=k_cache.dtype == FP8_CACHE, SCALED=scales is not None,
+        QUANT=k_cache.dtype == FP8_CACHE, CACHE_MAX=finite_bound(k_cache.dtype), SCALED=scales is not None,
         DTYPE=_TL_DTYPES[scaled_dtype or q.dtype], KV_OUT=kv_out is not None, num_warps=4, **pdl.flags(q),
     )  # fmt: skip
 

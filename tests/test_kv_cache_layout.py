@@ -49,3 +49,14 @@ def test_copy_on_write_copies_a_block_s_k_and_v_in_every_layer() -> None:
     assert torch.equal(cache[:, :, 4], before[:, :, 1]) and torch.equal(cache[:, :, 0], before[:, :, 3])
     assert torch.equal(cache[:, :, 1:4], before[:, :, 1:4])  # the sources and the untouched block
     assert not torch.equal(before[:, :, 4], before[:, :, 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_the_cache_is_zeroed_not_left_as_the_allocator_found_it(dtype: torch.dtype) -> None:
+    """The decode kernel reads the slots past a context's end (`DecodeConfig.finite_cache`): a fresh
+    cache must hold no NaN. Memory just freed full of NaN is what the allocator hands back next (a
+    small buffer reuses the freed one)."""
+    shape = (2, LAYERS, BLOCKS, BLOCK * KV_HEADS * HEAD_DIM)
+    torch.full(shape, float("nan"), dtype=torch.float32).to(dtype)  # freed at once, NaN in its bytes
+    cache = allocate_kv_cache(_layers(), BLOCKS, BLOCK, dtype, torch.device("cpu"), True)
+    assert cache.shape == shape and cache.view(torch.uint8).eq(0).all()

@@ -262,9 +262,10 @@ def allocate_kv_cache(
 ) -> torch.Tensor:  # [K/V, layer, block, slot x head x dim]
     """One tensor holding the K and V caches of `layers` (a model's, a pipeline stage's, a draft
     model's), each layer's `k_cache` / `v_cache` bound to its views (`kernels.kv_cache.cache_view`;
-    V token-major if asked)."""
+    V token-major if asked). Zeroed: the decode kernel reads the slots past a context's end
+    (`DecodeConfig.finite_cache`), which must hold no NaN."""
     num_kv_heads, head_dim = layers[0].num_kv_heads, layers[0].head_dim
-    cache = torch.empty(
+    cache = torch.zeros(  # never NaN, written or not (kernels.kv_cache: attention reads past a context)
         2, len(layers), num_blocks, block_size * num_kv_heads * head_dim, dtype=dtype, device=device
     )
     for i, layer in enumerate(layers):

@@ -113,6 +113,34 @@ def test_write_kv_fp8_cache(dtype: torch.dtype, scales: tuple[float, float], v_t
     torch.testing.assert_close(written, expected, rtol=0.0625, atol=scales[0] * 2**-9)
 
 
+@pytest.mark.parametrize("cache_dtype", [*DTYPES, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("path", ["write_kv", "rotary", "reference"])
+def test_cache_writes_are_finite(cache_dtype: torch.dtype, path: str) -> None:
+    """NaN is written as 0 and +-inf as the cache dtype's largest value (+-448 in fp8), by every path that
+    writes the cache: attention reads slots past a context's end as they are
+    (`DecodeConfig.finite_cache`), where a NaN a request left would reach later requests."""
+    num_tokens, num_kv_heads, head_dim, block_size = 3, 2, 32, 16
+    dtype = torch.float32 if cache_dtype == torch.float8_e4m3fn else cache_dtype
+    key = randn(num_tokens, num_kv_heads, head_dim, dtype=dtype)
+    key[0, 0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    value = key.flip(0)  # the bad values in the last token's V
+    k_cache = torch.zeros(2, block_size, num_kv_heads, head_dim, device=DEVICE).to(cache_dtype)
+    v_cache = k_cache.clone()
+    slots = torch.tensor([3, 17, 30], device=DEVICE)
+    if path == "rotary":  # position 0 rotates by nothing: K as it came
+        rotary_embedding(
+            torch.zeros(num_tokens, dtype=torch.int64, device=DEVICE), key.clone(), key,
+            cos_sin_cache(8, head_dim), (value, k_cache, v_cache, slots, 1.0, 1.0),
+        )  # fmt: skip
+    else:
+        (reference.write_kv if path == "reference" else write_kv)(key, value, k_cache, v_cache, slots)
+    big = 448.0 if cache_dtype == torch.float8_e4m3fn else torch.finfo(cache_dtype).max
+    for cache, token in ((k_cache, 0), (v_cache, num_tokens - 1)):
+        row = cache.view(-1, num_kv_heads, head_dim)[slots[token], 0].float()
+        assert row[:3].tolist() == [0.0, big, -big]
+        assert cache.float().isfinite().all()
+
+
 def test_write_kv_refuses_bad_shapes() -> None:
     key = randn(4, 2, 32)
     cache = randn(8, 16, 2, 32)
