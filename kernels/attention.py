@@ -485,14 +485,15 @@ class DecodeConfig:
     # 64 over an fp8 cache, so 4 programs of 4 warps an SM). Swept, not yet a default.
     maxnreg: int | None = None
     # The cache holds no NaN or inf, in written slots or not: the engine's, zeroed at allocation and
-    # written finite (`kv_cache.write_kv`, the rotary launch). Then a context's last, partial tile needs
-    # no masked loads, only masked scores, and every tile runs in one pipelined loop (`_decode_tile`'s
-    # FINITE); False loads the last tile masked after the loop, its loads waiting on nothing before them.
+    # written finite (`kv_cache.write_kv`, the rotary launch); the default over an fp8 cache
+    # (`_default_configs`). Then a context's last, partial tile needs no masked loads, only masked
+    # scores, and every tile runs in one pipelined loop (`_decode_tile`'s FINITE); False loads the last
+    # tile masked after the loop, its loads waiting on nothing before them.
     # One H100, us a layer at 256x256 | 64x1024 | 640x1536 | 8x8192 | 256x200 | 640x1500 | 1024x190
     # (`bench kernels --sweep fp8`, BENCHMARKS.md 2026-12-07), fp8 token-major 64/2/4: 55.5 | 53.1 | 682 |
     # 54.0 | 52.2 | 673 | 154.3 against 56.7 | 50.3 | 707 | 58.5 | 58.7 | 708 | 185.9 masked; bf16 within
     # 1-2% but for 64x1024 (98.9 / 90.4) and 8x8192 (93.9 / 107.0). 128 / 128 x 1,024: +2.6%.
-    finite_cache: bool = True
+    finite_cache: bool = False
     # Split the context until the grid is about one full wave: at 115 registers x 128 threads an
     # H200 SM holds 4 programs. Measured at Llama-3-8B shapes with the old host-chosen partition
     # (cut from max_seq_len, here the batch's longest context): batch 64 (512 programs) runs 66 us
@@ -564,6 +565,15 @@ _INTERPRETER_PREFILL = PrefillConfig(block_m=16, tile_n=16, num_warps=1, num_sta
 
 
 def _default_configs(
+    q: torch.Tensor, k_cache: torch.Tensor, v_token_major: bool
+) -> tuple[DecodeConfig, PrefillConfig]:
+    decode, prefill = _default_tiles(q, k_cache, v_token_major)
+    # Over an fp8 cache (the engine's never holds NaN: kv_cache) the last tile is read whole: measured
+    # there (DecodeConfig.finite_cache); a 16-bit cache lost 9% at 64 x 1,024 and keeps the masked tail.
+    return replace(decode, finite_cache=k_cache.dtype == FP8_CACHE), prefill
+
+
+def _default_tiles(
     q: torch.Tensor, k_cache: torch.Tensor, v_token_major: bool
 ) -> tuple[DecodeConfig, PrefillConfig]:
     if q.device.type != "cuda":
