@@ -492,7 +492,8 @@ class DecodeConfig:
     # One H100, us a layer at 256x256 | 64x1024 | 640x1536 | 8x8192 | 256x200 | 640x1500 | 1024x190
     # (`bench kernels --sweep fp8`, BENCHMARKS.md 2026-12-07), fp8 token-major 64/2/4: 55.5 | 53.1 | 682 |
     # 54.0 | 52.2 | 673 | 154.3 against 56.7 | 50.3 | 707 | 58.5 | 58.7 | 708 | 185.9 masked; bf16 within
-    # 1-2% but for 64x1024 (98.9 / 90.4) and 8x8192 (93.9 / 107.0). 128 / 128 x 1,024: +2.6%.
+    # 1-2% but for 64x1024 (98.9 / 90.4) and 8x8192 (93.9 / 107.0). 128 / 128 x 1,024: +2.6%. Compiled for
+    # sm_90a (Triton 3.9's ptxas here), the fp8 kernel takes 96 registers read whole, 128 masked.
     finite_cache: bool = False
     # Split the context until the grid is about one full wave: at 115 registers x 128 threads an
     # H200 SM holds 4 programs. Measured at Llama-3-8B shapes with the old host-chosen partition
