@@ -254,9 +254,8 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    if (
-        FINITE
-    ):  # one loop, every tile masked as `_decode_tile` masks over a finite cache: pipelined to the end
+    # Over a finite cache one loop, every tile masked as `_decode_tile` masks then: pipelined to the end.
+    if FINITE:
         for tile_start in range(start, end, TILE_N):
             m_i, l_i, acc = _decode_tile(
                 q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, tile_start, end, dims, kv_head,
