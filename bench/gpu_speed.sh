@@ -14,6 +14,8 @@
 # CLIENT_PROCESSES (auto), BUSY_TRACE (set: bs1 and offline write Chrome traces of their profiled steps,
 # trace_*.json), SERVE_VARIANTS (";"-separated extra `pagoda serve` arguments, a server each). With a py-spy wheel in the carried wheels, c >= 256 also profiles the API
 # process for 6 s (pyspy_api_*.raw).
+# Every section also leaves its results in OUT_DIR (bench.md, the checks' logs, the sweeps' markdown): a
+# device call cut at its limit returns those files, not what its stdout held.
 # Usage: bash bench/gpu_speed.sh TOKENIZER_DIR OUT_DIR [SECTIONS] (default: "kernels bs1 offline serve")
 set -uo pipefail
 tok=${1:?tokenizer folder}; out=${2:?output folder}; sections=${3:-kernels bs1 offline serve}
@@ -35,11 +37,11 @@ if has check; then
     timeout "${CHECK_TIMEOUT:-240}" python3 -m pagoda.bench.gpu_check --tokenizer "$tok" --only llama-gqa4-d64-llama3rope \
         2>&1 | tee "$out/engine_check.log" | grep -v Loading | tail -14
     # The batched sampler against transformers' logits processors, each test on the CPU and on the GPU.
-    timeout 120 python3 -m pytest -q -p no:cacheprovider "$root"/tests/test_sampler_reference.py 2>&1 | tail -2
+    timeout 120 python3 -m pytest -q -p no:cacheprovider "$root"/tests/test_sampler_reference.py 2>&1 | tee "$out/sampler_check.log" | tail -2
     step check
 fi
 if has kchecks; then  # the Triton kernels against their references, on the GPU (tests/kernels)
-    timeout 300 python3 -m pytest -q -p no:cacheprovider "$root"/tests/kernels/check_*.py ${KCHECKS_K:+-k "$KCHECKS_K"} 2>&1 | tail -8
+    timeout 300 python3 -m pytest -q -p no:cacheprovider "$root"/tests/kernels/check_*.py ${KCHECKS_K:+-k "$KCHECKS_K"} 2>&1 | tee "$out/kchecks.log" | tail -8
     step "kernel checks"
 fi
 if has kernels; then
