@@ -18,7 +18,10 @@ so no host code inspects the batch (no `.item()`, CUDA-graph safe):
   keeps an online softmax (running max `m`, running sum `l`, accumulator `acc`) over its
   TILE_N-token tiles and writes `acc / l` and `m + log2(l)`; `_reduce_kernel` finds the same
   partition and merges the splits by their log-sum-exp. A sequence whose context fits one
-  partition (every sequence when num_splits == 1) is written by the decode kernel directly.
+  partition (every sequence when num_splits == 1) is written by the decode kernel directly. Over a
+  cache that holds no NaN or inf in any slot (the engine's fp8 cache: zeroed, written finite by
+  `kv_cache`), a context's last tile is read whole in the same pipelined loop, only its scores masked
+  (`DecodeConfig.finite_cache`); otherwise it is loaded masked after the loop.
 - Prefill rows (more than one query token): `_prefill_kernel` runs one program per
   (BLOCK_Q query tokens, kv head), the BLOCK_Q x GROUP (token, head) pairs being the BLOCK_M rows of
   the tile, FlashAttention-2 style. Tiles entirely below the first row's position need no causal
@@ -104,8 +107,9 @@ def _load_v_token_major(
     """A V tile [TILE_N, HEAD_DIM] from a token-major cache, read as TILE_N // SUB runs of SUB
     contiguous slots per dim: memory contiguous along the P @ V dot's reduction, as K is for Q @ K^T, so
     an 8-bit tile reaches the dot the way K does (a plain cast), not byte by byte. The runs are loaded
-    whole (vectorized); positions at or past `end` are zeroed after the load, never left to the
-    probabilities, since an unwritten slot may hold a NaN's bits."""
+    whole (vectorized); with MASK, positions at or past `end` are zeroed after the load, never left to
+    the probabilities, since an unwritten slot of a cache not known to be finite may hold a NaN's bits
+    (over the engine's fp8 cache, `DecodeConfig.finite_cache`, the decode kernel passes no MASK)."""
     runs = tile_start + tl.arange(0, TILE_N // SUB) * SUB  # [NUM_RUNS] each run's first position
     slots = tl.arange(0, SUB)
     block_ids = tl.load(block_table_row + runs // BLOCK_SIZE, mask=runs < end, other=0).to(tl.int64)
