@@ -258,27 +258,22 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    # Over a finite cache one loop, every tile masked as `_decode_tile` masks then: pipelined to the end.
+    # The loop runs the whole tiles unmasked, then the one running past `end`, if any, is loaded masked
+    # after it (a masked token-major V tile takes a slower path to the dot, `_load_v_token_major`); over a
+    # finite cache the loop runs to `end`, every tile masked as `_decode_tile` masks then: pipelined to it.
+    loop_end = start + (end - start) // TILE_N * TILE_N
     if FINITE:
-        for tile_start in range(start, end, TILE_N):
+        loop_end = end
+    for tile_start in range(start, loop_end, TILE_N):
+        m_i, l_i, acc = _decode_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, tile_start, end, dims, kv_head,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
+            BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, DOT_DTYPE, V_ASM, V_SUB, FINITE, FINITE,
+        )  # fmt: skip
+    if not FINITE:  # noqa: SIM102 (apart: a constexpr test, so the finite kernel holds no tail code)
+        if loop_end < end:
             m_i, l_i, acc = _decode_tile(
-                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, tile_start, end, dims, kv_head,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
-                BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, DOT_DTYPE, V_ASM, V_SUB, True, True,
-            )  # fmt: skip
-    else:
-        # Whole tiles unmasked, then the one running past `end`, if any, masked (a masked token-major V
-        # tile takes a slower path to the dot, `_load_v_token_major`).
-        full_end = start + (end - start) // TILE_N * TILE_N
-        for tile_start in range(start, full_end, TILE_N):
-            m_i, l_i, acc = _decode_tile(
-                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, tile_start, end, dims, kv_head,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
-                BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, DOT_DTYPE, V_ASM, V_SUB, False, False,
-            )  # fmt: skip
-        if full_end < end:
-            m_i, l_i, acc = _decode_tile(
-                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, full_end, end, dims, kv_head,
+                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table_row, loop_end, end, dims, kv_head,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, scale_log2,
                 BLOCK_SIZE, TILE_N, HEAD_DIM, DOT_PRECISION, DOT_DTYPE, V_ASM, V_SUB, True, False,
             )  # fmt: skip
